@@ -1,0 +1,153 @@
+"""The corpus a run uses when given no data: the installed Python standard library's source.
+
+Real text with real structure, present on every machine, nothing downloaded. The `.py` files
+under `sysconfig`'s stdlib path are taken in sorted relative-path order (tests, generated
+tables and bundled third-party code left out) until the size cap; each file is one document.
+A lossless SentencePiece BPE tokenizer is trained on it, and the tokenized documents (each
+followed by EOD) are written as a Megatron indexed dataset. Everything is cached under
+`<cache>/default_corpus/<md5 of the corpus and settings>/`, where `<cache>` is
+`$MLM_JAX_CACHE` or `~/.cache/mlm_jax`; a first build takes a few seconds.
+
+The stdlib differs between Python versions, so so does this corpus; the cache key follows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+
+import numpy as np
+
+from mlm_jax.data import cache as _cache
+from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, bin_path, exists, idx_path, optimal_dtype
+from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepiece
+
+DEFAULT_MAX_BYTES = 4_000_000
+DEFAULT_VOCAB_SIZE = 8192
+DATASET_NAME = "stdlib_text_document"
+# Generated tables, long string blobs, test suites and bundled packages: not representative code.
+_EXCLUDED_DIRS = {
+    "site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
+    "encodings", "pydoc_data", "ensurepip", "__pycache__", "tkinter",
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[default corpus] {msg}", file=sys.stderr, flush=True)
+
+
+def gather_stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
+    """(relative path, text) of stdlib .py files in sorted order, up to `max_bytes` of UTF-8."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS and not d.startswith("config-")]
+        paths.extend(os.path.relpath(os.path.join(directory, f), root) for f in files if f.endswith(".py"))
+    out, total = [], 0
+    for rel in sorted(paths):
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                raw = f.read()
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if total + len(raw) > max_bytes:
+            break
+        out.append((rel, text))
+        total += len(raw)
+    if not out:
+        raise RuntimeError(f"no Python sources found under the stdlib path {root}")
+    return out
+
+
+def _files_md5(paths: list[str]) -> str:
+    h = hashlib.md5()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(hashlib.md5(f.read()).digest())
+    return h.hexdigest()
+
+
+def build_default_corpus(
+    cache_dir: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    tokenizer=None,
+) -> tuple[str, object]:
+    """Build (or load from cache) the default corpus; returns (dataset prefix, tokenizer).
+
+    With `tokenizer` None, the corpus's own lossless SentencePiece tokenizer (a
+    GPTSentencePieceTokenizer, EOD = its eos id) is trained or loaded; otherwise the given
+    tokenizer tokenizes the corpus.
+    """
+    cache_dir = cache_dir or _cache.default_cache_dir()
+    docs = gather_stdlib_sources(max_bytes)
+    content = hashlib.md5()
+    for rel, text in docs:
+        content.update(rel.encode() + b"\0" + text.encode("utf-8") + b"\0")
+    _, corpus_key = _cache.describe(
+        {"corpus": content.hexdigest(), "max_bytes": max_bytes, "vocab_size": vocab_size, "format": 1}
+    )
+    root = os.path.join(cache_dir, "default_corpus", corpus_key)
+    nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
+
+    if tokenizer is None:
+        model = os.path.join(root, "tokenizer.model")
+        if not os.path.isfile(model):
+            _log(f"{len(docs)} stdlib files, {nbytes / 1e6:.1f} MB, from {sysconfig.get_paths()['stdlib']}")
+            _log(f"training a lossless SentencePiece BPE tokenizer (vocab {vocab_size})...")
+            t0 = time.perf_counter()
+            os.makedirs(root, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                lines = (line for _, text in docs for line in text.split("\n"))
+                trained = train_sentencepiece(None, os.path.join(tmp, "tokenizer"), vocab_size, sentences=lines)
+                os.replace(trained, model)
+            _log(f"tokenizer trained in {time.perf_counter() - t0:.1f} s -> {model}")
+        tokenizer = GPTSentencePieceTokenizer(model)
+        tok_key = "own"
+    else:
+        _, tok_key = _cache.describe(
+            {"type": tokenizer.tokenizer_type, "files": _files_md5(tokenizer.files()),
+             "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+        )
+
+    data_dir = os.path.join(root, f"data-{tok_key}")
+    prefix = os.path.join(data_dir, DATASET_NAME)
+    if not exists(prefix):
+        _log(f"tokenizing {len(docs)} documents ({nbytes / 1e6:.1f} MB)...")
+        t0 = time.perf_counter()
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-data-")
+        try:
+            tmp_prefix = os.path.join(tmp, DATASET_NAME)
+            builder = IndexedDatasetBuilder(bin_path(tmp_prefix), optimal_dtype(tokenizer.vocab_size))
+            n_tokens = 0
+            texts = [t for _, t in docs]
+            step = 32
+            for beg in range(0, len(texts), step):
+                ids = tokenizer.tokenize_batch(texts[beg : beg + step])
+                lengths = [len(x) + 1 for x in ids]
+                flat = np.fromiter(
+                    (t for x in ids for t in (*x, tokenizer.eod)), dtype=np.int64, count=sum(lengths)
+                )
+                builder.add_documents(flat, lengths)
+                n_tokens += int(flat.size)
+            builder.finalize(idx_path(tmp_prefix))
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump({"files": [rel for rel, _ in docs], "tokens": n_tokens,
+                           "tokenizer_type": tokenizer.tokenizer_type, "python": sys.version}, f, indent=1)
+            try:
+                os.replace(tmp, data_dir)
+            except OSError:  # another process finished first; its copy is identical
+                if not exists(prefix):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _log(f"{n_tokens} tokens written in {time.perf_counter() - t0:.1f} s -> {prefix}.bin/.idx")
+    return prefix, tokenizer

@@ -1,0 +1,98 @@
+"""Print training samples in training order: what did the model see at iteration k?
+
+    python -m mlm_jax.data.inspect --data-path out_text_document --split 969,30,1 \\
+        --seq-length 1024 --seed 1234 --train-samples 32000 --show 0:4 \\
+        [--json] [--tokenizer-type ... --tokenizer-model/--vocab-file/--merge-file ...]
+
+prints training samples I..J-1 (each seq_length + 1 tokens) and, with a tokenizer, their text.
+Iteration k of a run with global batch size B consumed samples [k*B, (k+1)*B). With `--json`
+the output is one JSON list of token lists, for comparing with Megatron-LM's order.
+`--train-samples` must be the run's (train_iters * global_batch_size), since the number of
+epochs, and so the order, depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlm_jax.config import DataConfig
+from mlm_jax.data.builder import build_split
+from mlm_jax.data.preprocess import add_tokenizer_args
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        i, j = text.split(":")
+        i, j = int(i), int(j)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--show takes I:J (samples I..J-1), got {text!r}") from None
+    if not 0 <= i < j:
+        raise argparse.ArgumentTypeError(f"--show {text}: need 0 <= I < J")
+    return i, j
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlm_jax.data.inspect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-path", nargs="+", default=[])
+    p.add_argument("--train-data-path", nargs="+", default=[])
+    p.add_argument("--mock-data", action="store_true")
+    p.add_argument("--split", default="969,30,1")
+    p.add_argument("--data-cache-path", default=None)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--train-samples", type=int, default=None)
+    p.add_argument("--train-iters", type=int, default=None)
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--show", type=_range, required=True, metavar="I:J")
+    p.add_argument("--json", action="store_true")
+    add_tokenizer_args(p)
+    args = p.parse_args(argv)
+
+    train_samples = args.train_samples
+    if train_samples is None:
+        if args.train_iters is None or args.global_batch_size is None:
+            p.error("give --train-samples, or --train-iters and --global-batch-size")
+        train_samples = args.train_iters * args.global_batch_size
+    cfg = DataConfig(
+        data_path=tuple(args.data_path),
+        train_data_path=tuple(args.train_data_path),
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        mock_data=args.mock_data,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+    )
+    try:
+        dataset, tokenizer = build_split(cfg, "train", args.seq_length, args.seed, train_samples,
+                                         vocab_size=args.vocab_size, tokenizer_optional=True)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if dataset is None:
+        print("error: the train split is empty (check --split)", file=sys.stderr)
+        return 1
+    i, j = args.show
+    if j > len(dataset):
+        print(f"error: --show {i}:{j} but the train split has {len(dataset)} samples", file=sys.stderr)
+        return 1
+    samples = [dataset[k].tolist() for k in range(i, j)]
+    if args.json:
+        print(json.dumps(samples))
+        return 0
+    for k, tokens in zip(range(i, j), samples):
+        where = f", iteration {k // args.global_batch_size}" if args.global_batch_size else ""
+        print(f"=== sample {k}{where}: {len(tokens)} tokens ===")
+        print(" ".join(map(str, tokens)))
+        if tokenizer is not None:
+            print("--- text ---")
+            print(tokenizer.detokenize(tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Train a lossless SentencePiece tokenizer from text files.
+
+    python -m mlm_jax.data.train_tokenizer --input a.txt b.txt --model-prefix out/tok --vocab-size 8192
+
+writes `out/tok.model` and `out/tok.vocab`; use it with
+`--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model out/tok.model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepiece
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlm_jax.data.train_tokenizer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="text files, one sentence per line")
+    p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    p.add_argument("--num-threads", type=int, default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    print(f"training a {args.model_type} SentencePiece model, vocab {args.vocab_size}, on {len(args.input)} file(s)...",
+          file=sys.stderr)
+    model = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
+                                model_type=args.model_type, num_threads=args.num_threads)
+    tok = GPTSentencePieceTokenizer(model)
+    print(f"wrote {model} (vocab {tok.vocab_size}, eod {tok.eod}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
