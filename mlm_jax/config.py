@@ -1,0 +1,317 @@
+"""Typed, frozen configuration for every component.
+
+Each component owns one dataclass; `Config` groups them. Flags map onto these fields in one
+table (`mlm_jax/arguments.py`); presets are Python functions (`mlm_jax/models/presets.py`).
+`validate` checks every cross-field rule before anything is compiled, and each error names the
+values and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the values and the rule."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 256
+    ffn_hidden_size: int | None = None  # None: 4 * hidden (GELU) or Megatron's SwiGLU size
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (groups = heads)
+    kv_channels: int | None = None  # head dim; None: hidden / heads
+    vocab_size: int = 8192  # the tokenizer's true vocab size
+    padded_vocab_size: int | None = None  # set by `finalize`; what the embedding is built with
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 256
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: float = 10000.0
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's); default is exact erf GELU
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    recompute_granularity: Literal["full", "selective"] | None = None
+    bf16: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            # Megatron/Llama: 2/3 of 4h, rounded up to a multiple of 64.
+            return int(math.ceil(int(8 * self.hidden_size / 3) / 64) * 64)
+        return 4 * self.hidden_size
+
+    @property
+    def vocab(self) -> int:
+        """The embedding's row count: the padded vocab once finalized, else the true vocab."""
+        return self.padded_vocab_size or self.vocab_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_experts: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential"] = "linear"
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Megatron's `--data-path`: prefixes, optionally each preceded by a weight.
+    data_path: tuple[str, ...] = ()
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    prefetch: int = 2  # batches the loader runs ahead of the step
+
+    @property
+    def uses_default_corpus(self) -> bool:
+        return not (self.mock_data or self.data_path or self.train_data_path)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None  # None: micro * dp (no accumulation)
+    seq_length: int = 128
+    train_iters: int = 300
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    check_for_nan_in_loss_and_grad: bool = True
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+    run_dir: str | None = None  # None: runs/<timestamp>
+    peak_flops: float | None = None  # per device; None: measured matmul peak
+    progress_bar: bool = True
+    sample_tokens: int = 64  # greedy sample length printed at the end (0: none)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's `_vocab_size_with_padding`: round up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    """Megatron's rule: dp = world / (tp * pp * cp)."""
+    model_parallel = (
+        parallel.tensor_model_parallel_size
+        * parallel.pipeline_model_parallel_size
+        * parallel.context_parallel_size
+    )
+    if model_parallel <= 0 or world_size % model_parallel:
+        raise ConfigError(
+            f"device count {world_size} is not divisible by tensor ({parallel.tensor_model_parallel_size})"
+            f" x pipeline ({parallel.pipeline_model_parallel_size}) x context "
+            f"({parallel.context_parallel_size}) = {model_parallel}; the device count must be a "
+            "multiple of the model-parallel size"
+        )
+    return world_size // model_parallel
+
+
+def finalize(cfg: Config, world_size: int) -> Config:
+    """Fill derived fields (padded vocab, global batch) and validate against the device count."""
+    dp = data_parallel_size(cfg.parallel, world_size)
+    model = dataclasses.replace(
+        cfg.model,
+        padded_vocab_size=padded_vocab_size(
+            cfg.model.vocab_size,
+            cfg.model.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size,
+        ),
+    )
+    train = cfg.train
+    if train.global_batch_size is None:
+        train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
+    cfg = cfg.replace(model=model, train=train)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every rule that would otherwise fail deep inside compilation (or silently)."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
+    for name, value in [
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--vocab-size", m.vocab_size),
+        ("--seq-length", t.seq_length),
+        ("--max-position-embeddings", m.max_position_embeddings),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--train-iters", t.train_iters),
+        ("--log-interval", t.log_interval),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+        ("--ffn-hidden-size", m.ffn_size),
+        ("--eval-iters", t.eval_iters),
+        ("--eval-interval", t.eval_interval),
+    ]:
+        _positive(name, value)
+
+    # Parallelism this version cannot serve yet: refuse, never silently run something else.
+    if p.pipeline_model_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} is not supported yet "
+            "(pipeline parallelism is not implemented); use 1"
+        )
+    if p.context_parallel_size != 1:
+        raise ConfigError(
+            f"--context-parallel-size {p.context_parallel_size} is not supported yet "
+            "(context parallelism is not implemented); use 1"
+        )
+    if p.expert_model_parallel_size != 1:
+        raise ConfigError(
+            f"--expert-model-parallel-size {p.expert_model_parallel_size} is not supported yet "
+            "(mixture-of-experts is not implemented); use 1"
+        )
+    if p.num_experts not in (None, 0, 1):
+        raise ConfigError(
+            f"--num-experts {p.num_experts} is not supported yet (mixture-of-experts is not "
+            "implemented); leave it unset"
+        )
+
+    tp = p.tensor_model_parallel_size
+    dp = data_parallel_size(p, world_size)
+    if world_size != dp * tp * p.pipeline_model_parallel_size * p.context_parallel_size:
+        raise ConfigError(f"device count {world_size} != product of parallel sizes")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}; set --kv-channels or change one of them"
+        )
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole heads"
+        )
+    groups = m.query_groups
+    if groups <= 0 or m.num_attention_heads % groups:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {groups}"
+        )
+    if groups % tp:
+        raise ConfigError(
+            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+            "each tensor-parallel rank needs whole key/value groups"
+        )
+    if m.ffn_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rotary embeddings need an even head dim, got {m.head_dim}")
+    if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {t.seq_length} exceeds --max-position-embeddings "
+            f"{m.max_position_embeddings}; learned positions exist only up to that length"
+        )
+    if p.sequence_parallel and t.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length {t.seq_length} divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if m.vocab_size > m.vocab:
+        raise ConfigError(f"padded vocab {m.vocab} is smaller than the vocab {m.vocab_size}")
+    if m.vocab % tp:
+        raise ConfigError(
+            f"padded vocab {m.vocab} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    for name, rate in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
+        if not 0.0 <= rate < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {rate}")
+    gbs = t.global_batch_size
+    per_step = t.micro_batch_size * dp
+    if gbs is None or gbs <= 0 or gbs % per_step:
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}"
+        )
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+    if o.lr_warmup_iters < 0 or (o.lr_decay_style != "constant" and o.lr_warmup_iters > decay):
+        raise ConfigError(
+            f"--lr-warmup-iters {o.lr_warmup_iters} must be between 0 and --lr-decay-iters {decay}"
+        )
+    if not (0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0):
+        raise ConfigError(
+            f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
+        )
+
+
+def num_microbatches(cfg: Config, world_size: int) -> int:
+    dp = data_parallel_size(cfg.parallel, world_size)
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

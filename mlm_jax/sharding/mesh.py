@@ -1,0 +1,42 @@
+"""The device mesh: five named axes, outer to inner, sizes from the parallel config.
+
+Axis order mirrors Megatron's rank order (tp fastest, then cp, ep, dp, pp): the tensor axis is
+innermost so that tensor-parallel groups are neighbouring devices (one node's NVLink domain).
+Every axis always exists; a size of 1 is a no-op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+from jax.sharding import AxisType, Mesh
+
+from mlm_jax.config import ParallelConfig, data_parallel_size
+
+PIPE, DATA, EXPERT, CONTEXT, TENSOR = "pipe", "data", "expert", "context", "tensor"
+AXES = (PIPE, DATA, EXPERT, CONTEXT, TENSOR)
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Axis name -> size. Expert parallelism is carved out of data parallelism (as Megatron)."""
+    dp = data_parallel_size(parallel, world_size)
+    ep = parallel.expert_model_parallel_size
+    return {
+        PIPE: parallel.pipeline_model_parallel_size,
+        DATA: dp // ep,
+        EXPERT: ep,
+        CONTEXT: parallel.context_parallel_size,
+        TENSOR: parallel.tensor_model_parallel_size,
+    }
+
+
+def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
+    """The mesh over `devices` (default: every device of every process, in global order).
+
+    Axes are Auto (GSPMD) rather than jax's Explicit default: the logical-rules design lets the
+    compiler derive the collectives from annotations (see shared/notes/jax-stack.md).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(parallel, len(devices))
+    grid = np.asarray(devices, dtype=object).reshape(tuple(shape.values()))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

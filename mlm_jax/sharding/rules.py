@@ -1,0 +1,108 @@
+"""The one table from logical dim names to mesh axes.
+
+Model code names dims (`embed`, `heads`, ...); these tables decide where they live.
+Two mappings (Levanter's parameter vs compute mapping):
+  - `param_rules`: where parameters and optimizer state are *stored*;
+  - `compute_rules`: where parameters and activations live while the step computes.
+With the distributed optimizer, storage additionally shards each parameter over `data`
+(ZeRO): a choice of storage, not a separate code path. The step gathers parameters to the
+compute mapping, and the gradients reduce-scatter back to the storage mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from mlm_jax.sharding.mesh import DATA, TENSOR
+
+Rules = tuple[tuple[str, str | None], ...]
+
+# Megatron's tensor-parallel split: column-parallel (heads, kv_heads, mlp) and vocab-parallel.
+_PARAM_RULES: Rules = (
+    ("vocab", TENSOR),
+    ("heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("mlp", TENSOR),
+    ("embed", None),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+def param_rules() -> Rules:
+    return _PARAM_RULES
+
+
+def activation_rules(sequence_parallel: bool) -> Rules:
+    """Activations: batch over data; at block boundaries, seq over tensor when SP is on."""
+    return (
+        ("batch", DATA),
+        ("seq", TENSOR if sequence_parallel else None),
+    ) + _PARAM_RULES
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
+    """Resolve logical dim names to a PartitionSpec; each mesh axis is used at most once."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in names:
+        axis = table.get(name) if name is not None else None
+        if name is not None and name not in table:
+            raise KeyError(f"logical dim {name!r} has no rule; known: {sorted(table)}")
+        if axis in used:
+            axis = None
+        if axis is not None:
+            used.add(axis)
+        out.append(axis)
+    return P(*out)
+
+
+def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int]) -> P:
+    """Add `data` to the first dim that stays evenly divisible: the ZeRO storage of one array.
+
+    Leaves that no dim can split evenly (tiny vectors) stay replicated over data.
+    """
+    dp = mesh_sizes[DATA]
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    if dp == 1 or any(DATA == p or (isinstance(p, tuple) and DATA in p) for p in parts):
+        return P(*parts)
+    for i, (dim, part) in enumerate(zip(shape, parts)):
+        axes = () if part is None else (part if isinstance(part, tuple) else (part,))
+        split = 1
+        for a in axes:
+            split *= mesh_sizes[a]
+        if dim % (split * dp) == 0:
+            parts[i] = (*axes, DATA) if axes else DATA
+            return P(*parts)
+    return P(*parts)
+
+
+# The activation rules in force while a step is traced (set by `use_rules`); model code calls
+# `constrain` with logical names only and never sees a mesh.
+_ACTIVE_RULES: list[Rules] = []
+
+
+class use_rules:
+    """Context manager: the activation rules `constrain` resolves against (needs jax.set_mesh)."""
+
+    def __init__(self, rules: Rules):
+        self.rules = rules
+
+    def __enter__(self):
+        _ACTIVE_RULES.append(self.rules)
+        return self.rules
+
+    def __exit__(self, *exc):
+        _ACTIVE_RULES.pop()
+
+
+def constrain(x, names: Sequence[str | None]):
+    """Pin activation `x` to the sharding its logical dims map to; a no-op outside `use_rules`."""
+    if not _ACTIVE_RULES:
+        return x
+    import jax
+
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, _ACTIVE_RULES[-1]))

@@ -1,0 +1,18 @@
+"""Tests run on a fake 8-device CPU mesh; the flags must be set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    # Tests check correctness, not speed: cheaper CPU codegen shortens every compile.
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " +
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiles dominate the suite's time; cache them across runs (a clean CI run starts cold).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"

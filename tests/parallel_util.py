@@ -1,0 +1,84 @@
+"""Shared pieces of the equivalence tests: a tiny config, a fixed batch, cached compiled runs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.parallelize import parallelize
+from mlm_jax.sharding import make_mesh
+
+VOCAB = 500  # padded to 512 for tp <= 4 but to 1024 for tp = 8: padding must not matter
+SEQ = 32
+GLOBAL_BATCH = 16
+
+
+def tiny_config(parallel: ParallelConfig, micro_batch: int, **model) -> Config:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=VOCAB,
+                max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+    return Config(
+        model=ModelConfig(**{**base, **model}),
+        parallel=parallel,
+        optim=OptimConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_style="constant"),
+        train=TrainConfig(micro_batch_size=micro_batch, global_batch_size=GLOBAL_BATCH,
+                          seq_length=SEQ, train_iters=5),
+    )
+
+
+def fixed_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """A global batch of [GLOBAL_BATCH, SEQ] arrays, with some loss-masked tokens."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, (GLOBAL_BATCH, SEQ + 1))
+    mask = (rng.random((GLOBAL_BATCH, SEQ)) > 0.1).astype(np.float32)
+    return {
+        "tokens": tokens[:, :-1].astype(np.int32),
+        "labels": tokens[:, 1:].astype(np.int32),
+        "loss_mask": mask,
+        "position_ids": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (GLOBAL_BATCH, SEQ)).copy(),
+    }
+
+
+def place(pz, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Lay a [global batch, seq] batch out as [microbatch, micro * dp, seq] on the mesh."""
+    shape = pz.batch_shape()
+    return {k: jax.device_put(v.reshape(shape), pz.batch_sharding()) for k, v in batch.items()}
+
+
+def build(parallel: ParallelConfig, micro_batch: int, devices=None, **model):
+    devices = jax.devices() if devices is None else devices
+    cfg = finalize(tiny_config(parallel, micro_batch, **model), len(devices))
+    return parallelize(cfg, make_mesh(cfg.parallel, devices))
+
+
+@functools.cache
+def grads_for(parallel: ParallelConfig, micro_batch: int, single_device: bool = False,
+              model: tuple = ()):
+    """(loss, grads as numpy) of the fixed batch at the seed-0 init, for one layout (cached)."""
+    pz = build(parallel, micro_batch, jax.devices()[:1] if single_device else None, **dict(model))
+    state = pz.init(0)
+    loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@functools.cache
+def train_for(parallel: ParallelConfig, micro_batch: int, single_device: bool = False, steps: int = 5):
+    """(losses, params as numpy) after `steps` AdamW steps on fixed batches (cached)."""
+    pz = build(parallel, micro_batch, jax.devices()[:1] if single_device else None)
+    state = pz.init(0)
+    losses = []
+    for i in range(steps):
+        state, metrics = pz.train_step(state, place(pz, fixed_batch(i)), jax.random.key(i))
+        losses.append(float(metrics["lm_loss"]))
+    return losses, jax.tree.map(np.asarray, state["params"])
+
+
+def unpad(tree: dict) -> dict:
+    """Cut the vocab padding off the embedding (rows) and LM head (columns)."""
+    out = dict(tree)
+    out["embed"] = tree["embed"][:VOCAB]
+    if "lm_head" in tree:
+        out["lm_head"] = tree["lm_head"][:, :VOCAB]
+    return out

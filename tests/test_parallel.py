@@ -1,0 +1,81 @@
+"""Every parallel layout computes the single-device model's loss and gradients (fp32).
+
+Tolerances, stated once: loss within 2e-6 absolute (the loss is ~6.2, so ~3e-7 relative);
+each gradient leaf within 2e-6 of the leaf's largest reference magnitude (max-abs relative),
+plus 1e-10 absolute for leaves whose gradient is analytically zero (the key bias: softmax is
+invariant to it, so both sides hold ~1e-11 noise). Measured worst: 8e-7 relative, loss 1e-6.
+Both are a few fp32 roundings of a sum reordered across devices; a wrong collective, a missing
+shard or a double-counted microbatch is off by orders of magnitude more.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from mlm_jax.config import ParallelConfig
+from tests.parallel_util import VOCAB, grads_for, train_for, unpad
+
+LOSS_ATOL = 2e-6
+GRAD_RTOL = 2e-6
+GRAD_ATOL = 1e-10
+
+REFERENCE = (ParallelConfig(), 4)  # one device, micro batch 4: four accumulated microbatches
+
+LAYOUTS = {
+    "dp8": (ParallelConfig(), 1),
+    "tp8": (ParallelConfig(tensor_model_parallel_size=8), 2),
+    "dp2_tp4": (ParallelConfig(tensor_model_parallel_size=4), 2),
+    "dp2_tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 2),
+    "zero1_dp4_tp2": (ParallelConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True), 2),
+}
+
+
+def assert_trees_close(ref: dict, got: dict, rtol: float, atol: float = GRAD_ATOL) -> None:
+    ref_leaves = jax.tree_util.tree_leaves_with_path(ref)
+    got_leaves = jax.tree.leaves(got)
+    assert len(ref_leaves) == len(got_leaves)
+    for (path, r), g in zip(ref_leaves, got_leaves):
+        assert r.shape == g.shape, path
+        scale = float(np.max(np.abs(r)))
+        err = float(np.max(np.abs(r - g)))
+        assert err <= rtol * scale + atol, (
+            f"{jax.tree_util.keystr(path)}: max-abs error {err:.3g} > {rtol} x {scale:.3g} + {atol}"
+        )
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loss_and_every_gradient_match_single_device(name):
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True)
+    loss, grads = grads_for(*LAYOUTS[name])
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    # Padding rows of the vocab never receive gradient (their logits are masked).
+    assert not np.any(grads["embed"][VOCAB:])
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
+def test_llama_style_model_matches_single_device():
+    """GQA (8 heads in 4 groups), rotary, RMSNorm, SwiGLU, untied, no biases on dp=2 x tp=4 SP."""
+    llama = (("num_query_groups", 4), ("position_embedding_type", "rope"), ("normalization", "RMSNorm"),
+             ("swiglu", True), ("untie_embeddings_and_output_weights", True), ("add_bias_linear", False))
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=llama)
+    loss, grads = grads_for(ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 2,
+                            model=llama)
+    assert "lm_head" in grads and "bq" not in grads["layers"]
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
+# After five AdamW steps. Adam divides by sqrt(v) + eps, so a gradient entry that is fp32 noise
+# (the key bias's, analytically zero) still moves by up to ~lr * noise / eps per step. Parameters
+# are therefore compared in absolute terms: within 1e-5, 1% of one lr=1e-3 step; a wrong gradient
+# anywhere moves a parameter by a whole step. Losses within 1e-5.
+PARAM_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("name", ["dp2_tp4_sp", "zero1_dp4_tp2"])
+def test_five_optimizer_steps_give_the_same_parameters(name):
+    ref_losses, ref_params = train_for(*REFERENCE, single_device=True)
+    losses, params = train_for(*LAYOUTS[name])
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert ref_losses[-1] < ref_losses[0]
+    assert_trees_close(unpad(ref_params), unpad(params), rtol=0.0, atol=PARAM_ATOL)
