@@ -131,6 +131,10 @@ def build_datasets(
     of mock data without a tokenizer type (then EOD = vocab_size - 1). `tokenizer_optional`:
     read --data-path data without a tokenizer (tokenizer None; for inspecting token ids).
     """
+    return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True))
+
+
+def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, wanted) -> Datasets:
     sizes = list(num_samples)
     if len(sizes) != 3:
         raise DatasetError(f"num_samples must be (train, valid, test), got {num_samples}")
@@ -145,7 +149,7 @@ def build_datasets(
             raise DatasetError("mock data without --tokenizer-type needs a vocab size")
         else:
             tokenizer = NullTokenizer(vocab_size - 1)
-        split = split_matrix(parse_split("1,1,1"))
+        split = _mask(split_matrix(parse_split("1,1,1")), wanted)
         splits = build_gpt_splits(None, split, sizes, seq_length, seed, mock_eod=tokenizer.eod)
         return Datasets(*splits, tokenizer)
 
@@ -154,13 +158,13 @@ def build_datasets(
 
         given = build_tokenizer(data_cfg, vocab_size) if data_cfg.tokenizer_type else None
         prefix, tokenizer = build_default_corpus(tokenizer=given)
-        split = split_matrix(parse_split(data_cfg.split))
+        split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
         return Datasets(*build_gpt_splits(prefix, split, sizes, seq_length, seed, cache_path), tokenizer)
 
     tokenizer = _tokenizer_for(data_cfg, vocab_size, tokenizer_optional)
     if data_cfg.data_path:
         prefixes, weights = parse_blend(data_cfg.data_path)
-        split = split_matrix(parse_split(data_cfg.split))
+        split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
         if len(prefixes) == 1 and weights is None:
             return Datasets(*build_gpt_splits(prefixes[0], split, sizes, seq_length, seed, cache_path), tokenizer)
         out = [
@@ -172,7 +176,7 @@ def build_datasets(
 
     out = []
     for i, paths in enumerate((data_cfg.train_data_path, data_cfg.valid_data_path, data_cfg.test_data_path)):
-        if not paths:
+        if not paths or not wanted[i]:
             out.append(None)
             continue
         prefixes, weights = parse_blend(paths)
@@ -187,11 +191,16 @@ def build_datasets(
     return Datasets(*out, tokenizer)
 
 
+def _mask(split, wanted):
+    return [s if w else None for s, w in zip(split, wanted)]
+
+
 def build_split(data_cfg, split_name: str, seq_length: int, seed: int, num_samples: int | None,
                 vocab_size: int | None = None, tokenizer_optional: bool = False):
     """One split only (e.g. for inspecting the train order): (dataset, tokenizer)."""
     i = SPLIT_NAMES.index(split_name)
     sizes = [0, 0, 0]
     sizes[i] = num_samples
-    ds = build_datasets(data_cfg, seq_length, seed, sizes, vocab_size, tokenizer_optional)
+    wanted = tuple(j == i for j in range(3))
+    ds = _build(data_cfg, seq_length, seed, sizes, vocab_size, tokenizer_optional, wanted)
     return list(ds)[i], ds.tokenizer

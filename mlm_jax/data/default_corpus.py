@@ -2,7 +2,10 @@
 
 Real text with real structure, present on every machine, nothing downloaded. The `.py` files
 under `sysconfig`'s stdlib path are taken in sorted relative-path order (tests, generated
-tables and bundled third-party code left out) until the size cap; each file is one document.
+tables and bundled third-party code left out) until the size cap. Each file is cut into
+documents before top-level or class-level `def`/`class`/decorator lines, at least
+`DOC_MIN_BYTES` each (a few hundred tokens), so the
+corpus has thousands of documents and `--split 969,30,1` leaves every split some.
 A lossless SentencePiece BPE tokenizer is trained on it, and the tokenized documents (each
 followed by EOD) are written as a Megatron indexed dataset. Everything is cached under
 `<cache>/default_corpus/<md5 of the corpus and settings>/`, where `<cache>` is
@@ -30,7 +33,10 @@ from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepie
 
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_VOCAB_SIZE = 8192
+DOC_MIN_BYTES = 1000
 DATASET_NAME = "stdlib_text_document"
+# Top-level and class-level definitions (one indent) are where a document may start.
+_CUT_BEFORE = tuple(indent + kw for indent in ("", "    ") for kw in ("def ", "class ", "async def ", "@"))
 # Generated tables, long string blobs, test suites and bundled packages: not representative code.
 _EXCLUDED_DIRS = {
     "site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
@@ -66,6 +72,21 @@ def gather_stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str,
     return out
 
 
+def split_source(text: str, min_bytes: int = DOC_MIN_BYTES) -> list[str]:
+    """Cut a module before (class-level or top-level) definitions into pieces of at least `min_bytes`
+    (the last may be shorter); the pieces concatenate back to `text` exactly."""
+    pieces, current, size = [], [], 0
+    for line in text.splitlines(keepends=True):
+        if size >= min_bytes and line.startswith(_CUT_BEFORE):
+            pieces.append("".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += len(line.encode("utf-8"))
+    if current:
+        pieces.append("".join(current))
+    return pieces
+
+
 def _files_md5(paths: list[str]) -> str:
     h = hashlib.md5()
     for p in paths:
@@ -92,7 +113,8 @@ def build_default_corpus(
     for rel, text in docs:
         content.update(rel.encode() + b"\0" + text.encode("utf-8") + b"\0")
     _, corpus_key = _cache.describe(
-        {"corpus": content.hexdigest(), "max_bytes": max_bytes, "vocab_size": vocab_size, "format": 1}
+        {"corpus": content.hexdigest(), "max_bytes": max_bytes, "vocab_size": vocab_size,
+         "doc_min_bytes": DOC_MIN_BYTES, "cut_before": _CUT_BEFORE, "format": 2}
     )
     root = os.path.join(cache_dir, "default_corpus", corpus_key)
     nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
@@ -120,7 +142,8 @@ def build_default_corpus(
     data_dir = os.path.join(root, f"data-{tok_key}")
     prefix = os.path.join(data_dir, DATASET_NAME)
     if not exists(prefix):
-        _log(f"tokenizing {len(docs)} documents ({nbytes / 1e6:.1f} MB)...")
+        texts = [piece for _, text in docs for piece in split_source(text)]
+        _log(f"tokenizing {len(texts)} documents from {len(docs)} files ({nbytes / 1e6:.1f} MB)...")
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-data-")
@@ -128,8 +151,7 @@ def build_default_corpus(
             tmp_prefix = os.path.join(tmp, DATASET_NAME)
             builder = IndexedDatasetBuilder(bin_path(tmp_prefix), optimal_dtype(tokenizer.vocab_size))
             n_tokens = 0
-            texts = [t for _, t in docs]
-            step = 32
+            step = 64
             for beg in range(0, len(texts), step):
                 ids = tokenizer.tokenize_batch(texts[beg : beg + step])
                 lengths = [len(x) + 1 for x in ids]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import multiprocessing
 import os
@@ -193,23 +194,26 @@ def preprocess(
     finished = False
     try:
         tasks = _read_tasks(input_path, lines_per_task)
-        for res in _ordered_results(tasks, workers, (tokenizer_kwargs, json_keys, append_eod)):
-            if res.bad and not skip_bad_lines:
-                line_no, reason = res.bad[0]
-                raise BadLineError(
-                    f"{input_path} line {line_no}: {reason}; fix the line or pass --skip-bad-lines"
-                )
-            bad.extend(res.bad)
-            for k in json_keys:
-                builders[k].add_documents(res.tokens[k], res.doc_lengths[k])
-                tokens[k] += int(res.tokens[k].size)
-            docs += res.num_lines - len(res.bad)
-            lines += res.num_lines
-            nbytes += res.nbytes
-            if bar is not None:
-                bar.update(res.nbytes)
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s", refresh=False)
+        ordered_results = _ordered_results(tasks, workers, (tokenizer_kwargs, json_keys, append_eod))
+        # closing(): on a bad line the pool is terminated now, not whenever the generator is collected.
+        with contextlib.closing(ordered_results) as ordered:
+            for res in ordered:
+                if res.bad and not skip_bad_lines:
+                    line_no, reason = res.bad[0]
+                    raise BadLineError(
+                        f"{input_path} line {line_no}: {reason}; fix the line or pass --skip-bad-lines"
+                    )
+                bad.extend(res.bad)
+                for k in json_keys:
+                    builders[k].add_documents(res.tokens[k], res.doc_lengths[k])
+                    tokens[k] += int(res.tokens[k].size)
+                docs += res.num_lines - len(res.bad)
+                lines += res.num_lines
+                nbytes += res.nbytes
+                if bar is not None:
+                    bar.update(res.nbytes)
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s", refresh=False)
         for k in json_keys:
             builders[k].finalize(temps[k][1])
         # Rename the .bin first and the .idx last: an .idx only ever appears beside its full .bin.
