@@ -48,7 +48,7 @@ def lr_at(cfg: OptimConfig, train_iters: int, step):
     return jnp.where((warmup > 0) & (step <= warmup), warm_lr, after)
 
 
-_NO_DECAY = frozenset({"bq", "bk", "bv", "bo", "b1", "b2", "b_gate", "bias", "scale"})
+_NO_DECAY = frozenset({"bqkv", "bo", "b1", "b2", "bias", "scale"})
 
 
 def decay_mask(params) -> dict:

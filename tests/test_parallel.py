@@ -60,16 +60,19 @@ def test_llama_style_model_matches_single_device():
     ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=llama)
     loss, grads = grads_for(ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 2,
                             model=llama)
-    assert "lm_head" in grads and "bq" not in grads["layers"]
+    assert "lm_head" in grads and "bqkv" not in grads["layers"]
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
     assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
 
 
-# After five AdamW steps. Adam divides by sqrt(v) + eps, so a gradient entry that is fp32 noise
-# (the key bias's, analytically zero) still moves by up to ~lr * noise / eps per step. Parameters
-# are therefore compared in absolute terms: within 1e-5, 1% of one lr=1e-3 step; a wrong gradient
-# anywhere moves a parameter by a whole step. Losses within 1e-5.
-PARAM_ATOL = 1e-5
+# After five AdamW steps. Adam divides by sqrt(v) + eps, so where a gradient entry is near zero
+# (the key-bias part of bqkv is analytically zero; rare embedding rows are tiny) fp32 rounding
+# noise becomes a visible step. The floor, measured: the *same single device* with the global
+# batch split into 2 instead of 4 microbatches ends 2.7e-5 away after five steps. Parameters are
+# therefore compared within 1e-4 absolute (a tenth of one lr=1e-3 step); a wrong gradient moves a
+# parameter by whole steps. Losses within 1e-5. (Adam is blind to a gradient's scale, which is
+# why the gradient test above, not this one, is the sharp check.)
+PARAM_ATOL = 1e-4
 
 
 @pytest.mark.parametrize("name", ["dp2_tp4_sp", "zero1_dp4_tp2"])

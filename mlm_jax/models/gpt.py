@@ -126,26 +126,24 @@ class Block(nnx.Module):
         out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled init of output layers
         self.cfg = cfg
         self.norm1 = Norm(cfg)
-        # Column-parallel q/k/v (heads split over tensor), row-parallel output projection.
-        self.wq = _param(rngs, _normal(std), (d, h, k), ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs, _normal(std), (d, g, k), ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, _normal(std), (d, g, k), ("embed", "kv_heads", "head_dim"))
+        # Column-parallel fused QKV, Megatron's layout: per kv group, its r query heads then its
+        # key and value heads ([d, g, r + 2, k]); one matmul, so its input gradient is one partial
+        # sum and one all-reduce. Row-parallel output projection.
+        self.wqkv = _param(rngs, _normal(std), (d, g, h // g + 2, k), ("embed", "kv_heads", None, "head_dim"))
         self.wo = _param(rngs, _normal(out_std), (h, k, d), ("heads", "head_dim", "embed"))
         self.norm2 = Norm(cfg)
-        # Column-parallel fc1 (and the SwiGLU gate), row-parallel fc2.
-        self.w1 = _param(rngs, _normal(std), (d, f), ("embed", "mlp"))
-        self.w_gate = _param(rngs, _normal(std), (d, f), ("embed", "mlp")) if cfg.swiglu else None
+        # Column-parallel fc1 (SwiGLU: [d, 2, f], gate then up, fused for the same reason),
+        # row-parallel fc2.
+        w1_shape, w1_names = ((d, 2, f), ("embed", None, "mlp")) if cfg.swiglu else ((d, f), ("embed", "mlp"))
+        self.w1 = _param(rngs, _normal(std), w1_shape, w1_names)
         self.w2 = _param(rngs, _normal(out_std), (f, d), ("mlp", "embed"))
         if cfg.add_bias_linear:
-            self.bq = _param(None, _zeros, (h, k), ("heads", "head_dim"))
-            self.bk = _param(None, _zeros, (g, k), ("kv_heads", "head_dim"))
-            self.bv = _param(None, _zeros, (g, k), ("kv_heads", "head_dim"))
+            self.bqkv = _param(None, _zeros, (g, h // g + 2, k), ("kv_heads", None, "head_dim"))
             self.bo = _param(None, _zeros, (d,), ("embed",))
-            self.b1 = _param(None, _zeros, (f,), ("mlp",))
-            self.b_gate = _param(None, _zeros, (f,), ("mlp",)) if cfg.swiglu else None
+            self.b1 = _param(None, _zeros, w1_shape[1:], w1_names[1:])
             self.b2 = _param(None, _zeros, (d,), ("embed",))
         else:
-            self.bq = self.bk = self.bv = self.bo = self.b1 = self.b_gate = self.b2 = None
+            self.bqkv = self.bo = self.b1 = self.b2 = None
 
     def __call__(self, x_bsd, positions_bs, mask_bst, key) -> jax.Array:
         cfg = self.cfg
@@ -159,10 +157,15 @@ class Block(nnx.Module):
             return y if b is None else y + b
 
         # Attention. Inside it the sequence is whole and heads are split: [batch, seq, heads/tensor, k].
-        y = self.norm1(x_bsd)
-        q = add(jnp.einsum("bsd,dhk->bshk", y, w(self.wq)), w(self.bq))
-        kk = add(jnp.einsum("bsd,dgk->bsgk", y, w(self.wk)), w(self.bk))
-        v = add(jnp.einsum("bsd,dgk->bsgk", y, w(self.wv)), w(self.bv))
+        # With sequence parallelism the norm runs on [batch, seq/tensor, embed]; its output is
+        # gathered to the whole sequence here, before the column-parallel matmul (Megatron's SP).
+        y = constrain(self.norm1(x_bsd), ("batch", None, "embed"))
+        qkv = add(jnp.einsum("bsd,dgjk->bsgjk", y, w(self.wqkv)), w(self.bqkv))  # j: r queries, k, v
+        qkv = constrain(qkv, ("batch", None, "kv_heads", None, "head_dim"))
+        b, s, g, j, hd = qkv.shape
+        q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
+        kk, v = qkv[:, :, :, j - 2], qkv[:, :, :, j - 1]  # [b, s, g, k]
+        # Pinning each piece (and so its cotangent) keeps the backward head-parallel too.
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
@@ -174,18 +177,19 @@ class Block(nnx.Module):
             # Megatron's selective recompute: keep the [b, h, s, t] scores out of memory.
             core = jax.checkpoint(attention_core, static_argnums=(4,))
         o = core(q, kk, v, mask_bst, cfg.attention_dropout, keys[0])  # [b, s, h, k]
+        o = constrain(o, ("batch", None, "heads", "head_dim"))
         o = add(jnp.einsum("bshk,hkd->bsd", o, w(self.wo)), w(self.bo))  # row parallel: all-reduce
         x_bsd = x_bsd + dropout(o, cfg.hidden_dropout, keys[1])
         x_bsd = constrain(x_bsd, BLOCK_BOUNDARY)
 
         # MLP: [batch, seq, mlp/tensor] in the middle.
-        y = self.norm2(x_bsd)
-        u = add(jnp.einsum("bsd,df->bsf", y, w(self.w1)), w(self.b1))
+        y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
         if cfg.swiglu:
-            gate = add(jnp.einsum("bsd,df->bsf", y, w(self.w_gate)), w(self.b_gate))
-            u = jax.nn.silu(gate) * u
+            gu = add(jnp.einsum("bsd,dnf->bsnf", y, w(self.w1)), w(self.b1))  # n: gate, up
+            u = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
         else:
-            u = jax.nn.gelu(u, approximate=cfg.openai_gelu)
+            u = jax.nn.gelu(add(jnp.einsum("bsd,df->bsf", y, w(self.w1)), w(self.b1)),
+                            approximate=cfg.openai_gelu)
         u = constrain(u, ("batch", None, "mlp"))
         o = add(jnp.einsum("bsf,fd->bsd", u, w(self.w2)), w(self.b2))  # row parallel: all-reduce
         x_bsd = x_bsd + dropout(o, cfg.hidden_dropout, keys[2])
