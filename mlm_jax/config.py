@@ -76,6 +76,13 @@ class ParallelConfig:
     num_experts: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # Pipeline schedule (mlm_jax/pipeline/): None picks Megatron's default (1F1B; interleaved
+    # when virtual stages are given).
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] | None = None
+    virtual_pipeline_model_parallel_size: int | None = None  # virtual chunks per pipeline rank
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -220,12 +227,8 @@ def validate(cfg: Config, world_size: int) -> None:
     ]:
         _positive(name, value)
 
+    validate_pipeline(cfg, world_size)
     # Parallelism this version cannot serve yet: refuse, never silently run something else.
-    if p.pipeline_model_parallel_size != 1:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} is not supported yet "
-            "(pipeline parallelism is not implemented); use 1"
-        )
     if p.context_parallel_size != 1:
         raise ConfigError(
             f"--context-parallel-size {p.context_parallel_size} is not supported yet "
@@ -310,6 +313,26 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
         )
+
+
+def validate_pipeline(cfg: Config, world_size: int) -> None:
+    """The pipeline rules (layer split, schedule, microbatch count)."""
+    p = cfg.parallel
+    pipeline_flags = {
+        "--pipeline-schedule": p.pipeline_schedule,
+        "--num-virtual-stages-per-pipeline-rank": p.virtual_pipeline_model_parallel_size,
+        "--num-layers-per-virtual-pipeline-stage": p.num_layers_per_virtual_pipeline_stage,
+        "--decoder-first-pipeline-num-layers": p.decoder_first_pipeline_num_layers,
+        "--decoder-last-pipeline-num-layers": p.decoder_last_pipeline_num_layers,
+    }
+    if p.pipeline_model_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} is not supported yet "
+            "(pipeline parallelism is not implemented); use 1"
+        )
+    given = [flag for flag, value in pipeline_flags.items() if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} need pipeline parallelism, which is not supported yet")
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:

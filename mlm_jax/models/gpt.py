@@ -223,6 +223,31 @@ class GPT(nnx.Module):
             else None
         )
 
+    @property
+    def dtype(self):
+        return jnp.bfloat16 if self.cfg.bf16 else jnp.float32
+
+    def embed_tokens(self, tokens_bs, positions_bs, key) -> jax.Array:
+        """Token (+ learned position) embedding with dropout: [batch, seq, embed]."""
+        dt = self.dtype
+        x = self.embed[...].astype(dt)[tokens_bs]  # [b, s, d], vocab-parallel lookup
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[...].astype(dt)[positions_bs]
+        x = dropout(x, self.cfg.hidden_dropout, key)
+        return constrain(x, BLOCK_BOUNDARY)
+
+    def output_logits(self, x_bsd) -> jax.Array:
+        """Final norm and LM head: fp32 logits [batch, seq, padded vocab], padding masked."""
+        x = self.final_norm(x_bsd)
+        head_dv = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+        logits = jnp.einsum("bsd,dv->bsv", x, head_dv.astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", None, "vocab"))
+        # Padding columns can never be the answer; masking them keeps the softmax (and so the
+        # loss and every gradient) independent of how much padding the layout needs.
+        real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size
+        return jnp.where(real, logits, PADDED_LOGIT)
+
     def __call__(
         self,
         tokens_bs: jax.Array,
@@ -234,42 +259,43 @@ class GPT(nnx.Module):
 
         `dropout_key=None` means no dropout.
         """
-        cfg = self.cfg
-        dt = jnp.bfloat16 if cfg.bf16 else jnp.float32
         b, s = tokens_bs.shape
         if positions_bs is None:
             positions_bs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        mask_bst = jnp.tril(jnp.ones((s, s), dtype=bool))[None]  # causal [1, s, t]
-        if segment_ids_bs is not None:
-            # Per-document attention inside packed samples (--reset-attention-mask).
-            mask_bst = mask_bst & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])
+        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
+        x = self.embed_tokens(tokens_bs, positions_bs, keys[0])
+        x = run_layers(self.layers, x, positions_bs, attention_mask(s, segment_ids_bs), keys[1])
+        return self.output_logits(x)
 
-        x = self.embed[...].astype(dt)[tokens_bs]  # [b, s, d], vocab-parallel lookup
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[...].astype(dt)[positions_bs]
-        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x = dropout(x, cfg.hidden_dropout, keys[0])
-        x = constrain(x, BLOCK_BOUNDARY)
 
-        graphdef, layer_state = nnx.split(self.layers)
+def attention_mask(seq: int, segment_ids_bs: jax.Array | None) -> jax.Array:
+    """Causal mask [1 or batch, seq, seq]; within documents only when segment ids are given."""
+    mask_bst = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None]
+    if segment_ids_bs is not None:
+        # Per-document attention inside packed samples (--reset-attention-mask).
+        mask_bst = mask_bst & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])
+    return mask_bst
 
-        def body(x_bsd, xs):
-            state_l, index = xs
-            key = None if keys[1] is None else jax.random.fold_in(keys[1], index)
-            return nnx.merge(graphdef, state_l)(x_bsd, positions_bs, mask_bst, key), None
 
-        if cfg.recompute_granularity == "full":
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        x, _ = jax.lax.scan(body, x, (layer_state, jnp.arange(cfg.num_layers)))
+def run_layers(layers: Block, x_bsd, positions_bs, mask_bst, key, first_layer=0) -> jax.Array:
+    """Run a stack of layers (a `Block` whose params have a leading layers dim) with one scan.
 
-        x = self.final_norm(x)
-        head_dv = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
-        logits = jnp.einsum("bsd,dv->bsv", x, head_dv.astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", None, "vocab"))
-        # Padding columns can never be the answer; masking them keeps the softmax (and so the
-        # loss and every gradient) independent of how much padding the layout needs.
-        real = jnp.arange(logits.shape[-1]) < cfg.vocab_size
-        return jnp.where(real, logits, PADDED_LOGIT)
+    `first_layer` offsets the per-layer dropout keys, so a pipeline stage holding layers
+    [first_layer, first_layer + n) draws the same masks as the unpipelined model.
+    """
+    cfg = layers.cfg
+    graphdef, layer_state = nnx.split(layers)
+    n = jax.tree.leaves(layer_state)[0].shape[0]
+
+    def body(x, xs):
+        state_l, index = xs
+        layer_key = None if key is None else jax.random.fold_in(key, index)
+        return nnx.merge(graphdef, state_l)(x, positions_bs, mask_bst, layer_key), None
+
+    if cfg.recompute_granularity == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, first_layer + jnp.arange(n)))
+    return x_bsd
 
 
 def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array) -> jax.Array:
