@@ -316,23 +316,36 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def validate_pipeline(cfg: Config, world_size: int) -> None:
-    """The pipeline rules (layer split, schedule, microbatch count)."""
-    p = cfg.parallel
-    pipeline_flags = {
-        "--pipeline-schedule": p.pipeline_schedule,
-        "--num-virtual-stages-per-pipeline-rank": p.virtual_pipeline_model_parallel_size,
-        "--num-layers-per-virtual-pipeline-stage": p.num_layers_per_virtual_pipeline_stage,
-        "--decoder-first-pipeline-num-layers": p.decoder_first_pipeline_num_layers,
-        "--decoder-last-pipeline-num-layers": p.decoder_last_pipeline_num_layers,
-    }
-    if p.pipeline_model_parallel_size != 1:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} is not supported yet "
-            "(pipeline parallelism is not implemented); use 1"
+    """The pipeline rules (layer split, schedule, microbatch count); see mlm_jax/pipeline/layout.py.
+
+    Refused with the numbers named: layers not divisible over the stages (or virtual stages),
+    an uneven split that does not add up, virtual stages or an uneven split with pipeline size
+    1, both virtual-stage flags at once, a schedule that does not match the virtual stages, and
+    too few microbatches (or not a multiple of the pipeline size) for the interleaved schedule.
+    """
+    from mlm_jax.pipeline.layout import PipelinePlanError, plan_pipeline
+
+    p, t = cfg.parallel, cfg.train
+    m = None
+    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                      * p.context_parallel_size)
+    if model_parallel > 0 and world_size % model_parallel == 0 and t.global_batch_size:
+        per_step = t.micro_batch_size * (world_size // model_parallel)
+        if per_step > 0 and t.global_batch_size % per_step == 0:
+            m = t.global_batch_size // per_step  # else the batch rule in `validate` says why
+    try:
+        plan_pipeline(
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline_model_parallel_size,
+            schedule=p.pipeline_schedule,
+            virtual_stages=p.virtual_pipeline_model_parallel_size,
+            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            num_microbatches=m,
         )
-    given = [flag for flag, value in pipeline_flags.items() if value is not None]
-    if given:
-        raise ConfigError(f"{', '.join(given)} need pipeline parallelism, which is not supported yet")
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:

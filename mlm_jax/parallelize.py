@@ -7,7 +7,10 @@ The order, once:
                 shardings (the distributed optimizer adds `data` to storage: ZeRO);
   4. optimizer  AdamW state sharded exactly like the stored parameters;
   5. remat      the model applies `--recompute-granularity` itself (jax.checkpoint policies);
-  6. pipeline   none yet (pipeline size must be 1; refused in config validation);
+  6. pipeline   with pipeline size > 1 (mlm_jax/pipeline/runtime.py): the stacked layers are
+                stored [P*V*Lmax, ...] sharded over `pipe` (their spec's first dim becomes
+                `pipe`; ZeRO still adds `data`), and loss_and_grads / eval_step run the schedule
+                in one shard_map over `pipe`;
   7. jit        init with out_shardings (values independent of layout: threefry is
                 partitionable), train/eval steps with explicit in/out shardings and donation.
 
@@ -80,6 +83,7 @@ class Parallel:
     eval_step: Callable  # (params, batch) -> (loss_sum, token_count)
     rules: tuple
     loss_and_grads: Callable  # (params, batch, key) -> (loss, grads); compiled on first use
+    pipeline: Any = None  # mlm_jax.pipeline.runtime.Pipeline when pipeline size > 1
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, BATCH_SPEC)
@@ -89,7 +93,11 @@ class Parallel:
         return (self.num_microbatches, t.global_batch_size // self.num_microbatches, t.seq_length)
 
     def model(self, params: dict) -> GPT:
-        return nnx.merge(self.graphdef, params)
+        return nnx.merge(self.graphdef, self.plain(params))
+
+    def plain(self, tree):
+        """A params-like tree (params, grads, optimizer state) in the unpipelined layout."""
+        return tree if self.pipeline is None else self.pipeline.to_plain(tree)
 
     def tracing(self):
         """The mesh and activation rules in force while the steps are traced."""
@@ -122,6 +130,12 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
     graphdef, shapes, names = abstract_model(cfg)
     compute_spec = jax.tree.map(lambda n: logical_to_spec(n, prules), names,
                                 is_leaf=lambda x: isinstance(x, tuple))
+    pipeline = None
+    if p.pipeline_model_parallel_size > 1:  # 6. pipeline: stored layout of the stacked layers
+        from mlm_jax.pipeline.runtime import Pipeline
+
+        pipeline = Pipeline(cfg, mesh, graphdef)
+        shapes, compute_spec = pipeline.stored_shapes(shapes), pipeline.stored_specs(compute_spec)
     if p.use_distributed_optimizer:
         storage_spec = jax.tree.map(lambda s, a: zero_spec(s, a.shape, sizes), compute_spec, shapes,
                                     is_leaf=lambda x: isinstance(x, P))
@@ -148,6 +162,8 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
     def init(seed: int):
         def make():
             params = init_params(cfg, seed)
+            if pipeline is not None:
+                params = pipeline.to_pipelined(params)
             return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
         with jax.set_mesh(mesh):
@@ -178,6 +194,11 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
         )
         return loss, grads
 
+    if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
+
+        def loss_and_grads(params, batch, key):  # noqa: F811
+            return pipeline.loss_and_grads(params, batch, key, compute_sharding, param_sharding)
+
     def train_step(state, batch, key):
         params = state["params"]
         loss, grads = loss_and_grads(params, batch, key)
@@ -199,7 +220,10 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
         def micro(acc, mb):
             return acc + _loss_sum(graphdef, gathered(params), mb, None), None
 
-        loss_sum, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
+        if pipeline is not None:
+            loss_sum = pipeline.loss_sum(params, batch, compute_sharding)
+        else:
+            loss_sum, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
         return loss_sum, jnp.sum(batch["loss_mask"])
 
     with jax.set_mesh(mesh), use_rules(act_rules):
@@ -225,7 +249,7 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
         compute_sharding=compute_sharding, opt_sharding=opt_sharding, tx=tx,
         num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules),
         eval_step=_traced(eval_jit, mesh, act_rules), rules=act_rules,
-        loss_and_grads=_traced(grads_jit, mesh, act_rules),
+        loss_and_grads=_traced(grads_jit, mesh, act_rules), pipeline=pipeline,
     )
 
 

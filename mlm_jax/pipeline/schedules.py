@@ -385,3 +385,16 @@ def to_arrays(table: Sequence[Sequence[Action]], idle_fill: int = 0) -> dict[str
                 microbatch[tick, stage] = action.microbatch
                 chunk[tick, stage] = action.chunk
     return {"kind": kind, "microbatch": microbatch, "chunk": chunk}
+
+
+def forward_only(P: int, m: int, V: int = 1) -> Table:
+    """Forwards only (evaluation): every stage runs its forwards in the training schedule's
+    forward order (microbatches in order; in groups of P chunk by chunk when V > 1), as soon
+    as their inputs exist. m*V + P - 1 ticks."""
+    _check_sizes(P, m, V)
+    if V == 1:
+        work = [(i, 0) for i in range(m)]
+    else:
+        work = [(g + j, c) for g in range(0, m, P) for c in range(V) for j in range(min(P, m - g))]
+    forwards = [Action(FORWARD, mb, c) for mb, c in work]
+    return _execute([forwards] * P, P, V)

@@ -1,0 +1,389 @@
+"""The pipeline runtime: one SPMD program that executes any schedule table.
+
+`schedules` says what each stage does in each tick; this module turns a table into int32
+arrays (`Program`) and runs them inside one `jax.shard_map` that is manual over `pipe` only
+(data, tensor and sequence sharding stay automatic inside each stage). There is no Python
+dispatch per microbatch: the program is a `lax.scan` over ticks, and in every tick each stage
+looks its action up in the arrays (indexed by `axis_index('pipe')`) and runs it through
+`lax.switch`: idle, forward or backward. Every tick then moves one activation forward and one
+gradient backward with `ppermute` (stage s -> s+1 and s -> s-1, wrapping around for the
+interleaved schedule's chunk hand-over), whether or not the neighbour needs it this tick.
+
+Stages and their state
+----------------------
+- Layer params are stacked [P*V*Lmax, ...] and sharded over `pipe` (see `layout`): each stage
+  sees its own [V, Lmax, ...] and picks chunk c per tick. Embedding, position embedding, final
+  norm and LM head are replicated over `pipe`; the first virtual stage embeds, the last one
+  runs the head and the loss. Their gradients are accumulated per stage and summed over `pipe`
+  once at the end of the step: that sum is also what adds the tied embedding's two gradients
+  (lookup on the first stage, LM head on the last).
+- A stage keeps the *inputs* of its forwards until their backward (the activation buffer), and
+  the gradients that arrived from its successor until it can use them (the gradient buffer).
+  Slots are assigned ahead of time from the table (`build_program`), so the buffers hold exactly
+  the schedule's peak: m microbatches for GPipe, about P for 1F1B (see `Program`).
+- The backward of a stage recomputes its forward with `jax.vjp` from the stashed input, and
+  applies the vjp at once. This is activation recomputation at stage granularity: one extra
+  forward per microbatch (Megatron's full recompute costs the same), in exchange for stashing
+  one [batch, seq, embed] tensor per in-flight microbatch instead of every layer's activations.
+  `--recompute-granularity` still applies inside the recomputed stage (it bounds the memory of
+  the one vjp alive at a time).
+
+The loss is the unpipelined one: the sum of masked token losses over the global batch, divided
+by the global batch's token count; dropout keys are folded from (step key, microbatch index,
+layer index) exactly as `parallelize` does, so pipelined and unpipelined runs draw the same masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mlm_jax.config import Config, ConfigError, data_parallel_size
+from mlm_jax.models.gpt import attention_mask, cross_entropy, run_layers
+from mlm_jax.pipeline import schedules
+from mlm_jax.pipeline.layout import PipelineLayout, PipelinePlanError, map_layer_leaves, plan_pipeline
+from mlm_jax.sharding.mesh import PIPE
+from mlm_jax.sharding.rules import constrain
+
+KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
+ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(cfg: Config, world_size: int | None = None) -> tuple[str, PipelineLayout]:
+    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
+    p, t = cfg.parallel, cfg.train
+    m = None
+    if world_size is not None and t.global_batch_size:
+        dp = data_parallel_size(p, world_size)
+        if t.global_batch_size % (t.micro_batch_size * dp) == 0:
+            m = t.global_batch_size // (t.micro_batch_size * dp)
+    try:
+        return plan_pipeline(
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline_model_parallel_size,
+            schedule=p.pipeline_schedule,
+            virtual_stages=p.virtual_pipeline_model_parallel_size,
+            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            num_microbatches=m,
+        )
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+# --------------------------------------------------------------------------- program
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A schedule table compiled for the runtime.
+
+    arrays, each int32 [ticks, stages]:
+      kind, microbatch, chunk  the action (`schedules.to_arrays`);
+      act_slot                 activation-buffer slot holding this action's input (v > 0);
+      grad_slot                gradient-buffer slot holding a backward's output gradient
+                               (v < P*V-1; the last virtual stage starts from the loss);
+      recv_act, recv_grad      slot where the activation / gradient arriving at the end of
+                               this tick is written, -1 when nothing arrives.
+    A slot is taken when its tensor arrives and freed by the backward that uses it last, so
+    num_act_slots / num_grad_slots are the schedule's true peak of stashed microbatches.
+    """
+
+    name: str
+    num_stages: int
+    num_chunks: int
+    num_microbatches: int
+    forward_only: bool
+    table: schedules.Table
+    arrays: dict[str, np.ndarray]
+    num_act_slots: int
+    num_grad_slots: int
+
+    @property
+    def ticks(self) -> int:
+        return len(self.table)
+
+
+class _Slots:
+    """Lowest-free-slot allocation per stage; records the high-water mark."""
+
+    def __init__(self, num_stages: int):
+        self.free: list[list[int]] = [[] for _ in range(num_stages)]
+        self.used: list[int] = [0] * num_stages
+        self.owner: list[dict] = [{} for _ in range(num_stages)]
+
+    def take(self, stage: int, key) -> int:
+        if self.free[stage]:
+            slot = min(self.free[stage])
+            self.free[stage].remove(slot)
+        else:
+            slot = self.used[stage]
+            self.used[stage] += 1
+        self.owner[stage][key] = slot
+        return slot
+
+    def find(self, stage: int, key) -> int:
+        return self.owner[stage][key]
+
+    def release(self, stage: int, key) -> int:
+        slot = self.owner[stage].pop(key)
+        self.free[stage].append(slot)
+        return slot
+
+    @property
+    def peak(self) -> int:
+        return max(self.used)
+
+
+@functools.cache
+def build_program(name: str, P: int, m: int, V: int = 1, forward_only: bool = False) -> Program:
+    """The table of schedule `name` (or its forwards only, for evaluation) with buffer slots."""
+    table = (schedules.forward_only(P, m, V) if forward_only
+             else schedules.build_schedule(name, P, m, V))
+    if not forward_only:
+        schedules.validate_schedule(table, P, m, V)
+    arrays = schedules.to_arrays(table)
+    T, last = len(table), P * V - 1
+    for key in ("act_slot", "grad_slot"):
+        arrays[key] = np.zeros((T, P), np.int32)
+    for key in ("recv_act", "recv_grad"):
+        arrays[key] = np.full((T, P), -1, np.int32)
+    acts, grads = _Slots(P), _Slots(P)
+    for t, row in enumerate(table):
+        # Reads (and frees) during the tick...
+        for s, a in enumerate(row):
+            if a.is_idle:
+                continue
+            v = a.chunk * P + s
+            key = (a.microbatch, a.chunk)
+            if v > 0:
+                done = a.kind == schedules.BACKWARD or forward_only
+                arrays["act_slot"][t, s] = (acts.release if done else acts.find)(s, key)
+            if a.kind == schedules.BACKWARD and v < last:
+                arrays["grad_slot"][t, s] = grads.release(s, key)
+        # ...then what the neighbours sent lands at the end of it.
+        for s, a in enumerate(row):
+            if a.is_idle:
+                continue
+            v = a.chunk * P + s
+            if a.kind == schedules.FORWARD and v < last:
+                dest, chunk = (s + 1) % P, a.chunk + (s == P - 1)
+                arrays["recv_act"][t, dest] = acts.take(dest, (a.microbatch, chunk))
+            if a.kind == schedules.BACKWARD and v > 0:
+                dest, chunk = (s - 1) % P, a.chunk - (s == 0)
+                arrays["recv_grad"][t, dest] = grads.take(dest, (a.microbatch, chunk))
+    return Program(name, P, V, m, forward_only, table, arrays,
+                   num_act_slots=max(acts.peak, 1), num_grad_slots=max(grads.peak, 1))
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases: aval.vma
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
+def _varying(x):
+    """Mark `x` as varying over `pipe` (a no-op if it already is)."""
+    if PIPE in _varying_axes(x):
+        return x
+    return jax.lax.pcast(x, PIPE, to="varying")
+
+
+class Pipeline:
+    """Pipeline parallelism for one (config, mesh): the layout, the programs, the step pieces."""
+
+    def __init__(self, cfg: Config, mesh, graphdef: nnx.GraphDef):
+        self.cfg, self.mesh, self.graphdef = cfg, mesh, graphdef
+        self.schedule, self.layout = plan(cfg)
+        if self.layout.num_stages != mesh.shape[PIPE]:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {self.layout.num_stages} != the mesh's pipe axis "
+                f"({mesh.shape[PIPE]})"
+            )
+
+    # Storage: what parallelize needs to shard the stacked layers over `pipe`.
+
+    def stored_shapes(self, shapes: dict) -> dict:
+        n = self.layout.stored_layers
+        return map_layer_leaves(lambda s: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes)
+
+    def stored_specs(self, specs: dict) -> dict:
+        return map_layer_leaves(lambda spec: P(PIPE, *tuple(spec)[1:]), specs)
+
+    def to_pipelined(self, tree):
+        return self.layout.to_pipelined(tree)
+
+    def to_plain(self, tree):
+        return self.layout.to_plain(tree)
+
+    def program(self, num_microbatches: int, forward_only: bool = False) -> Program:
+        L = self.layout
+        return build_program(self.schedule, L.num_stages, num_microbatches, L.num_chunks, forward_only)
+
+    # The step pieces (traced inside parallelize's jit, under its mesh and activation rules).
+
+    def loss_and_grads(self, params: dict, batch: dict, key, compute_sharding, param_sharding):
+        """(token-mean loss of the global batch, grads in the storage sharding)."""
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
+        program = self.program(batch["tokens"].shape[0])
+        loss, grads = self._run(program, params, batch, key, 1.0 / total_tokens)
+        return loss, jax.lax.with_sharding_constraint(grads, param_sharding)
+
+    def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
+        """Sum of masked token losses of the batch, no dropout (evaluation)."""
+        params = jax.lax.with_sharding_constraint(params, compute_sharding)
+        program = self.program(batch["tokens"].shape[0], forward_only=True)
+        loss, _ = self._run(program, params, batch, None, jnp.float32(1.0))
+        return loss
+
+    def _run(self, program: Program, params: dict, batch: dict, key, scale):
+        L, graphdef, cfg = self.layout, self.graphdef, self.cfg.model
+        num_stages, V, Lmax, last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
+        train = not program.forward_only
+        use_dropout = key is not None
+        key = jax.random.key(0) if key is None else key
+        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float32
+        first_layer = jnp.asarray([L.first_layer(v) for v in range(L.num_vstages)], jnp.int32)
+        layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
+        layers = params["layers"]
+        shared = {k: v for k, v in params.items() if k != "layers"}
+        _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
+        arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
+
+        def body(layers_blk, shared, batch, key, scale, arrays):
+            def stage_forward(layers_c, shared, x_in, mb_in, v, mb):
+                """One virtual stage on one microbatch: (output [b, s, d], its loss share)."""
+                model = nnx.merge(graphdef, {**shared, "layers": layers_c})
+                if use_dropout:
+                    k_embed, k_layers = jax.random.split(jax.random.fold_in(key, mb))
+                else:
+                    k_embed = k_layers = None
+                positions = mb_in["position_ids"]
+                x = jax.lax.cond(v == 0, lambda: model.embed_tokens(mb_in["tokens"], positions, k_embed),
+                                 lambda: x_in)
+                mask = attention_mask(S, mb_in.get("segment_ids"))
+                y = _run_chunk(model.layers, x, positions, mask, k_layers, first_layer[v],
+                               layer_count[v], L.is_padded)
+
+                def head():
+                    logits = model.output_logits(y)
+                    return jnp.sum(cross_entropy(logits, mb_in["labels"]) * mb_in["loss_mask"]) * scale
+
+                loss = jax.lax.cond(v == last, head, lambda: _varying(jnp.zeros((), jnp.float32)))
+                return y, loss
+
+            # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows), shared replicated.
+            stage = jax.lax.axis_index(PIPE)
+            layers_vl = jax.tree.map(lambda a: a.reshape(V, Lmax, *a.shape[1:]), layers_blk)
+            # Per-stage gradients of the replicated params stay per stage until the final psum.
+            shared = jax.tree.map(_varying, shared)
+            zeros_act = _varying(constrain(jnp.zeros((B, S, cfg.hidden_size), dtype), ACT_BUFFER[1:]))
+
+            def buffer(slots):
+                return _varying(constrain(jnp.zeros((slots, B, S, cfg.hidden_size), dtype), ACT_BUFFER))
+
+            carry = {
+                "acts": buffer(program.num_act_slots),  # [slot, b, s, d]
+                "loss": _varying(jnp.zeros((), jnp.float32)),
+            }
+            if train:
+                carry["grads_in"] = buffer(program.num_grad_slots)  # [slot, b, s, d]
+                carry["d_layers"] = jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), layers_vl)
+                carry["d_shared"] = jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), shared)
+
+            def tick(carry, row):
+                a = {k: r[stage] for k, r in row.items()}  # this stage's action, scalars
+                mb, c = a["microbatch"], a["chunk"]
+                v = c * num_stages + stage
+                mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), batch)
+                layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
+                                        layers_vl)  # [Lmax, ...]
+                x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
+
+                def idle(carry):
+                    return zeros_act, zeros_act, carry
+
+                def forward(carry):
+                    y, loss = stage_forward(layers_c, shared, x_in, mb_in, v, mb)
+                    return y, zeros_act, {**carry, "loss": carry["loss"] + loss}
+
+                def backward(carry):
+                    (_, loss), vjp = jax.vjp(
+                        lambda lp, sp, x: stage_forward(lp, sp, x, mb_in, v, mb), layers_c, shared, x_in)
+                    at_loss = v == last
+                    g_y = jnp.where(at_loss, jnp.zeros_like(x_in), carry["grads_in"][a["grad_slot"]])
+                    d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
+                    d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc)
+                    d_shared = jax.tree.map(jnp.add, carry["d_shared"], d_sh)
+                    return zeros_act, d_x, {**carry, "d_layers": d_layers, "d_shared": d_shared}
+
+                branches = [idle, forward, backward] if train else [idle, forward]
+                send_fwd, send_bwd, carry = jax.lax.switch(a["kind"], branches, carry)
+                ring = range(num_stages)
+                got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % num_stages) for i in ring])
+                carry = {**carry, "acts": _land(carry["acts"], a["recv_act"], got_act)}
+                if train:
+                    got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % num_stages) for i in ring])
+                    carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
+                return carry, None
+
+            carry, _ = jax.lax.scan(tick, carry, arrays)
+            loss = jax.lax.psum(carry["loss"], PIPE)
+            if not train:
+                return loss, {}, {}
+            d_layers = jax.tree.map(lambda a: a.reshape(V * Lmax, *a.shape[2:]), carry["d_layers"])
+            return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE)
+
+        run = jax.shard_map(
+            body, mesh=self.mesh,
+            in_specs=(P(PIPE), P(), P(), P(), P(), P()),
+            out_specs=(P(), P(PIPE), P()),
+            axis_names=frozenset({PIPE}),
+        )
+        loss, d_layers, d_shared = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
+        return loss, ({**d_shared, "layers": d_layers} if train else None)
+
+
+def _land(buf, slot, value):
+    """Write `value` into buffer slot `slot`, or leave the buffer as is when slot is -1."""
+    i = jnp.maximum(slot, 0)
+    keep = buf[i]
+    return buf.at[i].set(jnp.where(slot >= 0, value, keep))
+
+
+def _run_chunk(layers, x_bsd, positions_bs, mask_bst, key, first_layer, count, padded: bool):
+    """The chunk's layers. Uneven splits store Lmax rows per chunk; rows past `count` are
+    padding and pass the activation through (lax.cond: no compute spent on them)."""
+    if not padded:
+        return run_layers(layers, x_bsd, positions_bs, mask_bst, key, first_layer)
+    cfg = layers.cfg
+    graphdef, layer_state = nnx.split(layers)
+    n = jax.tree.leaves(layer_state)[0].shape[0]
+
+    def body(x, xs):
+        state_l, index = xs
+
+        def real():
+            layer_key = None if key is None else jax.random.fold_in(key, first_layer + index)
+            return nnx.merge(graphdef, state_l)(x, positions_bs, mask_bst, layer_key)
+
+        return jax.lax.cond(index < count, real, lambda: x), None
+
+    if cfg.recompute_granularity == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
+    return x_bsd
