@@ -20,8 +20,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # Defaults: the default run's small GPT (a few million parameters, minutes on a laptop CPU).
     num_layers: int = 4
-    hidden_size: int = 256
+    hidden_size: int = 128
     ffn_hidden_size: int | None = None  # None: 4 * hidden (GELU) or Megatron's SwiGLU size
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # None: multi-head attention (groups = heads)
@@ -87,10 +88,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 0.0
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = 20
     lr_decay_iters: int | None = None  # None: train_iters
     lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential"] = "linear"
@@ -127,7 +128,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 8
+    micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro * dp (no accumulation)
     seq_length: int = 128
     train_iters: int = 300

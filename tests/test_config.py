@@ -1,0 +1,132 @@
+"""Flag parsing and config validation: every refusal names the values and the rule."""
+
+import pytest
+
+from mlm_jax.arguments import FLAGS, parse_args
+from mlm_jax.config import ConfigError, finalize, padded_vocab_size
+
+
+def config_error(argv, world=8) -> str:
+    with pytest.raises(ConfigError) as e:
+        finalize(parse_args(argv), world)
+    return str(e.value)
+
+
+def test_megatron_flags_map_onto_the_config():
+    cfg = parse_args([
+        "--num-layers", "6", "--hidden-size", "96", "--num-attention-heads", "6",
+        "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--rotary-base", "500000", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel", "--use-distributed-optimizer", "--lr", "3e-4", "--min-lr", "3e-5",
+        "--lr-decay-style", "WSD", "--micro-batch-size", "2", "--global-batch-size", "32",
+        "--data-path", "0.3", "a", "0.7", "b", "--no-check-for-nan-in-loss-and-grad", "--bf16",
+        "--recompute-granularity", "selective",
+    ])
+    m, p, o, d, t = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.train
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups) == (6, 96, 6, 2)
+    assert m.swiglu and m.normalization == "RMSNorm" and m.position_embedding_type == "rope"
+    assert m.rotary_base == 500000.0 and not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    assert m.bf16 and m.recompute_granularity == "selective"
+    assert p.tensor_model_parallel_size == 2 and p.sequence_parallel and p.use_distributed_optimizer
+    assert (o.lr, o.min_lr, o.lr_decay_style) == (3e-4, 3e-5, "WSD")
+    assert (t.micro_batch_size, t.global_batch_size) == (2, 32)
+    assert d.data_path == ("0.3", "a", "0.7", "b")
+    assert t.check_for_nan_in_loss_and_grad is False
+
+
+def test_every_flag_in_the_table_parses():
+    for flag, _, _, kind, _ in FLAGS:
+        argv = [flag] if kind in ("true", "false") else [flag, {"int": "2", "float": "0.5", "list": "x"}.get(kind, "")]
+        if kind == "str":
+            continue  # choices are checked separately
+        if flag == "--num-query-groups":
+            argv.append("--group-query-attention")
+        parse_args(argv)
+
+
+def test_unknown_flag_is_an_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--num-layerz", "4"])
+    assert e.value.code == 2
+    assert "--num-layerz" in capsys.readouterr().err
+
+
+def test_fp16_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="--fp16: fp16 is not supported: use --bf16"):
+        parse_args(["--fp16"])
+
+
+def test_bad_choice_names_flag_and_choices():
+    with pytest.raises(ConfigError, match="--normalization 'BatchNorm': choose one of LayerNorm, RMSNorm"):
+        parse_args(["--normalization", "BatchNorm"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"],
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+     "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--micro-batch-size", "2", "--global-batch-size", "20"],
+     "--global-batch-size 20 is not divisible by --micro-batch-size 2 x data-parallel size 8 = 16"),
+    (["--tensor-model-parallel-size", "3"],
+     "device count 8 is not divisible by tensor (3) x pipeline (1) x context (1) = 3"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"],
+     "--hidden-size 100 is not divisible by --num-attention-heads 3"),
+    (["--seq-length", "512", "--max-position-embeddings", "256"],
+     "--seq-length 512 exceeds --max-position-embeddings 256"),
+    (["--num-layers", "0"], "--num-layers must be a positive number, got 0"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported yet"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported yet"),
+    (["--num-experts", "8"], "--num-experts 8 is not supported yet"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1), got 1.5"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], "need 0 <= --min-lr (0.001) <= --lr (0.0001)"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127",
+      "--max-position-embeddings", "128"],
+     "--sequence-parallel needs --seq-length 127 divisible by --tensor-model-parallel-size 2"),
+])
+def test_validation_errors_name_values_and_rule(argv, message):
+    assert message in config_error(argv)
+
+
+def test_query_groups_need_the_gqa_switch():
+    with pytest.raises(ConfigError, match="--num-query-groups needs --group-query-attention"):
+        parse_args(["--num-query-groups", "2"])
+
+
+def test_yaml_config_with_flags_overriding(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("num-layers: 6\nhidden_size: 96\nswiglu: true\ndata-path: [0.5, a, 0.5, b]\nlr: 2e-4\n")
+    cfg = parse_args(["--config", str(path), "--num-layers", "8"])
+    assert cfg.model.num_layers == 8  # the flag wins
+    assert cfg.model.hidden_size == 96 and cfg.model.swiglu and cfg.optim.lr == 2e-4
+    assert cfg.data.data_path == ("0.5", "a", "0.5", "b")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num-layerz: 4\n", "unknown key 'num-layerz'"),
+    ("num-layers: four\n", "num-layers: 'four' is not a valid int"),
+    ("swiglu: 3\n", "swiglu is a switch; give true or false"),
+    ("- a\n- b\n", "expected a mapping of flag: value"),
+])
+def test_bad_yaml_is_named(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_missing_yaml_is_named():
+    with pytest.raises(ConfigError, match="--config /no/such.yaml: no such file"):
+        parse_args(["--config", "/no/such.yaml"])
+
+
+def test_vocab_is_padded_like_megatron():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    cfg = finalize(parse_args(["--vocab-size", "500", "--tensor-model-parallel-size", "8",
+                                "--num-attention-heads", "8"]), 8)
+    assert cfg.model.padded_vocab_size == 1024
