@@ -1,0 +1,141 @@
+"""Model pieces on one device: schedules, decay mask, init, recomputation, bf16, masks, dropout."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlm_jax.config import OptimConfig
+from mlm_jax.models import GPT, tiny_gpt
+from mlm_jax.models.gpt import PADDED_LOGIT
+from mlm_jax.optim import decay_mask, lr_at
+
+CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300,
+               padded_vocab_size=384, max_position_embeddings=32)
+
+
+def megatron_lr(cfg: OptimConfig, step: int, train_iters: int) -> float:
+    """Megatron's OptimizerParamScheduler.get_lr, transcribed (WSD anneal linear)."""
+    warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or train_iters
+    if warmup > 0 and step <= warmup:
+        return cfg.lr * step / warmup
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    if step > decay:
+        return cfg.min_lr
+    if cfg.lr_decay_style == "WSD":
+        anneal = cfg.lr_wsd_decay_iters
+        start = decay - anneal
+        coeff = 1.0 if step <= start else 1.0 - (step - start) / anneal
+    else:
+        ratio = (step - warmup) / (decay - warmup)
+        coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD"])
+def test_lr_schedule_matches_megatron(style):
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, lr_decay_style=style, lr_warmup_iters=10,
+                      lr_decay_iters=80, lr_wsd_decay_iters=20)
+    for step in [0, 1, 5, 10, 11, 40, 59, 60, 61, 79, 80, 81, 100]:
+        assert float(lr_at(cfg, 100, step)) == pytest.approx(megatron_lr(cfg, step, 100), rel=1e-6, abs=1e-12), step
+
+
+def test_weight_decay_skips_biases_and_norms():
+    mask = decay_mask(model_parts(CFG)[1])
+    assert mask["embed"] and mask["pos_embed"] and mask["layers"]["wqkv"] and mask["layers"]["w2"]
+    assert not mask["layers"]["bqkv"] and not mask["layers"]["b2"]
+    assert not mask["layers"]["norm1"]["scale"] and not mask["final_norm"]["bias"]
+
+
+def test_megatron_init():
+    cfg = tiny_gpt(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000,
+                   padded_vocab_size=1024, init_method_std=0.02)
+    p = model_parts(cfg)[1]
+    assert np.std(p["layers"]["wqkv"]) == pytest.approx(0.02, rel=0.02)
+    assert np.std(p["layers"]["w2"]) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.02)
+    assert not np.any(p["embed"][1000:])  # padding rows
+    assert np.all(p["layers"]["norm1"]["scale"] == 1.0) and not np.any(p["layers"]["b1"])
+
+
+def model_parts(cfg):
+    """(graphdef, pure-dict params) of an unsharded model."""
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg, nnx.Rngs(0))
+    return nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
+
+
+def build(cfg):
+    return nnx.merge(*model_parts(cfg))
+
+
+def _loss_and_grads(cfg, tokens, key=None):
+    graphdef, params = model_parts(cfg)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1], dropout_key=key)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 17)), jnp.int32)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recomputation_changes_nothing_but_memory(granularity):
+    import dataclasses
+
+    ref_loss, ref = _loss_and_grads(CFG, TOKENS)
+    loss, grads = _loss_and_grads(dataclasses.replace(CFG, recompute_granularity=granularity), TOKENS)
+    assert float(loss) == pytest.approx(float(ref_loss), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.max(np.abs(a))) + 1e-10)
+
+
+def test_bf16_computes_in_bf16_and_stays_close():
+    import dataclasses
+
+    ref_loss, _ = _loss_and_grads(CFG, TOKENS)
+    cfg = dataclasses.replace(CFG, bf16=True)
+    loss, grads = _loss_and_grads(cfg, TOKENS)
+    # bf16 keeps 8 mantissa bits: a loss of ~5.7 agrees to ~1e-2.
+    assert float(loss) == pytest.approx(float(ref_loss), abs=3e-2)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))  # fp32 master gradients
+    graphdef, params = model_parts(cfg)
+    hlo = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, TOKENS).as_text()
+    assert "bf16" in hlo and "dot_general" in hlo
+
+
+def test_padded_vocab_logits_are_masked():
+    logits = build(CFG)(TOKENS)
+    assert logits.shape[-1] == 384
+    assert np.all(np.asarray(logits[..., 300:]) == PADDED_LOGIT)
+
+
+def test_reset_attention_mask_isolates_documents():
+    model = build(CFG)
+    seg = jnp.asarray([[0] * 8 + [1] * 8] * 2, jnp.int32)
+    a = TOKENS[:, :16]
+    b = a.at[:, :8].set((a[:, :8] + 7) % 300)  # change only the first document
+    la, lb = model(a, segment_ids_bs=seg), model(b, segment_ids_bs=seg)
+    np.testing.assert_allclose(la[:, 8:], lb[:, 8:], atol=1e-5)  # second document unaffected
+    assert not np.allclose(la[:, :8], lb[:, :8])
+    lc = model(b)  # without segments the second document does see the change
+    assert not np.allclose(la[:, 8:], lc[:, 8:], atol=1e-5)
+
+
+def test_dropout_is_keyed_and_off_without_a_key():
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, hidden_dropout=0.1, attention_dropout=0.1)
+    model = build(cfg)
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    assert np.array_equal(model(TOKENS, dropout_key=k1), model(TOKENS, dropout_key=k1))
+    assert not np.allclose(model(TOKENS, dropout_key=k1), model(TOKENS, dropout_key=k2))
+    assert np.array_equal(model(TOKENS), model(TOKENS))
+    assert not np.allclose(model(TOKENS), model(TOKENS, dropout_key=k1))
