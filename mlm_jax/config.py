@@ -91,7 +91,7 @@ class OptimConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
-    lr_warmup_iters: int = 20
+    lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential"] = "linear"
