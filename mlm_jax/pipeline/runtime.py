@@ -49,7 +49,7 @@ from mlm_jax.models.gpt import attention_mask, cross_entropy, run_layers
 from mlm_jax.pipeline import schedules
 from mlm_jax.pipeline.layout import PipelineLayout, PipelinePlanError, map_layer_leaves, plan_pipeline
 from mlm_jax.sharding.mesh import PIPE
-from mlm_jax.sharding.rules import constrain
+from mlm_jax.sharding.rules import constrain, use_rules
 
 KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
@@ -240,7 +240,8 @@ class Pipeline:
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
         program = self.program(batch["tokens"].shape[0])
-        loss, grads = self._run(program, params, batch, key, 1.0 / total_tokens)
+        specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
+        loss, grads = self._run(program, params, batch, key, 1.0 / total_tokens, specs)
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding)
 
     def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
@@ -250,7 +251,7 @@ class Pipeline:
         loss, _ = self._run(program, params, batch, None, jnp.float32(1.0))
         return loss
 
-    def _run(self, program: Program, params: dict, batch: dict, key, scale):
+    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None):
         L, graphdef, cfg = self.layout, self.graphdef, self.cfg.model
         num_stages, V, Lmax, last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
         train = not program.forward_only
@@ -273,8 +274,9 @@ class Pipeline:
                 else:
                     k_embed = k_layers = None
                 positions = mb_in["position_ids"]
-                x = jax.lax.cond(v == 0, lambda: model.embed_tokens(mb_in["tokens"], positions, k_embed),
+                x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed),
                                  lambda: x_in)
+                x = constrain(x, ACT_BUFFER[1:])
                 mask = attention_mask(S, mb_in.get("segment_ids"))
                 y = _run_chunk(model.layers, x, positions, mask, k_layers, first_layer[v],
                                layer_count[v], L.is_padded)
@@ -285,6 +287,22 @@ class Pipeline:
 
                 loss = jax.lax.cond(v == last, head, lambda: _varying(jnp.zeros((), jnp.float32)))
                 return y, loss
+
+            # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
+            # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
+            # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add
+            # and lays it out with collective-permutes inside a branch (see `_embed`).
+            def pin_layers(tree):  # [V, Lmax, ...]
+                if specs is None:
+                    return tree
+                return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(x, P(None, None, *tuple(sp)[1:])),
+                                    tree, specs["layers"])
+
+            def pin_shared(tree):
+                if specs is None:
+                    return tree
+                shared_specs = {k: v for k, v in specs.items() if k != "layers"}
+                return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
 
             # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows), shared replicated.
             stage = jax.lax.axis_index(PIPE)
@@ -302,8 +320,8 @@ class Pipeline:
             }
             if train:
                 carry["grads_in"] = buffer(program.num_grad_slots)  # [slot, b, s, d]
-                carry["d_layers"] = jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), layers_vl)
-                carry["d_shared"] = jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), shared)
+                carry["d_layers"] = pin_layers(jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), layers_vl))
+                carry["d_shared"] = pin_shared(jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), shared))
 
             def tick(carry, row):
                 a = {k: r[stage] for k, r in row.items()}  # this stage's action, scalars
@@ -327,8 +345,8 @@ class Pipeline:
                     at_loss = v == last
                     g_y = jnp.where(at_loss, jnp.zeros_like(x_in), carry["grads_in"][a["grad_slot"]])
                     d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
-                    d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc)
-                    d_shared = jax.tree.map(jnp.add, carry["d_shared"], d_sh)
+                    d_layers = pin_layers(jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc))
+                    d_shared = pin_shared(jax.tree.map(jnp.add, carry["d_shared"], pin_shared(d_sh)))
                     return zeros_act, d_x, {**carry, "d_layers": d_layers, "d_shared": d_shared}
 
                 branches = [idle, forward, backward] if train else [idle, forward]
@@ -356,6 +374,21 @@ class Pipeline:
         )
         loss, d_layers, d_shared = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
         return loss, ({**d_shared, "layers": d_layers} if train else None)
+
+
+def _embed(model, tokens_bs, positions_bs, key):
+    """The embedding, its output whole along seq. With sequence parallelism GSPMD otherwise
+    lays the vocab-parallel lookup out with collective-permutes, and a collective-permute inside
+    a branch that only some stages take deadlocks (XLA:CPU rendezvouses every device on it).
+    Sharding the result over seq afterwards is a local slice."""
+    with use_rules(tuple((name, None if name == "seq" else axis) for name, axis in _active_rules())):
+        return model.embed_tokens(tokens_bs, positions_bs, key)
+
+
+def _active_rules():
+    from mlm_jax.sharding.rules import _ACTIVE_RULES  # read-only: the rules of the traced step
+
+    return _ACTIVE_RULES[-1] if _ACTIVE_RULES else ()
 
 
 def _land(buf, slot, value):

@@ -1,0 +1,360 @@
+"""Pipeline parallelism computes the single-device model's loss and gradients (fp32).
+
+The runtime (mlm_jax/pipeline/runtime.py) executes the schedule tables of
+mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
+  - pure Python: the compiled programs move every activation and gradient to the right buffer
+    slot and never overwrite a live one, for every schedule over a sweep of sizes; the layer
+    layout round-trips; invalid configurations fail naming their numbers;
+  - on the fake 8-device mesh: loss and every gradient leaf against one device, for pp=2 and
+    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (also with the
+    distributed optimizer and interleaving), an uneven split, dropout with full recompute; the
+    evaluation program; a 10-step training curve against pp=1; the compiled temp memory of
+    1F1B flat in the number of microbatches while GPipe's grows by one stashed activation per
+    microbatch; and no collective-permute but the pipeline's own two.
+
+Tolerances are those of tests/test_parallel.py and for the same reason: loss within 2e-6
+absolute, each gradient leaf within 2e-6 of the leaf's largest reference magnitude (plus 1e-10
+absolute for the analytically-zero key bias). Measured worst: 8.5e-7 relative, loss 4.8e-7
+(0 without tensor parallelism). A microbatch routed to the wrong stage, a lost tied-embedding gradient or a stale
+buffer slot is off by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlm_jax.config import ConfigError, ParallelConfig, finalize
+from mlm_jax.parallelize import parallelize
+from mlm_jax.pipeline import schedules
+from mlm_jax.pipeline.layout import PipelineLayout
+from mlm_jax.pipeline.runtime import build_program
+from mlm_jax.sharding import make_mesh
+from mlm_jax.sharding.hlo import collectives
+from tests.parallel_util import VOCAB, build, fixed_batch, grads_for, place, tiny_config, train_for, unpad
+from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
+
+LAYERS = 8
+MODEL = (("num_layers", LAYERS),)
+REFERENCE = (ParallelConfig(), 4)  # one device, micro batch 4: four accumulated microbatches
+
+# (parallel config, micro batch). 8 devices: dp = 8 / (pp * tp); microbatches = 16 / (micro * dp).
+LAYOUTS = {
+    "pp2_gpipe": (ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="gpipe"), 1),
+    "pp2_1f1b": (ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="1f1b"), 1),
+    "pp2_interleaved_v2": (
+        ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 1),
+    "pp4_gpipe": (ParallelConfig(pipeline_model_parallel_size=4, pipeline_schedule="gpipe"), 1),
+    "pp4_1f1b": (ParallelConfig(pipeline_model_parallel_size=4), 1),
+    # 8 layers / (4 stages x 1 layer per virtual stage) = 2 chunks per stage.
+    "pp4_interleaved_v2": (
+        ParallelConfig(pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1), 1),
+    "pp2_tp2_dp2_sp": (
+        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                       sequence_parallel=True), 2),
+    "pp2_tp2_dp2_sp_zero_interleaved": (
+        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                       sequence_parallel=True, use_distributed_optimizer=True,
+                       virtual_pipeline_model_parallel_size=2), 2),
+    # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage.
+    "pp4_uneven_1_2_2_3": (
+        ParallelConfig(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
+                       decoder_last_pipeline_num_layers=3), 1),
+}
+
+
+@functools.cache
+def pipelined(name: str, model: tuple = MODEL):
+    """(Parallel, loss, grads in the stored layout, grads in the plain layout), cached."""
+    parallel, micro = LAYOUTS[name]
+    pz = build(parallel, micro, **dict(model))
+    state = pz.init(0)
+    loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
+    stored = jax.tree.map(np.asarray, grads)
+    return pz, float(loss), stored, pz.plain(stored)
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loss_and_every_gradient_match_single_device(name):
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=MODEL)
+    pz, loss, stored, grads = pipelined(name)
+    assert pz.pipeline is not None and pz.mesh.shape["pipe"] == pz.cfg.parallel.pipeline_model_parallel_size
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert not np.any(grads["embed"][VOCAB:])
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+    # Padding rows of an uneven split get no gradient (so AdamW leaves them at zero).
+    padding = pz.pipeline.layout.plain_index < 0
+    assert padding.any() == name.startswith("pp4_uneven")
+    for leaf in jax.tree.leaves(stored["layers"]):
+        assert not np.any(leaf[padding])
+
+
+def test_dropout_with_full_recompute_matches_single_device():
+    """The backward recomputes each stage's forward: it must redraw the same dropout masks
+    (keys folded from microbatch and layer index, as unpipelined). Microbatches hold the same
+    rows as the reference (4 rows each), so the masks are the same."""
+    model = MODEL + (("hidden_dropout", 0.1), ("attention_dropout", 0.1),
+                     ("recompute_granularity", "full"))
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model)
+    no_dropout_loss, _ = grads_for(*REFERENCE, single_device=True, model=MODEL)
+    assert abs(ref_loss - no_dropout_loss) > 1e-4  # dropout is really on
+    _, loss, _, grads = pipelined("pp2_tp2_dp2_sp", model)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
+def test_evaluation_program_matches_single_device():
+    pz = pipelined("pp2_tp2_dp2_sp_zero_interleaved")[0]
+    ref = build(*REFERENCE, jax.devices()[:1], **dict(MODEL))
+    ref_sum, ref_count = ref.eval_step(ref.init(0)["params"], place(ref, fixed_batch()))
+    loss_sum, count = pz.eval_step(pz.init(0)["params"], place(pz, fixed_batch()))
+    assert float(count) == float(ref_count)
+    np.testing.assert_allclose(float(loss_sum), float(ref_sum), rtol=1e-6)
+
+
+def test_only_the_pipeline_permutes():
+    """Stages take different branches each tick, so a collective inside a branch must involve
+    only devices of one stage: all-reduce / all-gather over tensor or data do, a
+    collective-permute does not (XLA:CPU rendezvouses every device on it and deadlocks). The
+    only permutes are the two ppermutes per tick, of one [batch, seq/tensor, embed] each."""
+    pz = pipelined("pp2_tp2_dp2_sp_zero_interleaved")[0]
+    state = pz.init(0)
+    hlo = pz.loss_and_grads.lower(state["params"], place(pz, fixed_batch()),
+                                  jax.random.key(0)).compile().as_text()
+    permutes = [c for c in collectives(hlo) if c.kind == "collective-permute"]
+    assert len(permutes) == 2, [c.op_name for c in permutes]
+    micro_rows_per_device = 2  # micro batch 2 per data-parallel rank
+    assert all(c.op_name.endswith("ppermute") for c in permutes)
+    assert all(c.shapes == ((micro_rows_per_device, 32 // 2, 64),) for c in permutes)
+
+
+# --------------------------------------------------------------------------- training curve
+
+# Ten AdamW steps. As in test_parallel.py: Adam turns fp32 reorder noise in near-zero gradient
+# entries into visible steps, so parameters are compared within 1e-4 absolute (a tenth of one
+# lr=1e-3 step) and losses within 2e-5; a wrong gradient moves parameters by whole steps.
+# Measured: losses 9.5e-7 apart, parameters 1.4e-5.
+CURVE_STEPS = 10
+CURVE_LOSS_ATOL = 2e-5
+CURVE_PARAM_ATOL = 1e-4
+
+
+@functools.cache
+def curve(parallel: ParallelConfig, micro: int, single_device: bool = False):
+    pz = build(parallel, micro, jax.devices()[:1] if single_device else None, **dict(MODEL))
+    state = pz.init(0)
+    losses = []
+    for i in range(CURVE_STEPS):  # two batches in turn: memorised, so the loss falls clearly
+        state, metrics = pz.train_step(state, place(pz, fixed_batch(i % 2)), jax.random.key(i))
+        losses.append(float(metrics["lm_loss"]))
+    return losses, pz.plain(jax.tree.map(np.asarray, state["params"]))
+
+
+def test_ten_step_training_curve_matches_pp1():
+    ref_losses, ref_params = curve(*REFERENCE, single_device=True)
+    losses, params = curve(*LAYOUTS["pp2_tp2_dp2_sp_zero_interleaved"])
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=CURVE_LOSS_ATOL)
+    assert ref_losses[-1] < ref_losses[0] - 0.1
+    assert_trees_close(unpad(ref_params), unpad(params), rtol=0.0, atol=CURVE_PARAM_ATOL)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def temp_bytes(schedule: str, m: int) -> int:
+    """Per-device temp bytes of the compiled loss_and_grads, pp=2 x dp=4, m microbatches."""
+    cfg = tiny_config(ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule=schedule),
+                      1, num_layers=2)
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, global_batch_size=m * 4))
+    cfg = finalize(cfg, jax.device_count())
+    pz = parallelize(cfg, make_mesh(cfg.parallel))
+    assert pz.num_microbatches == m
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          pz.shapes, pz.param_sharding)
+    batch = {k: jax.ShapeDtypeStruct(pz.batch_shape(), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=pz.batch_sharding())
+             for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    compiled = pz.loss_and_grads.lower(params, batch, jax.random.key(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
+    """A stashed stage input is [1 row, seq 32, embed 64] fp32 = 8 KiB per device. GPipe
+    stashes all m; 1F1B at most P = 2 whatever m. The schedule table itself grows with m by a
+    few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation)."""
+    slot = 1 * 32 * 64 * 4
+    gpipe = {m: temp_bytes("gpipe", m) for m in (4, 8, 16)}
+    one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
+    assert one_f_one_b[16] - one_f_one_b[4] < 1024, one_f_one_b
+    assert gpipe[8] - gpipe[4] >= 4 * slot and gpipe[16] - gpipe[8] >= 8 * slot, gpipe
+    assert gpipe[16] - one_f_one_b[16] >= (16 - 2) * slot, (gpipe, one_f_one_b)
+
+
+# --------------------------------------------------------------------------- programs (no devices)
+
+PROGRAM_CASES = (
+    [("gpipe", P, m, 1) for P in (2, 3, 4) for m in (1, 2, 3, 5, 8)]
+    + [("1f1b", P, m, 1) for P in (2, 3, 4, 5) for m in (1, 2, 3, 5, 8)]
+    + [("interleaved", P, k * P, V) for P in (2, 3, 4) for k in (1, 2, 3) for V in (2, 3)]
+)
+
+
+def _interpret(program) -> None:
+    """Run a program on symbols: every buffer read must find exactly the tensor it needs."""
+    P, V, a = program.num_stages, program.num_chunks, program.arrays
+    last = P * V - 1
+    acts = [dict() for _ in range(P)]  # stage -> slot -> ('act', microbatch, virtual stage in)
+    grads = [dict() for _ in range(P)]  # stage -> slot -> ('grad', microbatch, virtual stage out)
+    for t in range(program.ticks):
+        sent_fwd, sent_bwd = [None] * P, [None] * P
+        for s in range(P):
+            kind, mb, c = (int(a[k][t, s]) for k in ("kind", "microbatch", "chunk"))
+            if kind == 0:
+                continue
+            v = c * P + s
+            if v > 0:  # the stage input, produced by virtual stage v-1
+                assert acts[s].get(int(a["act_slot"][t, s])) == ("act", mb, v - 1), (t, s)
+            if kind == 1:
+                sent_fwd[s] = ("act", mb, v)
+            else:
+                if v < last:
+                    assert grads[s].get(int(a["grad_slot"][t, s])) == ("grad", mb, v + 1), (t, s)
+                sent_bwd[s] = ("grad", mb, v)
+        for s in range(P):  # ppermute: s -> s+1 forward, s -> s-1 backward (ring)
+            for buffers, key, got in ((acts, "recv_act", sent_fwd[(s - 1) % P]),
+                                      (grads, "recv_grad", sent_bwd[(s + 1) % P])):
+                slot = int(a[key][t, s])
+                wanted = got is not None and (got[2] < last if key == "recv_act" else got[2] > 0)
+                assert (slot >= 0) == wanted, (t, s, key, got)
+                if slot >= 0:
+                    live = buffers[s].get(slot)
+                    assert live is None or _consumed(program, s, live, t), (t, s, slot, live)
+                    assert slot < (program.num_act_slots if key == "recv_act" else program.num_grad_slots)
+                    buffers[s][slot] = got
+
+
+def _consumed(program, stage, tensor, tick) -> bool:
+    """Has the last reader of `tensor` on `stage` run by the end of `tick`?"""
+    kind, mb, v_from = tensor
+    P = program.num_stages
+    v = v_from + 1 if kind == "act" else v_from - 1  # the virtual stage that reads it
+    reader = schedules.BACKWARD if not program.forward_only else schedules.FORWARD
+    for t in range(tick + 1):
+        action = program.table[t][stage]
+        if action.kind == reader and action.microbatch == mb and action.chunk * P + stage == v:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name,P,m,V", PROGRAM_CASES)
+def test_programs_route_every_tensor_to_its_reader(name, P, m, V):
+    _interpret(build_program(name, P, m, V))
+    _interpret(build_program(name, P, m, V, forward_only=True))
+
+
+@pytest.mark.parametrize("P,m", list(itertools.product((2, 3, 4, 5), (1, 4, 8, 16))))
+def test_stash_is_bounded_by_P_for_1f1b_and_m_for_gpipe(P, m):
+    assert build_program("1f1b", P, m).num_act_slots <= P
+    assert build_program("gpipe", P, m).num_act_slots == m
+    assert build_program("1f1b", P, m).ticks == schedules.ideal_ticks(P, m)
+
+
+def test_forward_only_program_ticks():
+    assert build_program("1f1b", 4, 8, forward_only=True).ticks == 8 + 4 - 1
+    assert build_program("interleaved", 2, 4, 2, forward_only=True).ticks == 4 * 2 + 2 - 1
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_round_trips_and_places_layers():
+    plain = {"layers": {"w": np.arange(8 * 3).reshape(8, 3).astype(np.float32)},
+             "embed": np.ones((4, 3), np.float32)}
+    flat = PipelineLayout(2, 1, (4, 4))
+    assert flat.is_identity and flat.to_pipelined(plain) is plain  # checkpoints as pp=1
+    interleaved = PipelineLayout(2, 2, (2, 2, 2, 2))
+    assert interleaved.stage_layers(0) == [0, 1, 4, 5] and interleaved.stage_layers(1) == [2, 3, 6, 7]
+    uneven = PipelineLayout(4, 1, (1, 2, 2, 3))
+    assert uneven.stored_layers == 12 and uneven.stage_layers(3) == [5, 6, 7]
+    for layout in (interleaved, uneven):
+        stored = layout.to_pipelined(plain)
+        assert stored["embed"] is plain["embed"]
+        np.testing.assert_array_equal(layout.to_plain(stored)["layers"]["w"], plain["layers"]["w"])
+        rows = stored["layers"]["w"].reshape(layout.num_stages, -1, 3)  # [stage, V*Lmax, 3]
+        for s in range(layout.num_stages):
+            real = layout.plain_index.reshape(layout.num_stages, -1)[s] >= 0
+            np.testing.assert_array_equal(rows[s][real], plain["layers"]["w"][layout.stage_layers(s)])
+            assert not rows[s][~real].any()
+
+
+# --------------------------------------------------------------------------- config errors
+
+
+def _finalize(micro=1, global_batch=16, _layers=LAYERS, **parallel):
+    cfg = tiny_config(ParallelConfig(**parallel), micro, num_layers=_layers)
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, global_batch_size=global_batch))
+    return finalize(cfg, jax.device_count())
+
+
+@pytest.mark.parametrize("parallel,message", [
+    (dict(pipeline_model_parallel_size=4, _layers=6),
+     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3),
+     r"--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x 3 virtual stages per rank = 6"),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3),
+     r"--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x "
+     r"--num-layers-per-virtual-pipeline-stage 3 = 6"),
+    (dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, micro=4),
+     r"too few microbatches for the interleaved schedule: 2 .* < --pipeline-model-parallel-size 4"),
+    (dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, global_batch=48, micro=4),
+     r"microbatches \(6 = .*\) to be a multiple of --pipeline-model-parallel-size 4"),
+    (dict(virtual_pipeline_model_parallel_size=2),
+     "need --pipeline-model-parallel-size > 1, got 1"),
+    (dict(decoder_first_pipeline_num_layers=2),
+     r"--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1, got 1"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          num_layers_per_virtual_pipeline_stage=2),
+     r"set only one of --num-virtual-stages-per-pipeline-rank \(2\) and "
+     r"--num-layers-per-virtual-pipeline-stage \(2\)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved"),
+     "interleaved needs at least 2 virtual stages per pipeline rank, got 1"),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b", virtual_pipeline_model_parallel_size=2),
+     "--pipeline-schedule 1f1b runs one model chunk per pipeline rank, but 2 virtual stages"),
+    (dict(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3,
+          decoder_last_pipeline_num_layers=4),
+     r"first 3 \+ last 4 leaves 1 layers for the other 2 of 4 stages"),
+    (dict(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=2,
+          decoder_last_pipeline_num_layers=3),
+     r"first 2 \+ last 3 leaves 3 layers, not divisible by the 2 remaining pipeline stages"),
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=8),
+     r"first 8 leaves 0 layers for the other 1 of 2 stages"),
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2,
+          virtual_pipeline_model_parallel_size=2),
+     r"with virtual pipeline stages is not supported \(V=2\)"),
+])
+def test_invalid_pipeline_configs_name_their_numbers(parallel, message):
+    parallel = dict(parallel)
+    kwargs = {k: parallel.pop(k) for k in ("micro", "global_batch", "_layers") if k in parallel}
+    with pytest.raises(ConfigError, match=message):
+        _finalize(**kwargs, **parallel)
+
+
+def test_valid_pipeline_configs_pass_and_pick_megatrons_default_schedule():
+    from mlm_jax.pipeline.runtime import plan
+
+    cfg = _finalize(pipeline_model_parallel_size=2)
+    assert plan(cfg) == ("1f1b", PipelineLayout(2, 1, (4, 4)))
+    cfg = _finalize(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)
+    assert plan(cfg) == ("interleaved", PipelineLayout(2, 2, (2, 2, 2, 2)))
+    cfg = _finalize(pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=2)
+    assert plan(cfg)[1].layers_per_vstage == (2, 2, 2, 2)
+    _finalize(pipeline_schedule="1f1b")  # a schedule with pp=1 is harmless: no pipeline
