@@ -10,7 +10,8 @@ import numpy as np
 from mlm_jax.config import DataConfig
 from mlm_jax.data import inspect as inspect_cli
 from mlm_jax.data.builder import build_datasets
-from mlm_jax.data.default_corpus import build_default_corpus, gather_stdlib_sources, split_source
+from mlm_jax.data.default_corpus import (DEFAULT_VOCAB_SIZE, build_default_corpus, gather_stdlib_sources,
+                                         split_source)
 from mlm_jax.data.indexed_dataset import IndexedDataset
 from mlm_jax.data.preprocess import preprocess
 
@@ -60,9 +61,9 @@ def test_default_corpus_is_lossless_and_cached(tmp_path):
 def test_default_run_data():
     """No data flags: the stdlib corpus, split and sampled like any other data."""
     data = build_datasets(DataConfig(), 128, 1234, (64, 16, 16))
-    assert data.tokenizer.vocab_size == 8192
+    assert data.tokenizer.vocab_size == DEFAULT_VOCAB_SIZE == 4096
     assert len(data.train) >= 64 and data.train[0].shape == (129,)
     assert data.valid is not None and data.test is not None
-    assert np.all(np.asarray(data.train[5]) < 8192)
+    assert np.all(np.asarray(data.train[5]) < DEFAULT_VOCAB_SIZE)
     # Documents are pieces of modules a few hundred tokens long, so samples often cross an EOD.
     assert sum(bool((data.train[i] == data.tokenizer.eod).any()) for i in range(64)) >= 8
