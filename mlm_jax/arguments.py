@@ -14,11 +14,11 @@ from typing import Any, Sequence
 
 import yaml
 
-from mlm_jax.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig,
-                            ParallelConfig, TrainConfig)
+from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
+                            OptimConfig, ParallelConfig, TrainConfig)
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
-            "data": DataConfig, "train": TrainConfig}
+            "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 # kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False)
 # (flag, section, field, kind, help)
@@ -103,6 +103,25 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--peak-flops-per-device", "train", "peak_flops", "float", "(mlm_jax) MFU denominator; default: measured matmul peak"),
     ("--no-progress-bar", "train", "progress_bar", "false", "(mlm_jax) no progress bar"),
     ("--sample-tokens", "train", "sample_tokens", "int", "(mlm_jax) greedy sample length at the end"),
+    # checkpoints and exits (mlm_jax/checkpoint.py)
+    ("--save", "checkpoint", "save", "str", "checkpoint folder to save to (default: <run dir>/checkpoints, at the end)"),
+    ("--load", "checkpoint", "load", "str", "resume from the latest complete checkpoint of this folder"),
+    ("--save-interval", "checkpoint", "save_interval", "int", "iterations between checkpoints"),
+    ("--keep-last-checkpoints", "checkpoint", "keep_last", "int", "(mlm_jax) keep only the newest N checkpoints of --save"),
+    ("--async-save", "checkpoint", "async_save", "true", "write checkpoints in the background (the default here)"),
+    ("--no-async-save", "checkpoint", "async_save", "false", "(mlm_jax) block training until each checkpoint is written"),
+    ("--no-save-optim", "checkpoint", "save_optim", "false", "do not save the optimizer state"),
+    ("--no-save-rng", "checkpoint", "save_rng", "false", "do not save the RNG state"),
+    ("--no-final-checkpoint", "checkpoint", "final_checkpoint", "false", "(mlm_jax) no checkpoint when training ends"),
+    ("--no-load-optim", "checkpoint", "load_optim", "false", "fresh optimizer state (and LR schedule) on --load"),
+    ("--no-load-rng", "checkpoint", "load_rng", "false", "dropout RNG from --seed, not the checkpoint"),
+    ("--finetune", "checkpoint", "finetune", "true", "load weights only; start at iteration 0"),
+    ("--exit-on-missing-checkpoint", "checkpoint", "exit_on_missing_checkpoint", "true", "error if --load has no checkpoint"),
+    ("--ckpt-step", "checkpoint", "ckpt_step", "int", "load this iteration's checkpoint, not the latest"),
+    ("--use-checkpoint-args", "checkpoint", "use_checkpoint_args", "true", "model sizes (and tokenizer) from the --load checkpoint"),
+    ("--exit-signal-handler", "checkpoint", "exit_signal_handler", "true", "on SIGTERM/SIGINT save a checkpoint and exit 0"),
+    ("--exit-interval", "checkpoint", "exit_interval", "int", "save and exit when iteration % N == 0"),
+    ("--exit-duration-in-mins", "checkpoint", "exit_duration_in_mins", "float", "save and exit after this many minutes"),
 ]
 
 # Accepted with exactly one meaning; anything else is refused with the reason.

@@ -146,12 +146,36 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving, loading and clean exits (mlm_jax/checkpoint.py); Megatron's flag names."""
+
+    save: str | None = None  # None: the final checkpoint goes to <run dir>/checkpoints
+    load: str | None = None
+    save_interval: int | None = None  # iterations between saves (None: only at the end / exit)
+    keep_last: int | None = None  # keep the newest N checkpoints of --save (None: all)
+    async_save: bool = True  # write in the background; the step blocks only for the copy
+    save_optim: bool = True
+    save_rng: bool = True
+    final_checkpoint: bool = True  # save when training ends
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False  # weights only, from iteration 0
+    exit_on_missing_checkpoint: bool = False
+    ckpt_step: int | None = None  # load this iteration instead of the latest
+    use_checkpoint_args: bool = False  # model sizes (and tokenizer) from the checkpoint
+    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save and exit 0
+    exit_interval: int | None = None  # save and exit when iteration % N == 0
+    exit_duration_in_mins: float | None = None  # save and exit after this much wall time
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def replace(self, **sections) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -314,6 +338,23 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
         )
+    validate_checkpoint(cfg.checkpoint)
+
+
+def validate_checkpoint(c: CheckpointConfig) -> None:
+    """The checkpoint flags' own rules (the folders themselves are checked when used)."""
+    for name, value in [("--save-interval", c.save_interval), ("--keep-last-checkpoints", c.keep_last),
+                        ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {value}")
+    if c.ckpt_step is not None and c.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {c.ckpt_step}")
+    for name, given in [("--finetune", c.finetune), ("--ckpt-step", c.ckpt_step is not None),
+                        ("--use-checkpoint-args", c.use_checkpoint_args),
+                        ("--exit-on-missing-checkpoint", c.exit_on_missing_checkpoint)]:
+        if given and not c.load:
+            raise ConfigError(f"{name} needs --load DIR")
 
 
 def validate_pipeline(cfg: Config, world_size: int) -> None:

@@ -45,9 +45,12 @@ def train(cfg: Config, log=print) -> dict:
     from mlm_jax.metrics import Logger, device_memory, flops_per_token, measure_matmul_peak
     from mlm_jax.parallelize import count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
+    from mlm_jax import checkpoint as ckpt
 
+    start_time = time.time()
     world = jax.device_count()
     cfg = finalize(cfg, world)  # flag errors surface before any data or compile work
+    cfg, found = ckpt.resolve_load(cfg, world, log)  # --load: which checkpoint (model args from it)
     t = cfg.train
     run_dir = _run_dir(cfg)
     main = jax.process_index() == 0
@@ -86,14 +89,24 @@ def train(cfg: Config, log=print) -> dict:
         return {k: full[k] for k in keep}
 
     shape = pz.batch_shape()
-    loader = BatchLoader(data.train, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
-                         start_iteration=0, prefetch=cfg.data.prefetch)
     valid_loader = (BatchLoader(data.valid, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
                                 prefetch=0) if data.valid is not None else None)
 
     t0 = time.perf_counter()
-    state = pz.init(t.seed)
-    log(f"> parameters initialised in {time.perf_counter() - t0:.1f} s")
+    if found is not None:
+        state, start = ckpt.restore_train_state(cfg, pz, found, log)
+    else:
+        state, start = pz.init(t.seed), ckpt.Start()
+        log(f"> parameters initialised in {time.perf_counter() - t0:.1f} s")
+    if start.consumed_samples % t.global_batch_size:
+        raise ckpt.CheckpointError(
+            f"the checkpoint consumed {start.consumed_samples} samples, not a multiple of "
+            f"--global-batch-size {t.global_batch_size}; resume with the batch size it was saved with")
+    saver = ckpt.Saver(cfg, pz, tokenizer, run_dir, start, log, start_time)
+    # The data order is a function of the sample index: resuming continues it exactly.
+    loader = BatchLoader(data.train, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
+                         start_iteration=start.consumed_samples // t.global_batch_size,
+                         prefetch=cfg.data.prefetch)
 
     peak = t.peak_flops
     peak_source = "given"
@@ -108,7 +121,8 @@ def train(cfg: Config, log=print) -> dict:
     logger = Logger(cfg.train.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
                     cfg.train.tensorboard_dir or (os.path.join(run_dir, "tensorboard") if main else None),
                     write=tqdm.write)
-    seed_key = jax.random.key(t.seed)
+    seed_key = (jax.random.key(t.seed) if start.rng_key_data is None
+                else jax.random.wrap_key_data(start.rng_key_data))
     tokens_per_iter = t.global_batch_size * t.seq_length
 
     def evaluate(iteration: int) -> float | None:
@@ -131,9 +145,11 @@ def train(cfg: Config, log=print) -> dict:
                            f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
         return loss
 
-    first_valid = evaluate(0)
-    bar = tqdm(total=t.train_iters, desc="training", unit="it", dynamic_ncols=True,
+    first_valid = evaluate(start.iteration)
+    bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
                disable=not (main and t.progress_bar), file=sys.stderr)
+    exit_reason = None
+    iteration = start.iteration
     window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
     compile_done = None
     pending = None  # the previous step's metrics, checked after the next step is dispatched
@@ -148,7 +164,7 @@ def train(cfg: Config, log=print) -> dict:
                 "(--no-check-for-nan-in-loss-and-grad to go on regardless)")
 
     try:
-        for iteration in range(1, t.train_iters + 1):
+        for iteration in range(start.iteration + 1, t.train_iters + 1):
             batch, wait = next(loader)
             window_wait += wait
             state, metrics = pz.train_step(state, batch, jax.random.fold_in(seed_key, iteration))
@@ -190,10 +206,19 @@ def train(cfg: Config, log=print) -> dict:
                 window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
             if iteration % t.eval_interval == 0 and iteration != t.train_iters:
                 last_valid = evaluate(iteration)
+            consumed = start.consumed_samples + (iteration - start.iteration) * t.global_batch_size
+            exit_reason = saver.step_done(iteration, state, consumed, jax.random.key_data(seed_key))
+            if exit_reason:
+                log(f"> exiting at iteration {iteration}: {exit_reason}")
+                break
         if pending is not None:
             check(*pending)
-        last_valid = evaluate(t.train_iters)
+        if exit_reason is None:
+            last_valid = evaluate(t.train_iters)
+        saver.finish(iteration, state, start.consumed_samples
+                     + (iteration - start.iteration) * t.global_batch_size, jax.random.key_data(seed_key))
     finally:
+        saver.close()
         bar.close()
         loader.close()
         if valid_loader is not None:
@@ -201,7 +226,7 @@ def train(cfg: Config, log=print) -> dict:
         logger.close()
 
     sample = None
-    if t.sample_tokens > 0 and tokenizer is not None and data.valid is not None:
+    if t.sample_tokens > 0 and tokenizer is not None and data.valid is not None and exit_reason is None:
         # Prompt with the start of a held-out sample: real context, not a made-up string.
         prompt = [int(i) for i in data.valid[0][: max(8, t.seq_length // 4)]]
         ids = greedy(pz.graphdef, state["params"], prompt, t.sample_tokens, t.seq_length)
@@ -214,7 +239,9 @@ def train(cfg: Config, log=print) -> dict:
             log(f"> greedy sample, prompt:\n{prompt_text}\n> continuation:\n{new_text}")
     summary = {"run_dir": run_dir, "first_valid_loss": first_valid, "final_valid_loss": last_valid,
                "final_train_loss": last_train_loss, "iterations": t.train_iters,
-               "parameters": n_params, "sample": sample}
+               "parameters": n_params, "sample": sample, "exit_reason": exit_reason,
+               "last_iteration": iteration, "resumed_from": start.resumed_from,
+               "checkpoints": saver.saved_paths}
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

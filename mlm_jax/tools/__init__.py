@@ -1,0 +1,1 @@
+"""Command-line tools: `python -m mlm_jax.tools.checkpoint import-hf | export-hf`."""

@@ -1,0 +1,521 @@
+"""Hugging Face <-> mlm_jax checkpoints: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+
+    python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
+    python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
+
+Local files only: `config.json` plus `model.safetensors` or sharded `model-0000x-of-0000y.safetensors`
+with `model.safetensors.index.json`. Tokenizer files found next to them are carried along both
+ways. Import writes a weights-only mlm_jax checkpoint at iteration 0 (`--load OUT --finetune`
+continues training from it; add `--use-checkpoint-args` to take the model sizes from it).
+
+Weight layouts (all conversions are exact reshapes/transposes in numpy):
+  GPT-2  Conv1D weights are [in, out]. `c_attn` is [d, 3d] = q | k | v blocks of h heads each;
+         ours is [d, groups=h, r + 2 = 3, k] (per head: its q, k, v), Megatron's interleave.
+         tanh GELU (gelu_new) = --openai-gelu; learned positions; LayerNorm; tied head.
+  Llama  Linear weights are [out, in]. q [h*k, d], k/v [g*k, d]; query head j uses kv group
+         j // (h/g), which is our [d, g, r, k] order. gate/up/down -> w1 [d, 2, f], w2 [f, d].
+         RMSNorm, rotate-half RoPE (the same as ours), no biases; untied head [V, d] -> [d, V].
+The vocab is padded with zero rows to Megatron's padded size on import; export writes the true
+vocab rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from mlm_jax.config import Config, ConfigError, ModelConfig, padded_vocab_size
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
+
+
+class HFError(ConfigError):
+    """A Hugging Face folder or model that cannot be converted; the message says why."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise HFError(f"--hf-dir {hf_dir}: no such folder")
+    if not os.path.isfile(path):
+        raise HFError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model folder is needed; "
+                      "nothing is downloaded)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
+    """Every tensor of the folder: model.safetensors, or the shards its index json names."""
+    from safetensors import safe_open
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise HFError(f"--hf-dir {hf_dir}: no *.safetensors weights (PyTorch .bin files are not read)")
+    out = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            raise HFError(f"{index}: names {name}, which is missing")
+        with safe_open(path, framework="np") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], out_dir: str, max_shard_bytes: int = 5 << 30) -> list[str]:
+    """model.safetensors, or shards + model.safetensors.index.json past `max_shard_bytes`."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name in tensors:
+        nbytes = tensors[name].nbytes
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = np.ascontiguousarray(tensors[name])
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def tokenizer_files(folder: str) -> dict[str, bytes]:
+    out = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def hf_tokenizer_record(files: dict[str, bytes], vocab_size: int) -> dict | None:
+    """The mlm_jax tokenizer record for a folder's tokenizer files (None: no tokenizer there)."""
+    if "tokenizer.json" in files:
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer.json",
+                "vocab_size": vocab_size}
+    if "vocab.json" in files and "merges.txt" in files:
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json", "merge_file": "merges.txt",
+                "vocab_size": vocab_size}
+    if "tokenizer.model" in files:
+        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": "tokenizer.model",
+                "vocab_size": vocab_size}
+    return None
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def hf_kind(hf: dict) -> str:
+    arch = (hf.get("architectures") or [None])[0]
+    model_type = hf.get("model_type")
+    if model_type == "mixtral" or arch == "MixtralForCausalLM":
+        raise HFError("Mixtral (MixtralForCausalLM) is not yet supported: mlm_jax has no mixture-of-experts "
+                      "layers yet; GPT2LMHeadModel and LlamaForCausalLM are")
+    if model_type == "gpt2" or arch in ("GPT2LMHeadModel", "GPT2Model"):
+        return "gpt2"
+    if model_type == "llama" or arch == "LlamaForCausalLM":
+        return "llama"
+    raise HFError(f"Hugging Face architecture {arch or model_type!r} is not supported; "
+                  "supported: GPT2LMHeadModel, LlamaForCausalLM (Mixtral once MoE exists)")
+
+
+_GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig computing the same function as the Hugging Face model."""
+    kind = hf_kind(hf)
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in _GELU:
+            raise HFError(f"GPT-2 activation_function {act!r} is not supported (gelu_new, gelu)")
+        for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+            if hf.get(key):
+                raise HFError(f"GPT-2 config {key}=true is not supported")
+        if hf.get("scale_attn_weights", True) is False:
+            raise HFError("GPT-2 config scale_attn_weights=false is not supported")
+        d = hf["n_embd"]
+        return ModelConfig(
+            num_layers=hf["n_layer"], hidden_size=d, ffn_hidden_size=hf.get("n_inner") or 4 * d,
+            num_attention_heads=hf["n_head"], vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf["n_positions"], position_embedding_type="learned_absolute",
+            normalization="LayerNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            openai_gelu=_GELU[act], swiglu=False,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+            add_bias_linear=True, hidden_dropout=hf.get("resid_pdrop", 0.1),
+            attention_dropout=hf.get("attn_pdrop", 0.1), init_method_std=hf.get("initializer_range", 0.02))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"Llama hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
+    scaling = hf.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        raise HFError(f"Llama rope_scaling {scaling} is not supported yet (plain RoPE only)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise HFError(f"Llama config {key}=true is not supported")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    g = hf.get("num_key_value_heads") or h
+    head_dim = hf.get("head_dim") or d // h
+    return ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=d, ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=h, num_query_groups=None if g == h else g,
+        kv_channels=None if head_dim * h == d else head_dim, vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        position_embedding_type="rope", rotary_base=float(hf.get("rope_theta", 10000.0)),
+        normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02))
+
+
+def export_kind(m: ModelConfig) -> str:
+    """gpt2 or llama, whichever computes the same function as `m`; else an error naming why."""
+    gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
+            "add_bias_linear": True}
+    llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+             "add_bias_linear": False}
+    for kind, want in (("gpt2", gpt2), ("llama", llama)):
+        if all(getattr(m, k) == v for k, v in want.items()):
+            if kind == "gpt2" and (m.query_groups != m.num_attention_heads
+                                   or m.head_dim * m.num_attention_heads != m.hidden_size):
+                raise HFError("GPT-2 has no grouped-query attention or --kv-channels; this model cannot be "
+                              "exported as GPT2LMHeadModel")
+            return kind
+    raise HFError(
+        "this model has no Hugging Face equivalent: GPT-2 needs learned positions, LayerNorm, GELU and "
+        "biases; Llama needs rope, RMSNorm, SwiGLU and no biases (got "
+        + ", ".join(f"{k}={getattr(m, k)!r}" for k in gpt2) + ")")
+
+
+def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json for `m`; `base` (the imported model's original config) keeps its other keys."""
+    out = dict(base or {})
+    if kind == "gpt2":
+        out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=m.vocab_size,
+                   n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
+                   n_head=m.num_attention_heads,
+                   n_inner=None if m.ffn_size == 4 * m.hidden_size else m.ffn_size,
+                   activation_function="gelu_new" if m.openai_gelu else "gelu",
+                   layer_norm_epsilon=m.norm_epsilon,
+                   tie_word_embeddings=not m.untie_embeddings_and_output_weights)
+        out.setdefault("resid_pdrop", m.hidden_dropout)
+        out.setdefault("embd_pdrop", m.hidden_dropout)
+        out.setdefault("attn_pdrop", m.attention_dropout)
+        out.setdefault("initializer_range", m.init_method_std)
+    else:
+        out.update(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=m.vocab_size,
+                   hidden_size=m.hidden_size, intermediate_size=m.ffn_size, num_hidden_layers=m.num_layers,
+                   num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups,
+                   head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
+                   rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base, hidden_act="silu",
+                   tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+                   attention_bias=False, mlp_bias=False)
+        out.setdefault("rope_scaling", None)
+        out.setdefault("initializer_range", m.init_method_std)
+    out["torch_dtype"] = dtype
+    return out
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _gpt2_prefix(tensors: dict) -> str:
+    return "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padded_vocab: int) -> dict:
+    """Hugging Face tensors -> mlm_jax params (plain layout, fp32 numpy, vocab padded)."""
+    t = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    used = set()
+
+    def take(name):
+        if name not in t:
+            raise HFError(f"the safetensors have no tensor {name!r} (needed by a {kind} model of this config)")
+        used.add(name)
+        return np.asarray(t[name], dtype=np.float32)
+
+    d, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    h, g, k, f = m.num_attention_heads, m.query_groups, m.head_dim, m.ffn_size
+    r = h // g
+
+    def pad_rows(x):  # [V, ...] -> [padded, ...], zero rows
+        if x.shape[0] != V:
+            raise HFError(f"vocab tensor has {x.shape[0]} rows, config.json says vocab_size {V}")
+        return np.concatenate([x, np.zeros((padded_vocab - V, *x.shape[1:]), np.float32)])
+
+    def stack(fn):
+        return np.stack([fn(i) for i in range(L)])
+
+    if kind == "gpt2":
+        p = _gpt2_prefix(t)
+        ln = lambda name: {"scale": take(f"{name}.weight"), "bias": take(f"{name}.bias")}  # noqa: E731
+
+        def qkv_w(i):  # [d, 3*h*k] (q | k | v) -> [d, h, 3, k]
+            w = take(f"{p}h.{i}.attn.c_attn.weight").reshape(d, 3, h, k)
+            return w.transpose(0, 2, 1, 3)
+
+        def qkv_b(i):
+            return take(f"{p}h.{i}.attn.c_attn.bias").reshape(3, h, k).transpose(1, 0, 2)
+
+        layers = {
+            "norm1": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_1.weight")),
+                      "bias": stack(lambda i: take(f"{p}h.{i}.ln_1.bias"))},
+            "wqkv": stack(qkv_w), "bqkv": stack(qkv_b),
+            "wo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.weight").reshape(h, k, d)),
+            "bo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.bias")),
+            "norm2": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_2.weight")),
+                      "bias": stack(lambda i: take(f"{p}h.{i}.ln_2.bias"))},
+            "w1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.weight")),
+            "b1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.bias")),
+            "w2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.weight")),
+            "b2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.bias")),
+        }
+        params = {"embed": pad_rows(take(f"{p}wte.weight")), "pos_embed": take(f"{p}wpe.weight"),
+                  "layers": layers, "final_norm": ln(f"{p}ln_f")}
+        head = "lm_head.weight"
+        if m.untie_embeddings_and_output_weights:
+            params["lm_head"] = pad_rows(take(head)).T
+        elif head in t:
+            if not np.array_equal(t[head], t[f"{p}wte.weight"]):
+                raise HFError("tie_word_embeddings is true but lm_head.weight differs from wte.weight")
+            used.add(head)
+    else:
+        def qkv_w(i):  # q [h*k, d], k/v [g*k, d] -> [d, g, r + 2, k]
+            q = take(f"model.layers.{i}.self_attn.q_proj.weight").reshape(g, r, k, d)
+            kk = take(f"model.layers.{i}.self_attn.k_proj.weight").reshape(g, 1, k, d)
+            v = take(f"model.layers.{i}.self_attn.v_proj.weight").reshape(g, 1, k, d)
+            return np.concatenate([q, kk, v], axis=1).transpose(3, 0, 1, 2)
+
+        def w1(i):  # gate/up [f, d] -> [d, 2, f]
+            return np.stack([take(f"model.layers.{i}.mlp.gate_proj.weight").T,
+                             take(f"model.layers.{i}.mlp.up_proj.weight").T], axis=1)
+
+        layers = {
+            "norm1": {"scale": stack(lambda i: take(f"model.layers.{i}.input_layernorm.weight"))},
+            "wqkv": stack(qkv_w),
+            "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d)),
+            "norm2": {"scale": stack(lambda i: take(f"model.layers.{i}.post_attention_layernorm.weight"))},
+            "w1": stack(w1),
+            "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T),
+        }
+        params = {"embed": pad_rows(take("model.embed_tokens.weight")), "layers": layers,
+                  "final_norm": {"scale": take("model.norm.weight")}}
+        if m.untie_embeddings_and_output_weights:
+            params["lm_head"] = pad_rows(take("lm_head.weight")).T
+        elif "lm_head.weight" in t:
+            used.add("lm_head.weight")
+    unused = sorted(set(t) - used)
+    if unused:
+        raise HFError(f"the safetensors hold tensors this {kind} config does not use: {unused[:8]}"
+                      + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+    return params
+
+
+def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, prefix: str = "transformer.",
+                 write_tied_head: bool = False) -> dict[str, np.ndarray]:
+    """mlm_jax params (plain layout) -> Hugging Face tensors, true vocab rows only."""
+    d, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    h, g, k = m.num_attention_heads, m.query_groups, m.head_dim
+    r = h // g
+    P = {kk: np.asarray(v) for kk, v in _flatten(params).items()}
+    out: dict[str, np.ndarray] = {}
+
+    def put(name, x):
+        out[name] = np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
+
+    embed = P["embed"][:V]
+    if kind == "gpt2":
+        p = prefix
+        put(f"{p}wte.weight", embed)
+        put(f"{p}wpe.weight", P["pos_embed"])
+        for i in range(L):
+            put(f"{p}h.{i}.ln_1.weight", P["layers/norm1/scale"][i])
+            put(f"{p}h.{i}.ln_1.bias", P["layers/norm1/bias"][i])
+            put(f"{p}h.{i}.attn.c_attn.weight", P["layers/wqkv"][i].transpose(0, 2, 1, 3).reshape(d, 3 * h * k))
+            put(f"{p}h.{i}.attn.c_attn.bias", P["layers/bqkv"][i].transpose(1, 0, 2).reshape(3 * h * k))
+            put(f"{p}h.{i}.attn.c_proj.weight", P["layers/wo"][i].reshape(h * k, d))
+            put(f"{p}h.{i}.attn.c_proj.bias", P["layers/bo"][i])
+            put(f"{p}h.{i}.ln_2.weight", P["layers/norm2/scale"][i])
+            put(f"{p}h.{i}.ln_2.bias", P["layers/norm2/bias"][i])
+            put(f"{p}h.{i}.mlp.c_fc.weight", P["layers/w1"][i])
+            put(f"{p}h.{i}.mlp.c_fc.bias", P["layers/b1"][i])
+            put(f"{p}h.{i}.mlp.c_proj.weight", P["layers/w2"][i])
+            put(f"{p}h.{i}.mlp.c_proj.bias", P["layers/b2"][i])
+        put(f"{p}ln_f.weight", P["final_norm/scale"])
+        put(f"{p}ln_f.bias", P["final_norm/bias"])
+    else:
+        put("model.embed_tokens.weight", embed)
+        for i in range(L):
+            qkv = P["layers/wqkv"][i].transpose(1, 2, 3, 0)  # [g, r + 2, k, d]
+            put(f"model.layers.{i}.input_layernorm.weight", P["layers/norm1/scale"][i])
+            put(f"model.layers.{i}.self_attn.q_proj.weight", qkv[:, :r].reshape(h * k, d))
+            put(f"model.layers.{i}.self_attn.k_proj.weight", qkv[:, r].reshape(g * k, d))
+            put(f"model.layers.{i}.self_attn.v_proj.weight", qkv[:, r + 1].reshape(g * k, d))
+            put(f"model.layers.{i}.self_attn.o_proj.weight", P["layers/wo"][i].reshape(h * k, d).T)
+            put(f"model.layers.{i}.post_attention_layernorm.weight", P["layers/norm2/scale"][i])
+            put(f"model.layers.{i}.mlp.gate_proj.weight", P["layers/w1"][i][:, 0].T)
+            put(f"model.layers.{i}.mlp.up_proj.weight", P["layers/w1"][i][:, 1].T)
+            put(f"model.layers.{i}.mlp.down_proj.weight", P["layers/w2"][i].T)
+        put("model.norm.weight", P["final_norm/scale"])
+    if m.untie_embeddings_and_output_weights:
+        put("lm_head.weight", P["lm_head"][:, :V].T)
+    elif write_tied_head:
+        put("lm_head.weight", embed)
+    return out
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "/"))
+        elif value is not None:
+            out[name] = value
+    return out
+
+
+def load_hf(hf_dir: str, divisible_by: int = 128, tensor_parallel: int = 1):
+    """(ModelConfig with padded vocab, numpy params, original config, tensor naming) of a folder."""
+    hf = read_hf_config(hf_dir)
+    kind = hf_kind(hf)
+    m = model_config_from_hf(hf)
+    padded = padded_vocab_size(m.vocab_size, divisible_by, tensor_parallel)
+    m = dataclasses.replace(m, make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded)
+    tensors = read_safetensors(hf_dir)
+    params = hf_to_params(tensors, m, kind, padded)
+    dtypes = sorted({str(v.dtype) for v in tensors.values()})
+    naming = {"kind": kind, "prefix": _gpt2_prefix(tensors) if kind == "gpt2" else "",
+              "tied_head_stored": (not m.untie_embeddings_and_output_weights) and "lm_head.weight" in tensors,
+              "dtype": dtypes[0] if len(dtypes) == 1 else "float32"}
+    return m, params, hf, naming
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def import_hf(hf_dir: str, save: str, divisible_by: int = 128, log=print) -> str:
+    """Write the Hugging Face model of `hf_dir` as an mlm_jax checkpoint (iteration 0) under `save`."""
+    from mlm_jax.checkpoint import write_params_checkpoint
+
+    m, params, hf, naming = load_hf(hf_dir, divisible_by)
+    files = tokenizer_files(hf_dir)
+    record = hf_tokenizer_record(files, m.vocab_size)
+    data = Config().data
+    if record is not None:
+        data = dataclasses.replace(data, tokenizer_type=record["tokenizer_type"])
+    cfg = Config(model=m, data=data)
+    path = write_params_checkpoint(save, 0, params, cfg, record, files,
+                                   extra={"hf": {"config": hf, **naming, "source": os.path.abspath(hf_dir)}})
+    n = sum(x.size for x in _flatten(params).values())
+    log(f"> imported {naming['kind']} ({n / 1e6:.2f} M parameters, vocab {m.vocab_size} padded to "
+        f"{m.vocab}) from {hf_dir} to {path}" + (f"; tokenizer files: {', '.join(files)}" if files else ""))
+    return path
+
+
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
+
+
+def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None = None,
+              max_shard_bytes: int = 5 << 30, log=print) -> str:
+    """Write the mlm_jax checkpoint `load` as a Hugging Face folder `hf_dir`."""
+    from mlm_jax.checkpoint import TOKENIZER, find_checkpoint, restore_host_params
+
+    found = find_checkpoint(load, step, flag="--load", log=log)
+    if found is None:
+        raise HFError(f"--load {load}: no complete checkpoint in this folder")
+    m = found.config.model
+    kind = export_kind(m)
+    imported = found.meta.get("hf") or {}
+    dtype = dtype or imported.get("dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise HFError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+    np_dtype = _DTYPES[dtype]
+    if np_dtype == "bfloat16":
+        import ml_dtypes
+
+        np_dtype = ml_dtypes.bfloat16
+    params = restore_host_params(found)
+    tensors = params_to_hf(params, m, kind, np_dtype, prefix=imported.get("prefix", "transformer."),
+                           write_tied_head=imported.get("tied_head_stored", False))
+    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
+        raise HFError(f"--hf-dir {hf_dir}: exists and is not empty")
+    written = write_safetensors(tensors, hf_dir, max_shard_bytes)
+    config = hf_config_from_model(m, kind, imported.get("config") if imported.get("kind") == kind else None,
+                                  dtype)
+    tok = found.meta.get("tokenizer") or {}
+    if "eod" in tok and not imported:
+        config.setdefault("bos_token_id", tok["eod"])
+        config.setdefault("eos_token_id", tok["eod"])
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    carried = []
+    folder = os.path.join(found.path, TOKENIZER)
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name != "commit_success.txt":
+                shutil.copy(os.path.join(folder, name), os.path.join(hf_dir, name))
+                carried.append(name)
+    log(f"> exported iteration {found.iteration} of {found.path} as {config['architectures'][0]} ({dtype}) "
+        f"to {hf_dir}: {', '.join(written)}" + (f"; tokenizer files: {', '.join(carried)}" if carried else ""))
+    return hf_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
+                                     description="Convert checkpoints between Hugging Face and mlm_jax.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="Hugging Face folder -> mlm_jax checkpoint (iteration 0)")
+    imp.add_argument("--hf-dir", required=True, help="local folder: config.json + *.safetensors")
+    imp.add_argument("--save", required=True, help="mlm_jax save folder to create")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    exp = sub.add_parser("export-hf", help="mlm_jax checkpoint -> Hugging Face folder")
+    exp.add_argument("--load", required=True, help="an mlm_jax save folder (latest) or checkpoint folder")
+    exp.add_argument("--hf-dir", required=True, help="output folder (created; must be empty)")
+    exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default latest)")
+    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                     help="tensor dtype (default: the imported model's, else float32)")
+    exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import-hf":
+            import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
+        else:
+            export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step, int(args.max_shard_size_gb * (1 << 30)))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
