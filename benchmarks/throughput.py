@@ -23,11 +23,10 @@ from mlm_jax.sharding import make_mesh
 
 
 def layouts(n: int) -> dict[str, ParallelConfig]:
-    out = {"dp": ParallelConfig()}
-    tp = 2 if n % 2 == 0 and n > 1 else 1
-    if tp > 1:
-        out["tp2"] = ParallelConfig(tensor_model_parallel_size=tp)
-        out["tp2_sp_zero"] = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True,
+    out = {"dp": ParallelConfig(), "dp_zero": ParallelConfig(use_distributed_optimizer=True)}
+    if n % 2 == 0 and n > 1:
+        out["tp2"] = ParallelConfig(tensor_model_parallel_size=2)
+        out["tp2_sp_zero"] = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
                                             use_distributed_optimizer=True)
     return out
 
@@ -45,13 +44,15 @@ def bench(parallel: ParallelConfig, model: ModelConfig, seq: int, micro: int, st
             "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy()}
     batch = {k: jax.device_put(v, pz.batch_sharding()) for k, v in host.items()}
     t = time.perf_counter()
-    state, m = pz.train_step(state, batch, jax.random.key(0))
-    jax.block_until_ready(m)
+    step_fn = pz.train_step.lower(state, batch, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - t
+    memory = step_fn.memory_analysis()
+    state, m = step_fn(state, batch, jax.random.key(0))
+    jax.block_until_ready(m)
     times = []
     for i in range(steps):
         t = time.perf_counter()
-        state, m = pz.train_step(state, batch, jax.random.key(i))
+        state, m = step_fn(state, batch, jax.random.key(i))
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     step = float(np.median(times))
@@ -60,7 +61,10 @@ def bench(parallel: ParallelConfig, model: ModelConfig, seq: int, micro: int, st
     return {
         "mesh": {k: int(v) for k, v in pz.mesh.shape.items()},
         "global_batch": cfg.train.global_batch_size, "seq": seq,
-        "first_step_s": compile_s, "step_time_ms": 1000 * step, "tokens_per_sec": tps,
+        "compile_s": compile_s, "step_time_ms": 1000 * step, "tokens_per_sec": tps,
+        # Per device, from the compiled program: arguments are the train state (+ the batch).
+        "argument_bytes_per_device": int(memory.argument_size_in_bytes),
+        "temp_bytes_per_device": int(memory.temp_size_in_bytes),
         "mfu": tps * flops_per_token(cfg.model, seq, causal=True) / n / peak,
         "mfu_megatron_full_attention": tps * flops_per_token(cfg.model, seq, causal=False) / n / peak,
     }
@@ -85,12 +89,14 @@ def main() -> None:
     print(f"devices: {device}; measured {'bf16' if args.bf16 else 'fp32'} matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s per device")
     results = {}
-    print(f"{'layout':14s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'MFU(full)':>9s} {'1st step s':>10s}")
+    print(f"{'layout':14s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'MFU(full)':>9s} "
+          f"{'compile s':>9s} {'state MB/dev':>12s} {'temp MB/dev':>11s}")
     for name, parallel in layouts(jax.device_count()).items():
         r = bench(parallel, model, args.seq, args.micro, args.steps, peak)
         results[name] = r
         print(f"{name:14s} {r['step_time_ms']:9.1f} {r['tokens_per_sec']:10.0f} {100 * r['mfu']:6.1f}% "
-              f"{100 * r['mfu_megatron_full_attention']:8.1f}% {r['first_step_s']:10.1f}")
+              f"{100 * r['mfu_megatron_full_attention']:8.1f}% {r['compile_s']:9.1f} "
+              f"{r['argument_bytes_per_device'] / 1e6:12.2f} {r['temp_bytes_per_device'] / 1e6:11.2f}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "throughput.json")
     with open(path, "w") as f:
