@@ -14,11 +14,12 @@ from typing import Any, Sequence
 
 import yaml
 
-from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
-                            OptimConfig, ParallelConfig, TrainConfig)
+from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
+                            InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
-            "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
+            "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+            "distributed": DistributedConfig, "instruments": InstrumentsConfig}
 
 # kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False)
 # (flag, section, field, kind, help)
@@ -122,6 +123,19 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--exit-signal-handler", "checkpoint", "exit_signal_handler", "true", "on SIGTERM/SIGINT save a checkpoint and exit 0"),
     ("--exit-interval", "checkpoint", "exit_interval", "int", "save and exit when iteration % N == 0"),
     ("--exit-duration-in-mins", "checkpoint", "exit_duration_in_mins", "float", "save and exit after this many minutes"),
+    # multi-host (mlm_jax/distributed.py); unset: MLM_JAX_* environment variables, then SLURM
+    ("--coordinator-address", "distributed", "coordinator_address", "str", "(mlm_jax) HOST:PORT of process 0's jax.distributed coordinator (env MLM_JAX_COORDINATOR_ADDRESS)"),
+    ("--num-processes", "distributed", "num_processes", "int", "(mlm_jax) processes in the job, one per host or per GPU (env MLM_JAX_NUM_PROCESSES)"),
+    ("--process-id", "distributed", "process_id", "int", "(mlm_jax) this process's index; 0 runs the coordinator (env MLM_JAX_PROCESS_ID)"),
+    ("--coordinator-timeout", "distributed", "coordinator_timeout", "float", "(mlm_jax) seconds to reach the coordinator and for every process to join (env MLM_JAX_COORDINATOR_TIMEOUT; default 300)"),
+    # instruments (mlm_jax/instruments.py)
+    ("--profile", "instruments", "profile", "true", "jax.profiler trace of iterations start+1..end (process 0) into <run dir>/profile"),
+    ("--profile-step-start", "instruments", "profile_step_start", "int", "start the trace after this many iterations"),
+    ("--profile-step-end", "instruments", "profile_step_end", "int", "stop the trace after this iteration"),
+    ("--wandb-project", "instruments", "wandb_project", "str", "also log to Weights & Biases (needs `pip install wandb`)"),
+    ("--wandb-exp-name", "instruments", "wandb_exp_name", "str", "Weights & Biases run name"),
+    ("--wandb-save-dir", "instruments", "wandb_save_dir", "str", "Weights & Biases local folder"),
+    ("--slow-iteration-factor", "instruments", "slow_iteration_factor", "float", "(mlm_jax) warn when an iteration takes this many times the running median (0: never; default 3)"),
 ]
 
 # Accepted with exactly one meaning; anything else is refused with the reason.
@@ -132,6 +146,7 @@ REFUSED = {
 
 def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) -> None:
     dest = flag[2:].replace("-", "_")
+    help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
     if kind in ("true", "false"):
         parser.add_argument(flag, dest=dest, action="store_true", default=None, help=help_text)
     elif kind == "list":

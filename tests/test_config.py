@@ -45,6 +45,14 @@ def test_every_flag_in_the_table_parses():
         parse_args(argv)
 
 
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag, *_ in FLAGS)
+
+
 def test_unknown_flag_is_an_error_naming_it(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--num-layerz", "4"])
