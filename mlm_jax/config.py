@@ -169,6 +169,33 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Joining the processes of a multi-host run (mlm_jax/distributed.py).
+
+    Unset fields come from MLM_JAX_COORDINATOR_ADDRESS / MLM_JAX_NUM_PROCESSES /
+    MLM_JAX_PROCESS_ID / MLM_JAX_COORDINATOR_TIMEOUT, then from SLURM (srun); else one process.
+    """
+
+    coordinator_address: str | None = None  # HOST:PORT where process 0 runs the coordinator
+    num_processes: int | None = None
+    process_id: int | None = None
+    coordinator_timeout: float | None = None  # seconds to reach it and for all to join (300)
+
+
+@dataclass(frozen=True)
+class InstrumentsConfig:
+    """Timers, slow-iteration warnings, profiler traces, Weights & Biases (mlm_jax/instruments.py)."""
+
+    slow_iteration_factor: float = 3.0  # warn above this x the running median (0: never)
+    profile: bool = False
+    profile_step_start: int = 10  # Megatron's defaults: iterations 11..12 are traced
+    profile_step_end: int = 12
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -176,6 +203,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    instruments: InstrumentsConfig = field(default_factory=InstrumentsConfig)
 
     def replace(self, **sections) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -339,6 +368,7 @@ def validate(cfg: Config, world_size: int) -> None:
             f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
         )
     validate_checkpoint(cfg.checkpoint)
+    validate_instruments(cfg.instruments)
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
@@ -355,6 +385,16 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
                         ("--exit-on-missing-checkpoint", c.exit_on_missing_checkpoint)]:
         if given and not c.load:
             raise ConfigError(f"{name} needs --load DIR")
+
+
+def validate_instruments(i: InstrumentsConfig) -> None:
+    if i.slow_iteration_factor < 0:
+        raise ConfigError(f"--slow-iteration-factor must be >= 0, got {i.slow_iteration_factor}")
+    if i.profile and not 0 <= i.profile_step_start < i.profile_step_end:
+        raise ConfigError(
+            f"--profile needs 0 <= --profile-step-start ({i.profile_step_start}) < "
+            f"--profile-step-end ({i.profile_step_end})"
+        )
 
 
 def validate_pipeline(cfg: Config, world_size: int) -> None:

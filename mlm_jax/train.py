@@ -42,18 +42,23 @@ def train(cfg: Config, log=print) -> dict:
 
     from mlm_jax.data import BatchLoader, build_datasets, make_batch, megatron_num_samples
     from mlm_jax.generate import greedy
-    from mlm_jax.metrics import Logger, device_memory, flops_per_token, measure_matmul_peak
+    from mlm_jax.metrics import device_memory, flops_per_token, measure_matmul_peak
     from mlm_jax.parallelize import count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
     from mlm_jax import checkpoint as ckpt
+    from mlm_jax.distributed import broadcast_str, initialize
+    from mlm_jax.instruments import Instruments, RunLogger, Wandb, slow_iteration_line, step_memory
 
+    initialize(cfg.distributed)  # joins the other processes (if any) before any device is touched
     start_time = time.time()
     world = jax.device_count()
     cfg = finalize(cfg, world)  # flag errors surface before any data or compile work
     cfg, found = ckpt.resolve_load(cfg, world, log)  # --load: which checkpoint (model args from it)
     t = cfg.train
-    run_dir = _run_dir(cfg)
+    run_dir = broadcast_str(_run_dir(cfg))  # one run folder, named by process 0
     main = jax.process_index() == 0
+    if not main:  # only process 0 prints; every process still does all the work
+        log = lambda *args, **kwargs: None  # noqa: E731
 
     # Data (the tokenizer decides the true vocab size).
     t0 = time.perf_counter()
@@ -118,9 +123,11 @@ def train(cfg: Config, log=print) -> dict:
     log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({peak_source} "
         f"{'bf16' if cfg.model.bf16 else 'fp32'} matmul peak)")
 
-    logger = Logger(cfg.train.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
-                    cfg.train.tensorboard_dir or (os.path.join(run_dir, "tensorboard") if main else None),
-                    write=tqdm.write)
+    logger = RunLogger(cfg.train.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
+                       cfg.train.tensorboard_dir or (os.path.join(run_dir, "tensorboard") if main else None),
+                       write=tqdm.write, wandb=Wandb(cfg.instruments, cfg, run_dir, main, log))
+    inst = Instruments(cfg.instruments, profile_dir=os.path.join(run_dir, "profile"), main=main)
+    step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
     seed_key = (jax.random.key(t.seed) if start.rng_key_data is None
                 else jax.random.wrap_key_data(start.rng_key_data))
     tokens_per_iter = t.global_batch_size * t.seq_length
@@ -165,17 +172,33 @@ def train(cfg: Config, log=print) -> dict:
 
     try:
         for iteration in range(start.iteration + 1, t.train_iters + 1):
+            inst.before_step(iteration)
             batch, wait = next(loader)
             window_wait += wait
-            state, metrics = pz.train_step(state, batch, jax.random.fold_in(seed_key, iteration))
+            inst.add("data_wait", wait)
+            with inst.step_annotation(iteration):
+                state, metrics = pz.train_step(state, batch, jax.random.fold_in(seed_key, iteration))
             if pending is not None:
                 check(*pending)
+                slow = inst.step_finished(*pending)
+                if slow is not None:
+                    logger.log(slow, console=slow_iteration_line(slow))
             pending = (iteration, metrics)
             if compile_done is None:
                 jax.block_until_ready(metrics)
                 compile_done = time.perf_counter() - window_start
                 log(f"> first step (compile + run) took {compile_done:.1f} s")
+                if not device_memory():
+                    step_mem = step_memory(pz.train_step, state, batch, jax.random.fold_in(seed_key, iteration))
+                    if step_mem:
+                        log("> step memory per device (XLA memory analysis; these devices report no live "
+                            f"memory): {step_mem['compiled_total_bytes'] / 2**20:.1f} MiB = arguments "
+                            f"{step_mem.get('compiled_argument_bytes', 0) / 2**20:.1f} + outputs "
+                            f"{step_mem.get('compiled_output_bytes', 0) / 2**20:.1f} - donated "
+                            f"{step_mem.get('compiled_alias_bytes', 0) / 2**20:.1f} + temporaries "
+                            f"{step_mem.get('compiled_temp_bytes', 0) / 2**20:.1f}")
                 window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
+                inst.reset()
             else:
                 window_iters += 1
             bar.update(1)
@@ -193,21 +216,29 @@ def train(cfg: Config, log=print) -> dict:
                     "tokens_per_sec": tps, "step_time_ms": 1000 * step_s,
                     "data_wait_ms": 1000 * window_wait / max(window_iters, 1),
                     "mfu": mfu, "mfu_megatron_full_attention": tps * flops_full / world / peak,
-                    "mfu_peak_source": peak_source, **device_memory(),
+                    "mfu_peak_source": peak_source, **device_memory(), **step_mem, **inst.window(),
                 }
+                memory = device_memory()
                 logger.log(record, console=(
                     f" iteration {iteration:8d}/{t.train_iters:8d} | consumed samples: "
                     f"{iteration * t.global_batch_size:12d} | elapsed time per iteration (ms): "
                     f"{1000 * step_s:.1f} | learning rate: {record['lr']:.6E} | global batch size: "
                     f"{t.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {record['grad_norm']:.3f} | "
                     f"tokens/s: {tps:,.0f} | MFU (causal): {100 * mfu:.1f}% | data wait (ms): "
-                    f"{record['data_wait_ms']:.1f} |"))
+                    f"{record['data_wait_ms']:.1f} |"
+                    + (f" checkpoint (ms): {record['checkpoint_ms']:.1f} |" if record.get("checkpoint_ms", 0) >= 1 else "")
+                    + (f" slowest iteration (ms): {record['max_iteration_ms']:.1f} |" if "max_iteration_ms" in record else "")
+                    + (f" memory (GiB): {memory['bytes_in_use'] / 2**30:.2f} in use, "
+                       f"{memory.get('peak_bytes_in_use', 0) / 2**30:.2f} peak |" if "bytes_in_use" in memory else "")))
                 bar.set_postfix(loss=f"{loss:.3f}")
                 window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
             if iteration % t.eval_interval == 0 and iteration != t.train_iters:
-                last_valid = evaluate(iteration)
+                with inst.timed("eval"):
+                    last_valid = evaluate(iteration)
             consumed = start.consumed_samples + (iteration - start.iteration) * t.global_batch_size
-            exit_reason = saver.step_done(iteration, state, consumed, jax.random.key_data(seed_key))
+            with inst.timed("checkpoint"):
+                exit_reason = saver.step_done(iteration, state, consumed, jax.random.key_data(seed_key))
+            inst.after_step(iteration, metrics, last=bool(exit_reason) or iteration == t.train_iters)
             if exit_reason:
                 log(f"> exiting at iteration {iteration}: {exit_reason}")
                 break
@@ -218,6 +249,7 @@ def train(cfg: Config, log=print) -> dict:
         saver.finish(iteration, state, start.consumed_samples
                      + (iteration - start.iteration) * t.global_batch_size, jax.random.key_data(seed_key))
     finally:
+        inst.close()
         saver.close()
         bar.close()
         loader.close()
@@ -260,16 +292,21 @@ def use_every_cpu_core() -> None:
 
 
 def main(argv=None) -> int:
+    from mlm_jax.distributed import DistributedError, fail  # errors name the process
+
     try:
         cfg = parse_args(argv)
         use_every_cpu_core()
         train(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 2)
+    except (TrainingStopped, DistributedError) as e:
+        return fail(str(e), 1)
+    except Exception as e:  # noqa: BLE001 - shown with the process id, then this process exits
+        import traceback
+
+        traceback.print_exc()
+        return fail(f"{type(e).__name__}: {e}", 1)
     return 0
 
 
