@@ -311,3 +311,4 @@ def test_training_continues_from_an_imported_checkpoint(gpt2, tmp_path):
     n = sum(v.size for k, v in w.items()) + (128 - V) * D  # + the vocab padding rows
     assert summary["parameters"] == n and summary["resumed_from"] == saved
     assert summary["final_train_loss"] is not None and np.isfinite(summary["final_train_loss"])
+    assert summary["checkpoints"] == [] and not os.path.exists(tmp_path / "run" / "checkpoints")  # --no-final-checkpoint
