@@ -331,29 +331,44 @@ class Pipeline:
                 layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
                                         layers_vl)  # [Lmax, ...]
                 x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
+                # Branches see only this tick's tensors and return this tick's deltas: a branch
+                # that passed the buffers or accumulators through would copy them every tick.
 
-                def idle(carry):
-                    return zeros_act, zeros_act, carry
+                def nothing():
+                    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+                    return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)),
+                            zeros(layers_c), zeros(shared))
 
-                def forward(carry):
+                def idle():
+                    return nothing()
+
+                def forward():
                     y, loss = stage_forward(layers_c, shared, x_in, mb_in, v, mb)
-                    return y, zeros_act, {**carry, "loss": carry["loss"] + loss}
+                    _, _, _, d_lc, d_sh = nothing()
+                    return y, zeros_act, loss, d_lc, d_sh
 
-                def backward(carry):
+                def backward():
                     (_, loss), vjp = jax.vjp(
                         lambda lp, sp, x: stage_forward(lp, sp, x, mb_in, v, mb), layers_c, shared, x_in)
                     at_loss = v == last
-                    g_y = jnp.where(at_loss, jnp.zeros_like(x_in), carry["grads_in"][a["grad_slot"]])
+                    g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
                     d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
-                    d_layers = pin_layers(jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc))
-                    d_shared = pin_shared(jax.tree.map(jnp.add, carry["d_shared"], pin_shared(d_sh)))
-                    return zeros_act, d_x, {**carry, "d_layers": d_layers, "d_shared": d_shared}
+                    return zeros_act, d_x, jnp.zeros_like(loss), d_lc, pin_shared(d_sh)
 
-                branches = [idle, forward, backward] if train else [idle, forward]
-                send_fwd, send_bwd, carry = jax.lax.switch(a["kind"], branches, carry)
+                if train:
+                    g_in = carry["grads_in"][a["grad_slot"]]  # [b, s, d]
+                    branches = [idle, forward, backward]
+                else:
+                    branches = [idle, forward]
+                send_fwd, send_bwd, loss, d_lc, d_sh = jax.lax.switch(a["kind"], branches)
+                carry = {**carry, "loss": carry["loss"] + loss}
+                if train:
+                    carry["d_layers"] = pin_layers(
+                        jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc))
+                    carry["d_shared"] = pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
                 ring = range(num_stages)
                 got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % num_stages) for i in ring])
-                carry = {**carry, "acts": _land(carry["acts"], a["recv_act"], got_act)}
+                carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
                 if train:
                     got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % num_stages) for i in ring])
                     carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
