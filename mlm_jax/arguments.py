@@ -120,7 +120,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--exit-on-missing-checkpoint", "checkpoint", "exit_on_missing_checkpoint", "true", "error if --load has no checkpoint"),
     ("--ckpt-step", "checkpoint", "ckpt_step", "int", "load this iteration's checkpoint, not the latest"),
     ("--use-checkpoint-args", "checkpoint", "use_checkpoint_args", "true", "model sizes (and tokenizer) from the --load checkpoint"),
-    ("--exit-signal-handler", "checkpoint", "exit_signal_handler", "true", "on SIGTERM/SIGINT save a checkpoint and exit 0"),
+    ("--exit-signal-handler", "checkpoint", "exit_signal_handler", "true", "on SIGTERM save a checkpoint and exit 0"),
     ("--exit-interval", "checkpoint", "exit_interval", "int", "save and exit when iteration % N == 0"),
     ("--exit-duration-in-mins", "checkpoint", "exit_duration_in_mins", "float", "save and exit after this many minutes"),
     # multi-host (mlm_jax/distributed.py); unset: MLM_JAX_* environment variables, then SLURM

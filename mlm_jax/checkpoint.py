@@ -566,8 +566,8 @@ class Saver:
         self.signal_received = None
         self._old_handlers = {}
         if c.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            # SIGTERM only (Megatron's): what schedulers send before a kill; Ctrl-C still stops.
+            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
         if self.dir and os.path.isdir(self.dir):
             later = [s for s in scan(self.dir)[0] if s > start.iteration]
             if later:
@@ -600,7 +600,8 @@ class Saver:
         iteration, path, t_start = self.pending
         self.pending = None
         self.log(f"> checkpoint of iteration {iteration} committed to {path} "
-                 f"({time.perf_counter() - t_start:.2f} s after the save began)")
+                 f"({'written in' if wait else 'seen done'} {time.perf_counter() - t_start:.2f} s "
+                 "after the save began)")
 
     def save(self, iteration: int, state: dict, consumed_samples: int, rng_key_data) -> float:
         """Save now; returns the seconds training was blocked."""

@@ -163,7 +163,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     ckpt_step: int | None = None  # load this iteration instead of the latest
     use_checkpoint_args: bool = False  # model sizes (and tokenizer) from the checkpoint
-    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save and exit 0
+    exit_signal_handler: bool = False  # SIGTERM: save and exit 0
     exit_interval: int | None = None  # save and exit when iteration % N == 0
     exit_duration_in_mins: float | None = None  # save and exit after this much wall time
 

@@ -61,7 +61,7 @@ def cfg_a(tmp):
     return finalize(parse_args(TINY + LAYOUT_A + ["--train-iters", "6"]), jax.device_count())
 
 
-def test_exit_interval_then_exact_resume(straight, tmp):
+def test_exit_interval_then_exact_resume(straight, tmp, cfg_a):
     """Iterations 4-6 after saving at 3 and resuming are bit-identical to the straight run."""
     _, losses, _ = straight
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
@@ -70,6 +70,14 @@ def test_exit_interval_then_exact_resume(straight, tmp):
     assert sorted(first) == [1, 2, 3] and "training blocked" in log
     assert ckpt.scan(str(tmp / "E"))[0] == [3]
     assert [first[i] for i in (1, 2, 3)] == [losses[i] for i in (1, 2, 3)]
+    # The straight run saved iteration 3 asynchronously and went on donating its state to the next
+    # steps; what it wrote equals what the exiting run wrote after its last step.
+    pz = parallelize(cfg_a, make_mesh(cfg_a.parallel))
+    quiet = lambda *_: None  # noqa: E731
+    a, _ = ckpt.restore_train_state(cfg_a, pz, ckpt.find_checkpoint(str(tmp / "S"), 3), log=quiet)
+    b, _ = ckpt.restore_train_state(cfg_a, pz, ckpt.find_checkpoint(str(tmp / "E")), log=quiet)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
 
     # --load == --save, the resume-if-any pattern; keep only the newest 2 of the saves at 4, 5, 6.
     summary, resumed, log = run(tmp, "resumed", LAYOUT_A + [
