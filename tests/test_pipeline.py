@@ -6,8 +6,8 @@ mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
     slot and never overwrite a live one, for every schedule over a sweep of sizes; the layer
     layout round-trips; invalid configurations fail naming their numbers;
   - on the fake 8-device mesh: loss and every gradient leaf against one device, for pp=2 and
-    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (also with the
-    distributed optimizer and interleaving), an uneven split, dropout with full recompute; the
+    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (with dropout and
+    full recompute; and with the distributed optimizer and interleaving), an uneven split; the
     evaluation program; a 10-step training curve against pp=1; the compiled temp memory of
     1F1B flat in the number of microbatches while GPipe's grows by one stashed activation per
     microbatch; and no collective-permute but the pipeline's own two.
@@ -55,7 +55,7 @@ LAYOUTS = {
     # 8 layers / (4 stages x 1 layer per virtual stage) = 2 chunks per stage.
     "pp4_interleaved_v2": (
         ParallelConfig(pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1), 1),
-    "pp2_tp2_dp2_sp": (
+    "pp2_tp2_dp2_sp": (  # with dropout and full recompute (LAYOUT_MODEL below)
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True), 2),
     "pp2_tp2_dp2_sp_zero_interleaved": (
@@ -69,11 +69,22 @@ LAYOUTS = {
 }
 
 
+# Dropout with full recompute on the 3-D layout: the backward recomputes each stage's forward
+# and must redraw the same masks (keys folded from microbatch and layer index, as unpipelined).
+# Its microbatches hold the same 4 rows as the reference's, so the masks are the same.
+DROPOUT = (("hidden_dropout", 0.1), ("attention_dropout", 0.1), ("recompute_granularity", "full"))
+LAYOUT_MODEL = {"pp2_tp2_dp2_sp": DROPOUT}
+
+
+def model_of(name: str) -> tuple:
+    return MODEL + LAYOUT_MODEL.get(name, ())
+
+
 @functools.cache
-def pipelined(name: str, model: tuple = MODEL):
+def pipelined(name: str):
     """(Parallel, loss, grads in the stored layout, grads in the plain layout), cached."""
     parallel, micro = LAYOUTS[name]
-    pz = build(parallel, micro, **dict(model))
+    pz = build(parallel, micro, **dict(model_of(name)))
     state = pz.init(0)
     loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
     stored = jax.tree.map(np.asarray, grads)
@@ -85,7 +96,7 @@ def pipelined(name: str, model: tuple = MODEL):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_every_gradient_match_single_device(name):
-    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=MODEL)
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model_of(name))
     pz, loss, stored, grads = pipelined(name)
     assert pz.pipeline is not None and pz.mesh.shape["pipe"] == pz.cfg.parallel.pipeline_model_parallel_size
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
@@ -98,18 +109,10 @@ def test_loss_and_every_gradient_match_single_device(name):
         assert not np.any(leaf[padding])
 
 
-def test_dropout_with_full_recompute_matches_single_device():
-    """The backward recomputes each stage's forward: it must redraw the same dropout masks
-    (keys folded from microbatch and layer index, as unpipelined). Microbatches hold the same
-    rows as the reference (4 rows each), so the masks are the same."""
-    model = MODEL + (("hidden_dropout", 0.1), ("attention_dropout", 0.1),
-                     ("recompute_granularity", "full"))
-    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model)
+def test_dropout_is_really_on_in_the_sp_layout():
+    ref_loss, _ = grads_for(*REFERENCE, single_device=True, model=model_of("pp2_tp2_dp2_sp"))
     no_dropout_loss, _ = grads_for(*REFERENCE, single_device=True, model=MODEL)
-    assert abs(ref_loss - no_dropout_loss) > 1e-4  # dropout is really on
-    _, loss, _, grads = pipelined("pp2_tp2_dp2_sp", model)
-    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
-    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+    assert abs(ref_loss - no_dropout_loss) > 1e-4, (ref_loss, no_dropout_loss)
 
 
 def test_evaluation_program_matches_single_device():
@@ -192,10 +195,11 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     stashes all m; 1F1B at most P = 2 whatever m. The schedule table itself grows with m by a
     few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation)."""
     slot = 1 * 32 * 64 * 4
-    gpipe = {m: temp_bytes("gpipe", m) for m in (4, 8, 16)}
     one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
+    gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}  # benchmarks/pipeline.py has m = 8 too
     assert one_f_one_b[16] - one_f_one_b[4] < 1024, one_f_one_b
-    assert gpipe[8] - gpipe[4] >= 4 * slot and gpipe[16] - gpipe[8] >= 8 * slot, gpipe
+    assert abs(one_f_one_b[8] - one_f_one_b[4]) < 1024, one_f_one_b
+    assert gpipe[16] - gpipe[4] >= 12 * slot, gpipe
     assert gpipe[16] - one_f_one_b[16] >= (16 - 2) * slot, (gpipe, one_f_one_b)
 
 
