@@ -259,16 +259,27 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
             initialization_timeout=max(1, int(deadline - time.monotonic())))
     finally:
         done.set()
+    global _joined
+    _joined = plan
     return plan
 
 
-def process_label() -> str:
-    """'[process 1/2] ' in a multi-process run, '' otherwise (never starts a backend)."""
-    import jax
+_joined: Plan | None = None  # set by `initialize` once this process has joined
 
-    if not jax.distributed.is_initialized():
-        return ""
-    return f"[process {jax.process_index()}/{jax.process_count()}] "
+
+def process_label() -> str:
+    """'[process 1/2] ' in a multi-process run, '' otherwise. Never starts a backend: that
+    would wait for every other process, and they may be the reason for the error."""
+    if _joined is not None:
+        return f"[{_joined.label}] "
+    try:  # joined by someone else's jax.distributed.initialize call
+        from jax._src.distributed import global_state
+
+        if global_state.client is not None:
+            return f"[process {global_state.process_id}/{global_state.num_processes}] "
+    except (ImportError, AttributeError):
+        pass
+    return ""
 
 
 def fail(message: str, code: int = 1) -> int:
