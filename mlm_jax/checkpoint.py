@@ -388,6 +388,7 @@ class Start:
     consumed_samples: int = 0
     rng_key_data: Any = None  # uint32 key data from the checkpoint, or None: from --seed
     resumed_from: str | None = None
+    valid_batches: int = 0  # validation batches already used (evaluations continue the stream)
 
 
 def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict, Start]:
@@ -444,7 +445,8 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
         rng = meta.get("rng")
         key_data = (np.asarray(rng["key_data"], np.uint32)
                     if c.load_rng and rng and rng.get("key_data") is not None else None)
-        start = Start(int(meta["iteration"]), int(meta.get("consumed_samples", 0)), key_data, found.path)
+        start = Start(int(meta["iteration"]), int(meta.get("consumed_samples", 0)), key_data, found.path,
+                      int(meta.get("valid_batches", 0)))
     what = ("weights only (--finetune), starting at iteration 0" if c.finetune else
             f"iteration {start.iteration}, {start.consumed_samples} consumed samples; optimizer state "
             f"{'restored' if load_optim else 'fresh (--no-load-optim)'}; dropout RNG "
@@ -552,8 +554,9 @@ class Saver:
     """
 
     def __init__(self, cfg: Config, pz, tokenizer, run_dir: str, start: Start, log=print,
-                 start_time: float | None = None):
+                 start_time: float | None = None, valid_loader=None):
         c = cfg.checkpoint
+        self.valid_loader = valid_loader  # its position is saved: evaluations resume in order
         self.cfg, self.pz, self.log, self.c = cfg, pz, log, c
         self.dir = c.save or (os.path.join(run_dir, "checkpoints") if c.final_checkpoint else None)
         self.start = start
@@ -622,6 +625,7 @@ class Saver:
         meta = {
             "format": FORMAT, "version": VERSION, "iteration": int(iteration),
             "consumed_samples": int(consumed_samples), "opt_step": int(jax.device_get(state["step"])),
+            "valid_batches": int(self.valid_loader.iteration) if self.valid_loader is not None else 0,
             "has_optimizer": bool(self.c.save_optim),
             "rng": ({"seed": self.cfg.train.seed, "impl": "threefry2x32",
                      "key_data": [int(x) for x in np.asarray(rng_key_data).reshape(-1)]}

@@ -94,8 +94,6 @@ def train(cfg: Config, log=print) -> dict:
         return {k: full[k] for k in keep}
 
     shape = pz.batch_shape()
-    valid_loader = (BatchLoader(data.valid, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
-                                prefetch=0) if data.valid is not None else None)
 
     t0 = time.perf_counter()
     if found is not None:
@@ -107,11 +105,15 @@ def train(cfg: Config, log=print) -> dict:
         raise ckpt.CheckpointError(
             f"the checkpoint consumed {start.consumed_samples} samples, not a multiple of "
             f"--global-batch-size {t.global_batch_size}; resume with the batch size it was saved with")
-    saver = ckpt.Saver(cfg, pz, tokenizer, run_dir, start, log, start_time)
-    # The data order is a function of the sample index: resuming continues it exactly.
+    # The data order is a function of the sample index: resuming continues it exactly (validation
+    # too: a checkpoint records how many validation batches were used).
     loader = BatchLoader(data.train, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
                          start_iteration=start.consumed_samples // t.global_batch_size,
                          prefetch=cfg.data.prefetch)
+    valid_loader = (BatchLoader(data.valid, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
+                                start_iteration=start.valid_batches, prefetch=0)
+                    if data.valid is not None else None)
+    saver = ckpt.Saver(cfg, pz, tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
 
     peak = t.peak_flops
     peak_source = "given"
@@ -152,7 +154,7 @@ def train(cfg: Config, log=print) -> dict:
                            f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
         return loss
 
-    first_valid = evaluate(start.iteration)
+    first_valid = evaluate(0) if start.iteration == 0 else None  # a resumed run evaluates on schedule
     bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
                disable=not (main and t.progress_bar), file=sys.stderr)
     exit_reason = None

@@ -42,6 +42,7 @@ def run(tmp, name, extra, iters=6):
     summary = train(parse_args(argv), log=logs.append)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     losses = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+    summary["valid_losses"] = {r["iteration"]: r["valid_lm_loss"] for r in records if "valid_lm_loss" in r}
     return summary, losses, "\n".join(map(str, logs))
 
 
@@ -52,8 +53,9 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(tmp):
-    """6 iterations on layout A (tp4 x dp2, ZeRO), saving at 3 and 6."""
-    return run(tmp, "straight", LAYOUT_A + ["--save", str(tmp / "S"), "--save-interval", "3"])
+    """6 iterations on layout A (tp4 x dp2, ZeRO), saving at 3 and 6, evaluating every 2."""
+    return run(tmp, "straight", LAYOUT_A + ["--save", str(tmp / "S"), "--save-interval", "3",
+                                            "--eval-interval", "2"])
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +64,13 @@ def cfg_a(tmp):
 
 
 def test_exit_interval_then_exact_resume(straight, tmp, cfg_a):
-    """Iterations 4-6 after saving at 3 and resuming are bit-identical to the straight run."""
-    _, losses, _ = straight
+    """Iterations 4-6 after saving at 3 and resuming are bit-identical to the straight run,
+    training and validation losses both."""
+    straight_summary, losses, _ = straight
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    summary, first, log = run(tmp, "exit", LAYOUT_A + ["--save", str(tmp / "E"), "--exit-interval", "3"])
+    assert sorted(straight_summary["valid_losses"]) == [0, 2, 4, 6]
+    summary, first, log = run(tmp, "exit", LAYOUT_A + ["--save", str(tmp / "E"), "--exit-interval", "3",
+                                                       "--eval-interval", "2"])
     assert summary["exit_reason"] == "--exit-interval 3" and summary["last_iteration"] == 3
     assert sorted(first) == [1, 2, 3] and "training blocked" in log
     assert ckpt.scan(str(tmp / "E"))[0] == [3]
@@ -81,10 +86,12 @@ def test_exit_interval_then_exact_resume(straight, tmp, cfg_a):
 
     # --load == --save, the resume-if-any pattern; keep only the newest 2 of the saves at 4, 5, 6.
     summary, resumed, log = run(tmp, "resumed", LAYOUT_A + [
-        "--load", str(tmp / "E"), "--save", str(tmp / "E"), "--save-interval", "1", "--keep-last-checkpoints", "2"])
+        "--load", str(tmp / "E"), "--save", str(tmp / "E"), "--save-interval", "1", "--keep-last-checkpoints", "2",
+        "--eval-interval", "2"])
     assert f"resumed from checkpoint {tmp / 'E' / '3'}: iteration 3, 48 consumed samples" in log, log
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[i] for i in (4, 5, 6)] == [losses[i] for i in (4, 5, 6)]  # bit for bit
+    assert summary["valid_losses"] == {i: straight_summary["valid_losses"][i] for i in (4, 6)}
     assert ckpt.scan(str(tmp / "E"))[0] == [5, 6]
 
 
