@@ -258,7 +258,15 @@ def _configure_orbax() -> None:
     except TypeError:  # an Orbax without the option: keep its default
         handler = None
     if handler is not None:
-        type_handlers.register_type_handler(jax.Array, handler, override=True)
+        import logging
+
+        absl = logging.getLogger("absl")  # Orbax warns that it is overriding its own default
+        level = absl.level
+        absl.setLevel(logging.ERROR)
+        try:
+            type_handlers.register_type_handler(jax.Array, handler, override=True)
+        finally:
+            absl.setLevel(level)
     _CONFIGURED = True
 
 
