@@ -536,9 +536,13 @@ def restore_host_params(found: Found) -> dict:
     if saved.model.padded_vocab_size is None:
         saved = saved.replace(model=dataclasses.replace(saved.model, padded_vocab_size=saved.model.vocab_size))
     _, shapes, _ = abstract_model(saved)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
+    # Read straight into numpy: no devices involved, so any process can convert any checkpoint
+    # (a target without shardings would make Orbax rebuild the saving run's device mesh).
+    target = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+    restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
     ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    out = ckptr.restore(found.path, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
+    out = ckptr.restore(found.path, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)}))
     return jax.tree.map(np.asarray, out[PARAMS])
 
 

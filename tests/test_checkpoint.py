@@ -337,3 +337,20 @@ def test_load_errors_name_the_problem(straight, tmp, capsys):
     (hf / "model.safetensors").write_bytes(b"")
     with pytest.raises(ckpt.CheckpointError, match="Hugging Face model folder.*import-hf"):
         ckpt.find_checkpoint(str(hf))
+
+
+def test_export_a_trained_checkpoint_from_a_one_device_process(straight, tmp):
+    """A checkpoint saved sharded over 8 devices converts in a process with 1 device (the CLI),
+    and the exported GPT-2 computes the same logits as the checkpoint."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = tmp / "exported"
+    proc = subprocess.run([sys.executable, "-m", "mlm_jax.tools.checkpoint", "export-hf", "--load", str(tmp / "S"),
+                           "--ckpt-step", "6", "--hf-dir", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "as GPT2LMHeadModel (float32)" in proc.stdout
+    config = json.load(open(out / "config.json"))
+    assert (config["activation_function"], config["vocab_size"], config["n_layer"]) == ("gelu", 500, 2)
+    tokens = np.random.default_rng(0).integers(0, 500, (8, 32))
+    np.testing.assert_allclose(mlm_jax.load(str(out)).logits(tokens),
+                               mlm_jax.load(str(tmp / "S")).logits(tokens), rtol=1e-6, atol=1e-6)
