@@ -580,9 +580,6 @@ class Saver:
         self.saved_paths: list[str] = []
         self.signal_received = None
         self._old_handlers = {}
-        if c.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            # SIGTERM only (Megatron's): what schedulers send before a kill; Ctrl-C still stops.
-            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
         if self.dir and os.path.isdir(self.dir):
             later = [s for s in scan(self.dir)[0] if s > start.iteration]
             if later:
@@ -590,6 +587,9 @@ class Saver:
                     f"--save {self.dir} already holds checkpoints of iterations {later}, after this run's "
                     f"start (iteration {start.iteration}); they belong to another run. Resume from the "
                     "latest with --load, or save to another folder")
+        if c.exit_signal_handler and threading.current_thread() is threading.main_thread():
+            # SIGTERM only (Megatron's): what schedulers send before a kill; Ctrl-C still stops.
+            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signal_received = signal.Signals(signum).name
