@@ -149,7 +149,10 @@ def resolve(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None 
         pid = pid if pid is not None else (None if env_values[2] is None else _int(ENV_PROCESS_ID, env_values[2]))
     timeout = cfg.coordinator_timeout
     if timeout is None:
-        timeout = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT))
+        try:
+            timeout = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT))
+        except ValueError:
+            raise ConfigError(f"{ENV_TIMEOUT}={env[ENV_TIMEOUT]!r} is not a number of seconds") from None
     if timeout <= 0:
         raise ConfigError(f"--coordinator-timeout must be positive, got {timeout}")
 
@@ -160,7 +163,8 @@ def resolve(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None 
         if ntasks > 1 or num is not None:
             sources.append(f"SLURM (job {env['SLURM_JOB_ID']}, {ntasks} tasks)")
             if address is None:
-                port = env.get("JAX_COORDINATOR_PORT") or 65535 - 2**12 + 1 + _int("SLURM_JOB_ID", env["SLURM_JOB_ID"]) % 2**12
+                # jax's rule: a port in [61440, 65535] that every task computes alike.
+                port = env.get("JAX_COORDINATOR_PORT") or 61440 + _int("SLURM_JOB_ID", env["SLURM_JOB_ID"]) % 4096
                 address = f"{slurm_first_node(env['SLURM_STEP_NODELIST'])}:{port}"
             num = ntasks if num is None else num
             pid = _int("SLURM_PROCID", env["SLURM_PROCID"]) if pid is None else pid

@@ -209,7 +209,8 @@ def train(cfg: Config, log=print) -> dict:
                 loss = float(metrics["lm_loss"])
                 last_train_loss = loss
                 elapsed = time.perf_counter() - window_start
-                step_s = elapsed / max(window_iters, 1)
+                # The first step's window holds no finished iteration: report its own time.
+                step_s = elapsed / window_iters if window_iters else compile_done
                 tps = tokens_per_iter / step_s
                 mfu = tps * flops_causal / world / peak
                 record = {
