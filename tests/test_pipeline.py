@@ -7,7 +7,8 @@ mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
     layout round-trips; invalid configurations fail naming their numbers;
   - on the fake 8-device mesh: loss and every gradient leaf against one device, for pp=2 and
     pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (with dropout and
-    full recompute; and with the distributed optimizer and interleaving), an uneven split; the
+    full recompute; and with the distributed optimizer and interleaving), an uneven split of
+    the Llama-style model (untied head); the
     evaluation program; a 10-step training curve against pp=1; the compiled temp memory of
     1F1B flat in the number of microbatches while GPipe's grows by one stashed activation per
     microbatch; and no collective-permute but the pipeline's own two.
@@ -15,8 +16,8 @@ mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
 Tolerances are those of tests/test_parallel.py and for the same reason: loss within 2e-6
 absolute, each gradient leaf within 2e-6 of the leaf's largest reference magnitude (plus 1e-10
 absolute for the analytically-zero key bias). Measured worst: 8.5e-7 relative, loss 4.8e-7
-(0 without tensor parallelism). A microbatch routed to the wrong stage, a lost tied-embedding gradient or a stale
-buffer slot is off by orders of magnitude more.
+(0 without tensor parallelism). A microbatch routed to the wrong stage, a lost tied-embedding
+gradient or a stale buffer slot is off by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ LAYOUTS = {
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True, use_distributed_optimizer=True,
                        virtual_pipeline_model_parallel_size=2), 2),
-    # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage.
+    # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage (Llama-style).
     "pp4_uneven_1_2_2_3": (
         ParallelConfig(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
                        decoder_last_pipeline_num_layers=3), 1),
@@ -73,7 +74,11 @@ LAYOUTS = {
 # and must redraw the same masks (keys folded from microbatch and layer index, as unpipelined).
 # Its microbatches hold the same 4 rows as the reference's, so the masks are the same.
 DROPOUT = (("hidden_dropout", 0.1), ("attention_dropout", 0.1), ("recompute_granularity", "full"))
-LAYOUT_MODEL = {"pp2_tp2_dp2_sp": DROPOUT}
+# The uneven split runs the Llama-style model: with untied embeddings the first stage alone
+# updates the embedding and the last alone the LM head (GQA, rotary, RMSNorm, SwiGLU, no biases).
+LLAMA = (("num_query_groups", 4), ("position_embedding_type", "rope"), ("normalization", "RMSNorm"),
+         ("swiglu", True), ("untie_embeddings_and_output_weights", True), ("add_bias_linear", False))
+LAYOUT_MODEL = {"pp2_tp2_dp2_sp": DROPOUT, "pp4_uneven_1_2_2_3": LLAMA}
 
 
 def model_of(name: str) -> tuple:
@@ -101,6 +106,7 @@ def test_loss_and_every_gradient_match_single_device(name):
     assert pz.pipeline is not None and pz.mesh.shape["pipe"] == pz.cfg.parallel.pipeline_model_parallel_size
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
     assert not np.any(grads["embed"][VOCAB:])
+    assert ("lm_head" in grads) == (name == "pp4_uneven_1_2_2_3")
     assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
     # Padding rows of an uneven split get no gradient (so AdamW leaves them at zero).
     padding = pz.pipeline.layout.plain_index < 0

@@ -328,8 +328,11 @@ class Pipeline:
                 mb, c = a["microbatch"], a["chunk"]
                 v = c * num_stages + stage
                 mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), batch)
-                layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
-                                        layers_vl)  # [Lmax, ...]
+                if V == 1:  # a static index: no per-tick copy of the stage's weights
+                    layers_c = jax.tree.map(lambda x: x[0], layers_vl)  # [Lmax, ...]
+                else:
+                    layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
+                                            layers_vl)  # [Lmax, ...]
                 x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
                 # Branches see only this tick's tensors and return this tick's deltas: a branch
                 # that passed the buffers or accumulators through would copy them every tick.

@@ -1,0 +1,169 @@
+"""Pipeline schedule figures: ticks, bubble, per-device memory and step time per schedule and m.
+
+    python benchmarks/pipeline.py [--stages 4] [--microbatches 4 8 16] [--hidden 256] [--layers 8]
+                                  [--seq 128] [--micro-batch 1] [--steps 3] [--out runs/benchmarks/pipeline.json]
+
+For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per stage) and each number of
+microbatches m, on P pipeline stages x the remaining devices as data parallel:
+  - ticks of the table and its idle fraction, against the formulas 2*(m*V + P - 1) and
+    (P-1)/(m*V + P - 1);
+  - the stage-input stash the runtime allocates (activation + gradient buffer slots, from the
+    table) and its bytes per device;
+  - per-device temp bytes of the compiled forward-backward (`loss_and_grads`: the whole
+    schedule; XLA's memory analysis, where params and batch are arguments, not temp), and its
+    growth over the smallest m;
+  - its wall time (median of --steps after a warm-up call) and tokens/s. The optimizer update
+    that follows in a train step does not depend on the schedule.
+
+Without --devices the run makes 8 fake CPU devices (set before jax is imported). On the fake
+CPU mesh every "device" shares the host's cores, so an idle stage frees its core for the busy
+ones: step time there tracks total work, not the bubble; the tick count is the bubble.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+if "--devices" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlm_jax.config import (  # noqa: E402
+    Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize,
+)
+from mlm_jax.parallelize import parallelize  # noqa: E402
+from mlm_jax.pipeline import schedules  # noqa: E402
+from mlm_jax.sharding import make_mesh  # noqa: E402
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+
+
+def config(args, schedule: str, V: int, m: int, dp: int) -> Config:
+    return Config(
+        model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                          num_attention_heads=max(1, args.hidden // 64), vocab_size=args.vocab,
+                          max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(pipeline_model_parallel_size=args.stages, pipeline_schedule=schedule,
+                                virtual_pipeline_model_parallel_size=V if V > 1 else None),
+        optim=OptimConfig(lr=1e-4, lr_decay_style="constant"),
+        train=TrainConfig(micro_batch_size=args.micro_batch, global_batch_size=m * args.micro_batch * dp,
+                          seq_length=args.seq, train_iters=10),
+    )
+
+
+def batch_for(pz, seed: int) -> dict:
+    m, rows, seq = pz.batch_shape()
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, pz.cfg.model.vocab_size, (m, rows, seq + 1))
+    host = {
+        "tokens": tokens[..., :-1].astype(np.int32),
+        "labels": tokens[..., 1:].astype(np.int32),
+        "loss_mask": np.ones((m, rows, seq), np.float32),
+        "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int32), (m, rows, seq)).copy(),
+    }
+    return {k: jax.device_put(v, pz.batch_sharding()) for k, v in host.items()}
+
+
+def measure(args, schedule: str, V: int, m: int) -> dict:
+    devices = jax.devices()
+    dp = len(devices) // args.stages
+    cfg = finalize(config(args, schedule, V, m, dp), len(devices))
+    pz = parallelize(cfg, make_mesh(cfg.parallel, devices))
+    program = pz.pipeline.program(m)
+    P = args.stages
+    table = program.table
+    rows_per_device = args.micro_batch  # one microbatch's rows on one data-parallel rank
+    slot_bytes = rows_per_device * args.seq * args.hidden * 4  # fp32 [b, s, d]
+    state = pz.init(0)
+    batch = batch_for(pz, 0)
+    t0 = time.perf_counter()
+    params = state["params"]
+    compiled = pz.loss_and_grads.lower(params, batch, jax.random.key(0)).compile()
+    compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    loss, grads = compiled(params, batch, jax.random.key(0))  # warm-up
+    jax.block_until_ready(grads)
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        loss, grads = compiled(params, batch, jax.random.key(i + 1))
+        jax.block_until_ready(grads)
+        times.append(time.perf_counter() - t0)
+    return {
+        "schedule": schedule, "stages": P, "chunks": V, "microbatches": m, "data_parallel": dp,
+        "ticks": program.ticks, "ticks_formula": schedules.ideal_ticks(P, m, V),
+        "idle_fraction": schedules.idle_fraction(table),
+        "idle_fraction_formula": schedules.ideal_idle_fraction(P, m, V),
+        "max_in_flight": max(schedules.max_in_flight(table)),
+        "act_slots": program.num_act_slots, "grad_slots": program.num_grad_slots,
+        "stash_bytes": (program.num_act_slots + program.num_grad_slots) * slot_bytes,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "compile_s": compile_s, "step_s": float(np.median(times)),
+        "tokens_per_s": m * rows_per_device * dp * args.seq / float(np.median(times)),
+        "loss": float(loss),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--devices", action="store_true", help="use the real devices, not 8 fake CPUs")
+    parser.add_argument("--out", default="runs/benchmarks/pipeline.json")
+    args = parser.parse_args()
+
+    rows = []
+    header = (f"{'schedule':<12}{'m':>4}{'ticks':>7}{'idle':>8}{'formula':>9}{'slots a+g':>10}"
+              f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}")
+    print(f"P={args.stages} stages, {jax.device_count()} {jax.devices()[0].platform} devices; "
+          f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
+    print(header)
+    print("-" * len(header))
+    for schedule, V in SCHEDULES:
+        base = None
+        for m in args.microbatches:
+            if schedule == "interleaved" and m % args.stages:
+                continue
+            r = measure(args, schedule, V, m)
+            base = r["temp_bytes"] if base is None else base
+            r["temp_growth_bytes"] = r["temp_bytes"] - base
+            rows.append(r)
+            name = schedule + (f" V={V}" if V > 1 else "")
+            print(f"{name:<12}{m:>4}{r['ticks']:>7}{r['idle_fraction']:>8.3f}{r['idle_fraction_formula']:>9.3f}"
+                  f"{r['act_slots']:>6}+{r['grad_slots']:<3}{r['stash_bytes'] / 1024:>10.0f}"
+                  f"{r['temp_bytes'] / 1024:>10.0f}{r['temp_growth_bytes'] / 1024:>+9.0f}"
+                  f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}", flush=True)
+    out = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "jax": jax.__version__,
+                    "devices": [str(d) for d in jax.devices()]},
+        "args": vars(args), "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
