@@ -1,7 +1,7 @@
 """Pipeline schedule figures: ticks, bubble, per-device memory and step time per schedule and m.
 
-    python benchmarks/pipeline.py [--stages 4] [--microbatches 4 8 16] [--hidden 256] [--layers 8]
-                                  [--seq 128] [--micro-batch 1] [--steps 3] [--out runs/benchmarks/pipeline.json]
+    python benchmarks/pipeline.py [--stages 4] [--microbatches 4 8 16] [--hidden 256]
+        [--layers 8] [--seq 128] [--micro-batch 1] [--steps 3] [--out runs/benchmarks/pipeline.json]
 
 For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per stage) and each number of
 microbatches m, on P pipeline stages x the remaining devices as data parallel:
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    header = (f"{'schedule':<12}{'m':>4}{'ticks':>7}{'idle':>8}{'formula':>9}{'slots a+g':>10}"
+    header = (f"{'schedule':<16}{'m':>4}{'ticks':>7}{'idle':>8}{'formula':>9}{'slots a+g':>10}"
               f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}")
     print(f"P={args.stages} stages, {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
@@ -149,7 +149,8 @@ def main() -> None:
             r["temp_growth_bytes"] = r["temp_bytes"] - base
             rows.append(r)
             name = schedule + (f" V={V}" if V > 1 else "")
-            print(f"{name:<12}{m:>4}{r['ticks']:>7}{r['idle_fraction']:>8.3f}{r['idle_fraction_formula']:>9.3f}"
+            print(f"{name:<16}{m:>4}{r['ticks']:>7}{r['idle_fraction']:>8.3f}"
+                  f"{r['idle_fraction_formula']:>9.3f}"
                   f"{r['act_slots']:>6}+{r['grad_slots']:<3}{r['stash_bytes'] / 1024:>10.0f}"
                   f"{r['temp_bytes'] / 1024:>10.0f}{r['temp_growth_bytes'] / 1024:>+9.0f}"
                   f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}", flush=True)

@@ -1,5 +1,10 @@
 """Pipeline parallelism. Schedules are data (`schedules`): pure-Python tables of per-tick,
-per-stage actions for GPipe, 1F1B and interleaved 1F1B, which the runtime interprets."""
+per-stage actions for GPipe, 1F1B and interleaved 1F1B, which the runtime interprets.
+
+`layout`: which layers each stage holds and how the stacked layer params are stored (pure
+Python). `runtime`: `Pipeline`, one shard_map over `pipe` executing any table; imported lazily
+so that the tables and the layout stay importable without jax.
+"""
 
 from mlm_jax.pipeline.schedules import (
     BACKWARD,
@@ -22,9 +27,26 @@ from mlm_jax.pipeline.schedules import (
     to_arrays,
     validate_schedule,
 )
+from mlm_jax.pipeline.layout import PipelineLayout, PipelinePlanError, plan_pipeline
+
+_RUNTIME = ("Pipeline", "Program", "build_program")
+
+
+def __getattr__(name):
+    if name in _RUNTIME:
+        from mlm_jax.pipeline import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'mlm_jax.pipeline' has no attribute {name!r}")
 
 __all__ = [
     "Action",
+    "Pipeline",
+    "PipelineLayout",
+    "PipelinePlanError",
+    "Program",
+    "build_program",
+    "plan_pipeline",
     "BACKWARD",
     "FORWARD",
     "IDLE",

@@ -295,8 +295,9 @@ class Pipeline:
             def pin_layers(tree):  # [V, Lmax, ...]
                 if specs is None:
                     return tree
-                return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(x, P(None, None, *tuple(sp)[1:])),
-                                    tree, specs["layers"])
+                return jax.tree.map(
+                    lambda x, sp: jax.lax.with_sharding_constraint(x, P(None, None, *tuple(sp)[1:])),
+                    tree, specs["layers"])
 
             def pin_shared(tree):
                 if specs is None:
@@ -304,7 +305,8 @@ class Pipeline:
                 shared_specs = {k: v for k, v in specs.items() if k != "layers"}
                 return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
 
-            # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows), shared replicated.
+            # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows); shared leaves and
+            # batch [m, b/data, s] whole over pipe; data/tensor sharding stays automatic.
             stage = jax.lax.axis_index(PIPE)
             layers_vl = jax.tree.map(lambda a: a.reshape(V, Lmax, *a.shape[1:]), layers_blk)
             # Per-stage gradients of the replicated params stay per stage until the final psum.
@@ -320,8 +322,9 @@ class Pipeline:
             }
             if train:
                 carry["grads_in"] = buffer(program.num_grad_slots)  # [slot, b, s, d]
-                carry["d_layers"] = pin_layers(jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), layers_vl))
-                carry["d_shared"] = pin_shared(jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), shared))
+                zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
+                carry["d_layers"] = pin_layers(zeros(layers_vl))  # [V, Lmax, ...]
+                carry["d_shared"] = pin_shared(zeros(shared))
 
             def tick(carry, row):
                 a = {k: r[stage] for k, r in row.items()}  # this stage's action, scalars
