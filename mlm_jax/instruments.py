@@ -50,7 +50,6 @@ class Instruments:
         self.mark: float | None = None
         self.window_records: list[dict[str, float]] = []
         self.tracing = False
-        self.traced: list[int] = []
 
     # -- timers ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -118,8 +117,6 @@ class Instruments:
             os.makedirs(self.profile_dir, exist_ok=True)
             jax.profiler.start_trace(self.profile_dir)
             self.tracing = True
-        if self.tracing:
-            self.traced.append(iteration)
 
     def after_step(self, iteration: int, outputs: Any, last: bool = False) -> None:
         """... and stops once iteration `end` has run on the device (or training ended)."""

@@ -227,7 +227,8 @@ def train(cfg: Config, log=print) -> dict:
                     f"{iteration * t.global_batch_size:12d} | elapsed time per iteration (ms): "
                     f"{1000 * step_s:.1f} | learning rate: {record['lr']:.6E} | global batch size: "
                     f"{t.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {record['grad_norm']:.3f} | "
-                    f"tokens/s: {tps:,.0f} | MFU (causal): {100 * mfu:.1f}% | data wait (ms): "
+                    f"tokens/s: {tps:,.0f} | MFU (causal): {100 * mfu:.1f}% | MFU (Megatron, full attention): "
+                    f"{100 * record['mfu_megatron_full_attention']:.1f}% | data wait (ms): "
                     f"{record['data_wait_ms']:.1f} |"
                     + (f" checkpoint (ms): {record['checkpoint_ms']:.1f} |" if record.get("checkpoint_ms", 0) >= 1 else "")
                     + (f" slowest iteration (ms): {record['max_iteration_ms']:.1f} |" if "max_iteration_ms" in record else "")

@@ -179,6 +179,7 @@ def test_only_process_0_prints_and_logs(runs):
     a, b = runs["a"], runs["b"]
     out = open(a / "launcher.out").read()
     assert "validation loss at iteration     10" in out and " iteration       10/      10" in out
+    assert "| MFU (causal): " in out and "| MFU (Megatron, full attention): " in out
     assert not any(GLOO.search(line) for line in out.splitlines()), "gloo lines were not filtered"
     # Process 1 may show library warnings, but none of the run's log lines.
     for log in (a / "logs" / "process_1.log", b / "process_1.log"):
