@@ -13,7 +13,14 @@ microbatches m, on P pipeline stages x the remaining devices as data parallel:
     schedule; XLA's memory analysis, where params and batch are arguments, not temp), and its
     growth over the smallest m;
   - its wall time (median of --steps after a warm-up call) and tokens/s. The optimizer update
-    that follows in a train step does not depend on the schedule.
+    that follows in a train step does not depend on the schedule;
+  - the lockstep cost of the table: the runtime is one SPMD program, so a tick lasts as long as
+    its slowest action. With a forward costing 1 and a backward 3 (the stage forward recomputed,
+    then the backward: ~2 forwards), the sum over ticks of the slowest action, in units of one
+    stage forward, against (m*V + P - 1) * 4 / V, what an asynchronous (Megatron, MPMD)
+    executor of the same order takes in this unit model. 1F1B alternates F and B on
+    neighbouring stages, so its steady-state ticks all last a backward: its lockstep cost
+    exceeds GPipe's, whose ticks are all-forward or all-backward.
 
 Without --devices the run makes 8 fake CPU devices (set before jax is imported). On the fake
 CPU mesh every "device" shares the host's cores, so an idle stage frees its core for the busy
@@ -49,6 +56,13 @@ from mlm_jax.pipeline import schedules  # noqa: E402
 from mlm_jax.sharding import make_mesh  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+BACKWARD_COST = 3.0  # recompute (1 forward) + backward (~2 forwards)
+
+
+def lockstep_cost(table, V: int) -> float:
+    """Sum over ticks of the slowest stage's action, in units of one whole-stage forward."""
+    cost = {"F": 1.0 / V, "B": BACKWARD_COST / V, "idle": 0.0}
+    return sum(max(cost[a.kind] for a in row) for row in table)
 
 
 def config(args, schedule: str, V: int, m: int, dp: int) -> Config:
@@ -108,6 +122,8 @@ def measure(args, schedule: str, V: int, m: int) -> dict:
         "idle_fraction": schedules.idle_fraction(table),
         "idle_fraction_formula": schedules.ideal_idle_fraction(P, m, V),
         "max_in_flight": max(schedules.max_in_flight(table)),
+        "lockstep_cost": lockstep_cost(table, V),
+        "async_cost": (m * V + P - 1) * (1.0 + BACKWARD_COST) / V,
         "act_slots": program.num_act_slots, "grad_slots": program.num_grad_slots,
         "stash_bytes": (program.num_act_slots + program.num_grad_slots) * slot_bytes,
         "temp_bytes": int(memory.temp_size_in_bytes),
@@ -134,7 +150,8 @@ def main() -> None:
 
     rows = []
     header = (f"{'schedule':<16}{'m':>4}{'ticks':>7}{'idle':>8}{'formula':>9}{'slots a+g':>10}"
-              f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}")
+              f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}"
+              f"{'lockstep':>10}{'async':>7}")
     print(f"P={args.stages} stages, {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
     print(header)
@@ -153,7 +170,8 @@ def main() -> None:
                   f"{r['idle_fraction_formula']:>9.3f}"
                   f"{r['act_slots']:>6}+{r['grad_slots']:<3}{r['stash_bytes'] / 1024:>10.0f}"
                   f"{r['temp_bytes'] / 1024:>10.0f}{r['temp_growth_bytes'] / 1024:>+9.0f}"
-                  f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}", flush=True)
+                  f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
+                  f"{r['lockstep_cost']:>10.0f}{r['async_cost']:>7.0f}", flush=True)
     out = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "jax": jax.__version__,
