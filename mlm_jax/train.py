@@ -43,7 +43,7 @@ def train(cfg: Config, log=print) -> dict:
     from mlm_jax.data import BatchLoader, build_datasets, make_batch, megatron_num_samples
     from mlm_jax.generate import greedy
     from mlm_jax.metrics import device_memory, flops_per_token, measure_matmul_peak
-    from mlm_jax.parallelize import count_params, parallelize
+    from mlm_jax.parallelize import abstract_model, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
     from mlm_jax import checkpoint as ckpt
     from mlm_jax.distributed import broadcast_str, initialize
@@ -74,7 +74,7 @@ def train(cfg: Config, log=print) -> dict:
 
     mesh = make_mesh(cfg.parallel)
     pz = parallelize(cfg, mesh)
-    n_params = count_params(pz.shapes)
+    n_params = count_params(abstract_model(cfg)[1])  # pz.shapes may hold pipeline padding rows
     log(f"> mesh {dict(mesh.shape)} on {world} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
         f"{pz.num_microbatches} microbatch(es) of {t.micro_batch_size} per data-parallel rank")
