@@ -405,18 +405,23 @@ def validate_pipeline(cfg: Config, world_size: int) -> None:
     1, both virtual-stage flags at once, a schedule that does not match the virtual stages, and
     too few microbatches (or not a multiple of the pipeline size) for the interleaved schedule.
     """
+    pipeline_plan(cfg, world_size)
+
+
+def pipeline_plan(cfg: Config, world_size: int | None = None):
+    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
     from mlm_jax.pipeline.layout import PipelinePlanError, plan_pipeline
 
     p, t = cfg.parallel, cfg.train
     m = None
     model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                       * p.context_parallel_size)
-    if model_parallel > 0 and world_size % model_parallel == 0 and t.global_batch_size:
+    if world_size is not None and model_parallel > 0 and world_size % model_parallel == 0 and t.global_batch_size:
         per_step = t.micro_batch_size * (world_size // model_parallel)
         if per_step > 0 and t.global_batch_size % per_step == 0:
             m = t.global_batch_size // per_step  # else the batch rule in `validate` says why
     try:
-        plan_pipeline(
+        return plan_pipeline(
             num_layers=cfg.model.num_layers,
             pipeline_size=p.pipeline_model_parallel_size,
             schedule=p.pipeline_schedule,

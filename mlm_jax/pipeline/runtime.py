@@ -44,12 +44,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mlm_jax.config import Config, ConfigError, data_parallel_size
+from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import attention_mask, cross_entropy, run_layers
 from mlm_jax.pipeline import schedules
-from mlm_jax.pipeline.layout import PipelineLayout, PipelinePlanError, map_layer_leaves, plan_pipeline
+from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.sharding.mesh import PIPE
-from mlm_jax.sharding.rules import constrain, use_rules
+from mlm_jax.sharding.rules import active_rules, constrain, use_rules
 
 KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
@@ -58,27 +58,7 @@ ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like 
 # --------------------------------------------------------------------------- plan
 
 
-def plan(cfg: Config, world_size: int | None = None) -> tuple[str, PipelineLayout]:
-    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
-    p, t = cfg.parallel, cfg.train
-    m = None
-    if world_size is not None and t.global_batch_size:
-        dp = data_parallel_size(p, world_size)
-        if t.global_batch_size % (t.micro_batch_size * dp) == 0:
-            m = t.global_batch_size // (t.micro_batch_size * dp)
-    try:
-        return plan_pipeline(
-            num_layers=cfg.model.num_layers,
-            pipeline_size=p.pipeline_model_parallel_size,
-            schedule=p.pipeline_schedule,
-            virtual_stages=p.virtual_pipeline_model_parallel_size,
-            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-            first_stage_layers=p.decoder_first_pipeline_num_layers,
-            last_stage_layers=p.decoder_last_pipeline_num_layers,
-            num_microbatches=m,
-        )
-    except PipelinePlanError as e:
-        raise ConfigError(str(e)) from None
+plan = pipeline_plan  # (schedule name, layer layout) of a config
 
 
 # --------------------------------------------------------------------------- program
@@ -402,14 +382,8 @@ def _embed(model, tokens_bs, positions_bs, key):
     lays the vocab-parallel lookup out with collective-permutes, and a collective-permute inside
     a branch that only some stages take deadlocks (XLA:CPU rendezvouses every device on it).
     Sharding the result over seq afterwards is a local slice."""
-    with use_rules(tuple((name, None if name == "seq" else axis) for name, axis in _active_rules())):
+    with use_rules(tuple((name, None if name == "seq" else axis) for name, axis in active_rules())):
         return model.embed_tokens(tokens_bs, positions_bs, key)
-
-
-def _active_rules():
-    from mlm_jax.sharding.rules import _ACTIVE_RULES  # read-only: the rules of the traced step
-
-    return _ACTIVE_RULES[-1] if _ACTIVE_RULES else ()
 
 
 def _land(buf, slot, value):

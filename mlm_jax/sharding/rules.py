@@ -99,6 +99,11 @@ class use_rules:
         _ACTIVE_RULES.pop()
 
 
+def active_rules() -> Rules:
+    """The activation rules in force (empty outside `use_rules`)."""
+    return _ACTIVE_RULES[-1] if _ACTIVE_RULES else ()
+
+
 def constrain(x, names: Sequence[str | None]):
     """Pin activation `x` to the sharding its logical dims map to; a no-op outside `use_rules`."""
     if not _ACTIVE_RULES:
