@@ -84,7 +84,8 @@ def main() -> None:
                         bf16=args.bf16)
     mesh = make_mesh(ParallelConfig())
     dtype = jax.numpy.bfloat16 if args.bf16 else jax.numpy.float32
-    peak = measure_matmul_peak(mesh, dtype)
+    # The VM's speed drifts: the best of a measurement before and one after the runs is the peak.
+    peak = measure_matmul_peak(mesh, dtype, reps=10)
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"devices: {device}; measured {'bf16' if args.bf16 else 'fp32'} matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s per device")
@@ -97,6 +98,14 @@ def main() -> None:
         print(f"{name:14s} {r['step_time_ms']:9.1f} {r['tokens_per_sec']:10.0f} {100 * r['mfu']:6.1f}% "
               f"{100 * r['mfu_megatron_full_attention']:8.1f}% {r['compile_s']:9.1f} "
               f"{r['argument_bytes_per_device'] / 1e6:12.2f} {r['temp_bytes_per_device'] / 1e6:11.2f}")
+    after = measure_matmul_peak(mesh, dtype, reps=10)
+    if after > peak:
+        for r in results.values():
+            r["mfu"] *= peak / after
+            r["mfu_megatron_full_attention"] *= peak / after
+        print(f"peak re-measured after the runs: {after / 1e9:.1f} GFLOP/s per device; MFU above "
+              f"is against the first figure, x{peak / after:.2f} against this one (in the JSON)")
+        peak = after
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "throughput.json")
     with open(path, "w") as f:
