@@ -41,7 +41,20 @@ def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     return path
 
 
-class GPT2BPETokenizer:
+class _TokenizersLibrary:
+    """Encoding through a `tokenizers` object in `self._tok` (byte-level BPE, tokenizer.json)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(_TokenizersLibrary):
     """GPT-2 byte-level BPE from vocab.json + merges.txt (`tokenizers` library).
 
     Like Megatron's, it registers no special tokens: the text `<|endoftext|>` is encoded as
@@ -61,15 +74,6 @@ class GPT2BPETokenizer:
             raise TokenizerError(f"--vocab-file {vocab_file} has no '<|endoftext|>' entry, GPT-2's EOD token")
         self.eod = int(eod)
         self.vocab_size = int(self._tok.get_vocab_size())
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts))]
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def files(self) -> list[str]:
         return [self.vocab_file, self.merge_file]
@@ -176,7 +180,7 @@ class SentencePieceTokenizer(_SentencePieceBase):
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_TokenizersLibrary):
     """A `tokenizer.json` (or a local folder holding one), read with `tokenizers.Tokenizer`.
 
     EOD is the eos token named in the folder's tokenizer_config.json or special_tokens_map.json,
@@ -223,15 +227,6 @@ class HuggingFaceTokenizer:
             )
         self.eod = int(self._tok.token_to_id(eos))
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts))]
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def files(self) -> list[str]:
         return [self.tokenizer_file, *self._extra_files]
