@@ -433,8 +433,3 @@ def pipeline_plan(cfg: Config, world_size: int | None = None):
         )
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
-
-
-def num_microbatches(cfg: Config, world_size: int) -> int:
-    dp = data_parallel_size(cfg.parallel, world_size)
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

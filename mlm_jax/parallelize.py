@@ -99,10 +99,6 @@ class Parallel:
         """A params-like tree (params, grads, optimizer state) in the unpipelined layout."""
         return tree if self.pipeline is None else self.pipeline.to_plain(tree)
 
-    def tracing(self):
-        """The mesh and activation rules in force while the steps are traced."""
-        return tracing(self.mesh, self.rules)
-
 
 @contextlib.contextmanager
 def tracing(mesh: Mesh, rules: tuple):
