@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mlm_jax.errors import UsageError
 
-class ConfigError(ValueError):
+
+class ConfigError(UsageError):
     """A configuration that cannot run; the message names the values and the rule."""
 
 

@@ -42,6 +42,7 @@ import time
 from typing import Mapping
 
 from mlm_jax.config import ConfigError, DistributedConfig
+from mlm_jax.errors import RunFailure
 
 ENV_ADDRESS = "MLM_JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MLM_JAX_NUM_PROCESSES"
@@ -51,7 +52,7 @@ DEFAULT_TIMEOUT = 300.0
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
-class DistributedError(RuntimeError):
+class DistributedError(RunFailure):
     """The processes could not be joined; the message names the address and the process."""
 
 

@@ -16,6 +16,7 @@ import time
 
 from mlm_jax.arguments import parse_args
 from mlm_jax.config import Config, ConfigError, finalize
+from mlm_jax.errors import RunFailure
 
 
 def _run_dir(cfg: Config) -> str:
@@ -30,7 +31,7 @@ def _data_parallel_rows(mesh) -> int:
     return mesh.shape[DATA] * mesh.shape[EXPERT]
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(RunFailure):
     """Training cannot go on (NaN/Inf loss or gradient); the message names the iteration."""
 
 
