@@ -128,6 +128,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--num-processes", "distributed", "num_processes", "int", "(mlm_jax) processes in the job, one per host or per GPU (env MLM_JAX_NUM_PROCESSES)"),
     ("--process-id", "distributed", "process_id", "int", "(mlm_jax) this process's index; 0 runs the coordinator (env MLM_JAX_PROCESS_ID)"),
     ("--coordinator-timeout", "distributed", "coordinator_timeout", "float", "(mlm_jax) seconds to reach the coordinator and for every process to join (env MLM_JAX_COORDINATOR_TIMEOUT; default 300)"),
+    ("--peer-timeout", "distributed", "peer_timeout", "float", "(mlm_jax) seconds without a heartbeat from another process before every process stops, naming it (env MLM_JAX_PEER_TIMEOUT; default 20)"),
     # instruments (mlm_jax/instruments.py)
     ("--profile", "instruments", "profile", "true", "jax.profiler trace of iterations start+1..end (process 0) into <run dir>/profile"),
     ("--profile-step-start", "instruments", "profile_step_start", "int", "start the trace after this many iterations"),

@@ -182,6 +182,7 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     coordinator_timeout: float | None = None  # seconds to reach it and for all to join (300)
+    peer_timeout: float | None = None  # seconds without a peer's heartbeat before stopping (20)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ ENV_ADDRESS = "MLM_JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MLM_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "MLM_JAX_PROCESS_ID"
 ENV_TIMEOUT = "MLM_JAX_COORDINATOR_TIMEOUT"
+ENV_PEER_TIMEOUT = "MLM_JAX_PEER_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
+DEFAULT_PEER_TIMEOUT = 20.0
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
@@ -66,6 +68,7 @@ class Plan:
     local_device_ids: tuple[int, ...] | None  # None: every device the process sees
     timeout: float
     source: str  # where the settings came from, for messages
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT  # seconds of silence before a peer counts as dead
 
     @property
     def label(self) -> str:
@@ -77,6 +80,18 @@ def _int(name: str, value) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def _seconds(flag: str, value: float | None, env_name: str, default: float, env: Mapping[str, str]) -> float:
+    """A positive number of seconds: the flag, else the environment variable, else the default."""
+    if value is None:
+        try:
+            value = float(env.get(env_name, default))
+        except ValueError:
+            raise ConfigError(f"{env_name}={env[env_name]!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{flag} must be a positive number of seconds, got {value:g}")
+    return value
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -148,14 +163,8 @@ def resolve(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None 
         address = address or env_values[0]
         num = num if num is not None else (None if env_values[1] is None else _int(ENV_NUM_PROCESSES, env_values[1]))
         pid = pid if pid is not None else (None if env_values[2] is None else _int(ENV_PROCESS_ID, env_values[2]))
-    timeout = cfg.coordinator_timeout
-    if timeout is None:
-        try:
-            timeout = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT))
-        except ValueError:
-            raise ConfigError(f"{ENV_TIMEOUT}={env[ENV_TIMEOUT]!r} is not a number of seconds") from None
-    if timeout <= 0:
-        raise ConfigError(f"--coordinator-timeout must be positive, got {timeout}")
+    timeout = _seconds("--coordinator-timeout", cfg.coordinator_timeout, ENV_TIMEOUT, DEFAULT_TIMEOUT, env)
+    peer_timeout = _seconds("--peer-timeout", cfg.peer_timeout, ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT, env)
 
     local = None
     slurm = all(v in env for v in _SLURM_VARS)
@@ -173,11 +182,11 @@ def resolve(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None 
 
     source = " + ".join(sources) or "single process"
     if num is None and pid is None and address is None:
-        return Plan(1, 0, None, None, timeout, "single process")
+        return Plan(1, 0, None, None, timeout, "single process", peer_timeout)
     if num is not None and num < 1:
         raise ConfigError(f"--num-processes must be >= 1, got {num} (from {source})")
     if num == 1 and pid in (None, 0):
-        return Plan(1, 0, None, None, timeout, source)
+        return Plan(1, 0, None, None, timeout, source, peer_timeout)
     missing = [name for name, v in (("--coordinator-address", address), ("--num-processes", num),
                                     ("--process-id", pid)) if v is None]
     if missing:
@@ -188,7 +197,7 @@ def resolve(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None 
     if not 0 <= pid < num:
         raise ConfigError(f"--process-id {pid} must be in [0, {num}) (from {source})")
     split_address(address)
-    return Plan(num, pid, address, local, timeout, source)
+    return Plan(num, pid, address, local, timeout, source, peer_timeout)
 
 
 def _wait_for_coordinator(plan: Plan, deadline: float) -> None:
@@ -264,12 +273,27 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
             initialization_timeout=max(1, int(deadline - time.monotonic())))
     finally:
         done.set()
-    global _joined
+    global _joined, _watch
     _joined = plan
+    from mlm_jax.peers import PeerWatch, report_aborts
+
+    _watch = PeerWatch(plan.process_id, plan.num_processes, plan.peer_timeout).start()
+    report_aborts(_watch, plan.coordinator_address)
     return plan
 
 
+def check_same_config(cfg) -> None:
+    """In a multi-process run, fail on every process if any was started with another config
+    (the differing fields named); a no-op for one process."""
+    if _joined is None:
+        return
+    from mlm_jax.peers import check_same_config as check
+
+    check(cfg, _joined.process_id, _joined.num_processes, _joined.timeout)
+
+
 _joined: Plan | None = None  # set by `initialize` once this process has joined
+_watch = None  # mlm_jax.peers.PeerWatch of this process, once joined
 
 
 def process_label() -> str:
@@ -287,13 +311,24 @@ def process_label() -> str:
     return ""
 
 
-def fail(message: str, code: int = 1) -> int:
+def fail(message: str, code: int = 1, suspect_peers: bool = False) -> int:
     """Print `error: [process i/N] message` to stderr and return `code`; in a multi-process run,
     exit the process at once instead (jax's exit barrier would wait for the other processes,
-    which are stuck in a collective, for minutes)."""
+    which are stuck in a collective, for minutes), telling the others why first.
+
+    `suspect_peers`: the failure may be a peer's fault (an unexpected error, e.g. a collective
+    that broke): wait for the peer watch's verdict a little, and lead with it when it comes.
+    """
     import jax
 
-    print(f"error: {process_label()}{message}", file=sys.stderr, flush=True)
+    if _watch is not None and suspect_peers:
+        reason = _watch.wait_for_verdict(_watch.timeout + 2.0)
+        if reason is not None:
+            message = f"{reason}; here: {message}"
+    line = f"error: {process_label()}{message}"
+    if _watch is not None:  # before the line: this may take a moment, and the line comes last
+        _watch.mark_failed(message, line, code)
+    print(line, file=sys.stderr, flush=True)
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         os._exit(code)

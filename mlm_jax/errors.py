@@ -64,7 +64,8 @@ def report(exc: BaseException) -> int:
     if "jax" in sys.modules:  # only then can this be a multi-process run
         from mlm_jax.distributed import fail
 
-        return fail(describe(exc), exit_code(exc))
+        ours = isinstance(exc, (UsageError, RunFailure, KeyboardInterrupt))
+        return fail(describe(exc), exit_code(exc), suspect_peers=not ours)
     print(f"error: {describe(exc)}", file=sys.stderr, flush=True)
     return exit_code(exc)
 

@@ -16,7 +16,7 @@ import time
 
 from mlm_jax.arguments import parse_args
 from mlm_jax.config import Config, ConfigError, finalize
-from mlm_jax.errors import RunFailure
+from mlm_jax.errors import RunFailure, cli
 
 
 def _run_dir(cfg: Config) -> str:
@@ -47,13 +47,14 @@ def train(cfg: Config, log=print) -> dict:
     from mlm_jax.parallelize import abstract_model, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
     from mlm_jax import checkpoint as ckpt
-    from mlm_jax.distributed import broadcast_str, initialize
+    from mlm_jax.distributed import broadcast_str, check_same_config, initialize
     from mlm_jax.instruments import Instruments, RunLogger, Wandb, slow_iteration_line, step_memory
 
     initialize(cfg.distributed)  # joins the other processes (if any) before any device is touched
     start_time = time.time()
     world = jax.device_count()
     cfg = finalize(cfg, world)  # flag errors surface before any data or compile work
+    check_same_config(cfg)  # processes started with other flags fail here, naming the fields
     cfg, found = ckpt.resolve_load(cfg, world, log)  # --load: which checkpoint (model args from it)
     t = cfg.train
     run_dir = broadcast_str(_run_dir(cfg))  # one run folder, named by process 0
@@ -296,22 +297,11 @@ def use_every_cpu_core() -> None:
         jax.config.update("jax_num_cpu_devices", max(1, os.cpu_count() or 1))
 
 
+@cli
 def main(argv=None) -> int:
-    from mlm_jax.distributed import DistributedError, fail  # errors name the process
-
-    try:
-        cfg = parse_args(argv)
-        use_every_cpu_core()
-        train(cfg)
-    except ConfigError as e:
-        return fail(str(e), 2)
-    except (TrainingStopped, DistributedError) as e:
-        return fail(str(e), 1)
-    except Exception as e:  # noqa: BLE001 - shown with the process id, then this process exits
-        import traceback
-
-        traceback.print_exc()
-        return fail(f"{type(e).__name__}: {e}", 1)
+    cfg = parse_args(argv)
+    use_every_cpu_core()
+    train(cfg)
     return 0
 
 
