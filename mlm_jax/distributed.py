@@ -90,7 +90,7 @@ def _seconds(flag: str, value: float | None, env_name: str, default: float, env:
         except ValueError:
             raise ConfigError(f"{env_name}={env[env_name]!r} is not a number of seconds") from None
     if not value > 0:
-        raise ConfigError(f"{flag} must be a positive number of seconds, got {value:g}")
+        raise ConfigError(f"{flag} must be positive (seconds), got {value:g}")
     return value
 
 
