@@ -46,8 +46,9 @@ def test_lr_schedule_matches_megatron(style):
 
 def test_weight_decay_skips_biases_and_norms():
     mask = decay_mask(model_parts(CFG)[1])
-    assert mask["embed"] and mask["pos_embed"] and mask["layers"]["wqkv"] and mask["layers"]["w2"]
-    assert not mask["layers"]["bqkv"] and not mask["layers"]["b2"]
+    assert mask["embed"] and mask["pos_embed"] and mask["layers"]["attention"]["wqkv"]
+    assert mask["layers"]["mlp"]["w2"]
+    assert not mask["layers"]["attention"]["bqkv"] and not mask["layers"]["mlp"]["b2"]
     assert not mask["layers"]["norm1"]["scale"] and not mask["final_norm"]["bias"]
 
 
@@ -55,10 +56,10 @@ def test_megatron_init():
     cfg = tiny_gpt(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000,
                    padded_vocab_size=1024, init_method_std=0.02)
     p = model_parts(cfg)[1]
-    assert np.std(p["layers"]["wqkv"]) == pytest.approx(0.02, rel=0.02)
-    assert np.std(p["layers"]["w2"]) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.02)
+    assert np.std(p["layers"]["attention"]["wqkv"]) == pytest.approx(0.02, rel=0.02)
+    assert np.std(p["layers"]["mlp"]["w2"]) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.02)
     assert not np.any(p["embed"][1000:])  # padding rows
-    assert np.all(p["layers"]["norm1"]["scale"] == 1.0) and not np.any(p["layers"]["b1"])
+    assert np.all(p["layers"]["norm1"]["scale"] == 1.0) and not np.any(p["layers"]["mlp"]["b1"])
 
 
 def model_parts(cfg):
