@@ -11,7 +11,8 @@ from flax import nnx
 from mlm_jax.config import OptimConfig
 from mlm_jax.models import GPT, tiny_gpt
 from mlm_jax.models.gpt import PADDED_LOGIT
-from mlm_jax.optim import decay_mask, lr_at
+from mlm_jax.models import PARAM_FORMAT_VERSION, ParamFormatError, upgrade_params
+from mlm_jax.optim import decay_mask, lr_at, make_optimizer
 
 CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300,
                padded_vocab_size=384, max_position_embeddings=32)
@@ -140,3 +141,34 @@ def test_dropout_is_keyed_and_off_without_a_key():
     assert not np.allclose(model(TOKENS, dropout_key=k1), model(TOKENS, dropout_key=k2))
     assert np.array_equal(model(TOKENS), model(TOKENS))
     assert not np.allclose(model(TOKENS), model(TOKENS, dropout_key=k1))
+
+
+# The version-1 layer leaves, all directly under `layers` (before the Attention/MLP split).
+V1_LAYER_LEAVES = {"norm1", "wqkv", "bqkv", "wo", "bo", "norm2", "w1", "b1", "w2", "b2"}
+
+
+def _as_v1(tree):
+    """A version-2 params-like dict written back in the version-1 layout, by hand."""
+    layers = dict(tree["layers"])
+    flat = {**layers.pop("attention"), **layers.pop("mlp"), **layers}
+    assert set(flat) == V1_LAYER_LEAVES
+    return {**tree, "layers": flat}
+
+
+def test_upgrade_params_converts_version_1_params_and_optimizer_moments():
+    assert PARAM_FORMAT_VERSION == 2
+    params = model_parts(CFG)[1]
+    old = _as_v1(params)
+    new = upgrade_params(old, 1)
+    assert jax.tree.structure(new) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+        assert a is b  # moved, not copied
+    # AdamW's state holds mu and nu mirroring the params inside optax namedtuples.
+    tx = make_optimizer(OptimConfig(), 10)
+    state_old = tx.init(old)
+    state = upgrade_params(state_old, 1)
+    assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+    assert upgrade_params(params, PARAM_FORMAT_VERSION) is params
+    with pytest.raises(ParamFormatError, match="parameter format version 3 cannot be read by this "
+                                               "mlm_jax \\(it reads versions 1 to 2\\)"):
+        upgrade_params(params, 3)
