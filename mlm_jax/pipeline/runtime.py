@@ -235,147 +235,17 @@ class Pipeline:
         return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
     def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None):
-        L, graphdef, cfg = self.layout, self.graphdef, self.cfg.model
-        num_stages, V, Lmax, last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
+        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map."""
         train = not program.forward_only
-        use_dropout = key is not None
-        key = jax.random.key(0) if key is None else key
-        dtype = compute_dtype(cfg)
-        first_layer = jnp.asarray([L.first_layer(v) for v in range(L.num_vstages)], jnp.int32)
-        layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
-        _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
+        use_dropout = key is not None
+        key = jax.random.key(0) if key is None else key
 
         def body(layers_blk, shared, batch, key, scale, arrays):
-            def stage_forward(layers_c, shared, x_in, mb_in, v, mb):
-                """One virtual stage on one microbatch: (output [b, s, d], its loss share, aux)."""
-                model = nnx.merge(graphdef, {**shared, "layers": layers_c})
-                k_embed, k_layers = stage_keys(jax.random.fold_in(key, mb) if use_dropout else None)
-                positions = mb_in["position_ids"]
-                x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed),
-                                 lambda: x_in)
-                x = constrain(x, ACT_BUFFER[1:])
-                y = model.run_layers(x, positions, mb_in.get("segment_ids"), k_layers, first_layer[v],
-                                     layer_count[v] if L.is_padded else None)
-
-                def head():
-                    loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-                    return loss_sum * scale, aux
-
-                def no_head():
-                    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
-                    return jax.tree.map(_varying, zeros)
-
-                loss, aux = jax.lax.cond(v == last, head, no_head)
-                return y, loss, aux
-
-            # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
-            # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
-            # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add
-            # and lays it out with collective-permutes inside a branch (see `_embed`).
-            def pin_layers(tree):  # [V, Lmax, ...]
-                if specs is None:
-                    return tree
-                return jax.tree.map(
-                    lambda x, sp: jax.lax.with_sharding_constraint(x, stage_chunks(sp)),
-                    tree, specs["layers"])
-
-            def pin_shared(tree):
-                if specs is None:
-                    return tree
-                shared_specs = {k: v for k, v in specs.items() if k != "layers"}
-                return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
-
-            # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows); shared leaves and
-            # batch [m, b/data, s] whole over pipe; data/tensor sharding stays automatic.
-            stage = jax.lax.axis_index(PIPE)
-            layers_vl = jax.tree.map(lambda a: a.reshape(V, Lmax, *a.shape[1:]), layers_blk)
-            # Per-stage gradients of the replicated params stay per stage until the final psum.
-            shared = jax.tree.map(_varying, shared)
-            zeros_act = _varying(constrain(jnp.zeros((B, S, cfg.hidden_size), dtype), ACT_BUFFER[1:]))
-
-            def buffer(slots):
-                return _varying(constrain(jnp.zeros((slots, B, S, cfg.hidden_size), dtype), ACT_BUFFER))
-
-            def aux_zeros():  # the head's aux dict, zero (its structure, from the model)
-                model = nnx.merge(graphdef, {**shared, "layers": jax.tree.map(lambda x: x[0], layers_vl)})
-                aux = jax.eval_shape(lambda: model.head(zeros_act, batch["labels"][0], batch["loss_mask"][0])[1])
-                return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
-
-            carry = {
-                "acts": buffer(program.num_act_slots),  # [slot, b, s, d]
-                "loss": _varying(jnp.zeros((), jnp.float32)),
-                "aux": aux_zeros(),
-            }
-            if train:
-                carry["grads_in"] = buffer(program.num_grad_slots)  # [slot, b, s, d]
-                zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
-                carry["d_layers"] = pin_layers(zeros(layers_vl))  # [V, Lmax, ...]
-                carry["d_shared"] = pin_shared(zeros(shared))
-
-            def tick(carry, row):
-                a = {k: r[stage] for k, r in row.items()}  # this stage's action, scalars
-                mb, c = a["microbatch"], a["chunk"]
-                v = c * num_stages + stage
-                mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), batch)
-                if V == 1:  # a static index: no per-tick copy of the stage's weights
-                    layers_c = jax.tree.map(lambda x: x[0], layers_vl)  # [Lmax, ...]
-                else:
-                    layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
-                                            layers_vl)  # [Lmax, ...]
-                x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
-                # Branches see only this tick's tensors and return this tick's deltas: a branch
-                # that passed the buffers or accumulators through would copy them every tick.
-
-                def nothing():
-                    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-                    return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)), aux_zeros(),
-                            zeros(layers_c), zeros(shared))
-
-                def idle():
-                    return nothing()
-
-                def forward():  # aux is counted here, once per microbatch (not in the recompute)
-                    y, loss, aux = stage_forward(layers_c, shared, x_in, mb_in, v, mb)
-                    *_, d_lc, d_sh = nothing()
-                    return y, zeros_act, loss, aux, d_lc, d_sh
-
-                def backward():
-                    (_, loss), vjp = jax.vjp(
-                        lambda lp, sp, x: stage_forward(lp, sp, x, mb_in, v, mb)[:2], layers_c, shared, x_in)
-                    at_loss = v == last
-                    g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
-                    d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
-                    return zeros_act, d_x, jnp.zeros_like(loss), aux_zeros(), d_lc, pin_shared(d_sh)
-
-                if train:
-                    g_in = carry["grads_in"][a["grad_slot"]]  # [b, s, d]
-                    branches = [idle, forward, backward]
-                else:
-                    branches = [idle, forward]
-                send_fwd, send_bwd, loss, aux, d_lc, d_sh = jax.lax.switch(a["kind"], branches)
-                carry = {**carry, "loss": carry["loss"] + loss,
-                         "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
-                if train:
-                    carry["d_layers"] = pin_layers(
-                        jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc))
-                    carry["d_shared"] = pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
-                ring = range(num_stages)
-                got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % num_stages) for i in ring])
-                carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
-                if train:
-                    got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % num_stages) for i in ring])
-                    carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
-                return carry, None
-
-            carry, _ = jax.lax.scan(tick, carry, arrays)
-            loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
-            if not train:
-                return loss, {}, {}, aux
-            d_layers = jax.tree.map(lambda a: a.reshape(V * Lmax, *a.shape[2:]), carry["d_layers"])
-            return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE), aux
+            stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale)
+            return stage.run(arrays)
 
         rep = replicated()
         run = jax.shard_map(
@@ -386,6 +256,154 @@ class Pipeline:
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
         return loss, ({**d_shared, "layers": d_layers} if train else None), aux
+
+
+class _Stage:
+    """One stage's view inside the shard_map: its layer block, the replicated params, the batch.
+
+    Per device: layer leaves [V*Lmax, ...] (this stage's rows), seen as [V, Lmax, ...]; shared
+    leaves and the batch [m, b/data, s] whole over pipe; data/tensor sharding stays automatic.
+    """
+
+    def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
+                 layers_blk, shared, batch, key, scale):
+        L = pipeline.layout
+        self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
+        self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
+        self.padded = L.is_padded
+        self.first_layer = jnp.asarray([L.first_layer(v) for v in range(L.num_vstages)], jnp.int32)
+        self.layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
+        self.train = not program.forward_only
+        self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
+        self.stage = jax.lax.axis_index(PIPE)
+        self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
+        # Per-stage gradients of the replicated params stay per stage until the final psum.
+        self.shared = jax.tree.map(_varying, shared)
+        _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
+        self.act_shape = (B, S, pipeline.cfg.model.hidden_size)
+        self.dtype = compute_dtype(pipeline.cfg.model)
+        self.zeros_act = _varying(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
+
+    def forward(self, layers_c, shared, x_in, mb_in, v, mb):
+        """One virtual stage on one microbatch: (output [b, s, d], its loss share, aux)."""
+        model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
+        k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
+        positions = mb_in["position_ids"]
+        x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed), lambda: x_in)
+        x = constrain(x, ACT_BUFFER[1:])
+        y = model.run_layers(x, positions, mb_in.get("segment_ids"), k_layers, self.first_layer[v],
+                             self.layer_count[v] if self.padded else None)
+
+        def head():
+            loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
+            return loss_sum * self.scale, aux
+
+        def no_head():
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
+            return jax.tree.map(_varying, zeros)
+
+        loss, aux = jax.lax.cond(v == self.last, head, no_head)
+        return y, loss, aux
+
+    # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
+    # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
+    # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add and lays
+    # it out with collective-permutes inside a branch (see `_embed`).
+
+    def pin_layers(self, tree):  # [V, Lmax, ...]
+        if self.specs is None:
+            return tree
+        return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(x, stage_chunks(sp)),
+                            tree, self.specs["layers"])
+
+    def pin_shared(self, tree):
+        if self.specs is None:
+            return tree
+        shared_specs = {k: v for k, v in self.specs.items() if k != "layers"}
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
+
+    def aux_zeros(self):
+        """The head's aux dict, zero (its structure, from the model)."""
+        layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
+        model = nnx.merge(self.graphdef, {**self.shared, "layers": layers_0})
+        labels, mask = self.batch["labels"][0], self.batch["loss_mask"][0]
+        aux = jax.eval_shape(lambda: model.head(self.zeros_act, labels, mask)[1])
+        return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
+
+    def init_carry(self) -> dict:
+        def buffer(slots):  # [slot, b, s, d]
+            return _varying(constrain(jnp.zeros((slots, *self.act_shape), self.dtype), ACT_BUFFER))
+
+        carry = {"acts": buffer(self.program.num_act_slots), "loss": _varying(jnp.zeros((), jnp.float32)),
+                 "aux": self.aux_zeros()}
+        if self.train:
+            zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
+            carry["grads_in"] = buffer(self.program.num_grad_slots)
+            carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
+            carry["d_shared"] = self.pin_shared(zeros(self.shared))
+        return carry
+
+    def action(self, carry, a: dict):
+        """This tick's action -> (sent forward, sent backward, loss, aux, d_layers_c, d_shared).
+
+        Branches see only this tick's tensors and return this tick's deltas: a branch that
+        passed the buffers or accumulators through would copy them every tick."""
+        mb, c = a["microbatch"], a["chunk"]
+        v = c * self.P + self.stage
+        mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
+        if self.V == 1:  # a static index: no per-tick copy of the stage's weights
+            layers_c = jax.tree.map(lambda x: x[0], self.layers_vl)  # [Lmax, ...]
+        else:
+            layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
+                                    self.layers_vl)  # [Lmax, ...]
+        shared, zeros_act = self.shared, self.zeros_act
+        x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
+        g_in = carry["grads_in"][a["grad_slot"]] if self.train else None  # [b, s, d]
+
+        def idle():
+            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+            return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)), self.aux_zeros(),
+                    zeros(layers_c), zeros(shared))
+
+        def forward():  # aux is counted here, once per microbatch (not in the recompute)
+            y, loss, aux = self.forward(layers_c, shared, x_in, mb_in, v, mb)
+            *_, d_lc, d_sh = idle()
+            return y, zeros_act, loss, aux, d_lc, d_sh
+
+        def backward():
+            (_, loss), vjp = jax.vjp(
+                lambda lp, sp, x: self.forward(lp, sp, x, mb_in, v, mb)[:2], layers_c, shared, x_in)
+            at_loss = v == self.last
+            g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
+            d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
+            return zeros_act, d_x, jnp.zeros_like(loss), self.aux_zeros(), d_lc, self.pin_shared(d_sh)
+
+        return jax.lax.switch(a["kind"], [idle, forward, backward] if self.train else [idle, forward])
+
+    def tick(self, carry, row):
+        a = {k: r[self.stage] for k, r in row.items()}  # this stage's action, scalars
+        send_fwd, send_bwd, loss, aux, d_lc, d_sh = self.action(carry, a)
+        carry = {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
+        if self.train:
+            carry["d_layers"] = self.pin_layers(
+                jax.tree.map(lambda acc, d: acc.at[a["chunk"]].add(d), carry["d_layers"], d_lc))
+            carry["d_shared"] = self.pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
+        ring = range(self.P)
+        got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % self.P) for i in ring])
+        carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
+        if self.train:
+            got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % self.P) for i in ring])
+            carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
+        return carry, None
+
+    def run(self, arrays):
+        """The scan over ticks; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe."""
+        carry, _ = jax.lax.scan(self.tick, self.init_carry(), arrays)
+        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
+        if not self.train:
+            return loss, {}, {}, aux
+        d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
+        return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE), aux
 
 
 def _embed(model, tokens_bs, positions_bs, key):
