@@ -1,6 +1,6 @@
 """Turn (config, mesh) into sharded train state and compiled steps: parallelism in one place.
 
-The order, once:
+The order, once (after refusing --attention-backend flash/fused off an NVIDIA GPU):
   1. mesh       given (mlm_jax/sharding/mesh.py), axes pipe, data, expert, context, tensor;
   2. rules      parameter storage rules, compute rules, activation rules (sequence parallel);
   3. params     the abstract model's logical dim names -> compute shardings -> storage
@@ -197,6 +197,30 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
     return run, eval_sum
 
 
+def _train_step(cfg: Config, tx, loss_grads_aux):
+    """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
+    (the head's aux scalars, summed over the microbatches, under "aux")."""
+
+    def train_step(state, batch, key):
+        params = state["params"]
+        loss, grads, aux = loss_grads_aux(params, batch, key)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        metrics = {
+            "lm_loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+            "tokens": jnp.sum(batch["loss_mask"]),
+            "aux": aux,
+        }
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        return new_state, metrics
+
+    return train_step
+
+
 def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     """Apply every parallelism of `cfg` on `mesh` (the order is in the module docstring).
 
@@ -231,22 +255,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
         def eval_sum(params, batch):  # noqa: F811
             return pipeline.loss_sum(params, batch, sh.compute)
 
-    def train_step(state, batch, key):
-        params = state["params"]
-        loss, grads, aux = loss_grads_aux(params, batch, key)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        metrics = {
-            "lm_loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
-            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
-            "tokens": jnp.sum(batch["loss_mask"]),
-            "aux": aux,
-        }
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
-        return new_state, metrics
+    train_step = _train_step(cfg, tx, loss_grads_aux)
 
     def eval_step(params, batch):
         return eval_sum(params, batch), jnp.sum(batch["loss_mask"])
