@@ -11,7 +11,7 @@ from flax import nnx
 from mlm_jax.config import OptimConfig
 from mlm_jax.models import GPT, tiny_gpt
 from mlm_jax.models.gpt import PADDED_LOGIT
-from mlm_jax.models import PARAM_FORMAT_VERSION, ParamFormatError, upgrade_params
+from mlm_jax.models import PARAM_FORMAT_VERSION, ParamFormatError, downgrade_params, upgrade_params
 from mlm_jax.optim import decay_mask, lr_at, make_optimizer
 
 CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300,
@@ -169,6 +169,9 @@ def test_upgrade_params_converts_version_1_params_and_optimizer_moments():
     state = upgrade_params(state_old, 1)
     assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
     assert upgrade_params(params, PARAM_FORMAT_VERSION) is params
+    # The restore target of a version-1 checkpoint: the current tree in the old layout.
+    assert jax.tree.structure(downgrade_params(params, 1)) == jax.tree.structure(old)
+    assert jax.tree.structure(downgrade_params(tx.init(params), 1)) == jax.tree.structure(state_old)
     with pytest.raises(ParamFormatError, match="parameter format version 3 cannot be read by this "
                                                "mlm_jax \\(it reads versions 1 to 2\\)"):
         upgrade_params(params, 3)

@@ -33,6 +33,16 @@ def _layers_v1_to_v2(layers: Mapping) -> dict:
     return out
 
 
+def _layers_v2_to_v1(layers: Mapping) -> dict:
+    out: dict = {}
+    for name, value in layers.items():
+        if name in ("attention", "mlp") and isinstance(value, Mapping):
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
 def _walk(tree, fix_layers):
     """Rebuild `tree` (dicts, lists, tuples, namedtuples), applying `fix_layers` to every
     mapping found under a "layers" key."""
@@ -60,4 +70,17 @@ def upgrade_params(tree, from_version: int):
         return _walk(tree, _layers_v1_to_v2)
     raise ParamFormatError(
         f"parameter format version {from_version} cannot be read by this mlm_jax (it reads "
+        f"versions 1 to {PARAM_FORMAT_VERSION})")
+
+
+def downgrade_params(tree, to_version: int):
+    """The inverse of `upgrade_params`: a current-format params-like tree in the layout of
+    `to_version`. Restoring an old checkpoint needs it to build the restore target (the saved
+    tree's structure), which `upgrade_params` then converts."""
+    if to_version == PARAM_FORMAT_VERSION:
+        return tree
+    if to_version == 1:
+        return _walk(tree, _layers_v2_to_v1)
+    raise ParamFormatError(
+        f"parameter format version {to_version} cannot be written by this mlm_jax (it writes "
         f"versions 1 to {PARAM_FORMAT_VERSION})")
