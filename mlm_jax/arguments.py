@@ -47,6 +47,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--init-method-std", "model", "init_method_std", "float", "init std (output layers / sqrt(2 L))"),
     ("--recompute-granularity", "model", "recompute_granularity", "str", "full | selective"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
+    ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", "int", "pipeline parallel size"),

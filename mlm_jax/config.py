@@ -46,6 +46,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     recompute_granularity: Literal["full", "selective"] | None = None
     bf16: bool = False
+    # Megatron's --attention-backend: flash/fused = cuDNN's fused kernel, unfused/local = XLA's
+    # einsums, auto = cuDNN where it applies (mlm_jax/models/attention.py).
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -236,6 +239,19 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
+def num_microbatches(cfg: Config, world_size: int) -> int | None:
+    """Microbatches per step, global batch / (micro batch x data-parallel size): the one place
+    it is computed. None while the sizes do not divide (`validate` says why)."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    if model_parallel <= 0 or world_size % model_parallel or not t.global_batch_size:
+        return None
+    per_step = t.micro_batch_size * (world_size // model_parallel)
+    if per_step <= 0 or t.global_batch_size % per_step:
+        return None
+    return t.global_batch_size // per_step
+
+
 def finalize(cfg: Config, world_size: int) -> Config:
     """Fill derived fields (padded vocab, global batch) and validate against the device count."""
     dp = data_parallel_size(cfg.parallel, world_size)
@@ -370,8 +386,38 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
         )
+    validate_attention_backend(m, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
+    """Why cuDNN's fused attention cannot run this model (None: it can, on an NVIDIA GPU)."""
+    if not m.bf16:
+        return "cuDNN fused attention needs bf16 compute (add --bf16)"
+    if m.attention_dropout > 0:
+        return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
+    if documents:
+        return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
+    if m.head_dim % 8 or m.head_dim > 128:
+        return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
+    return None
+
+
+def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
+    """--attention-backend flash/fused where cuDNN cannot run is refused here, before compiling
+    (the platform is checked when the model is placed on devices)."""
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend {m.attention_backend!r} is unknown; choose one of "
+                          f"{', '.join(ATTENTION_BACKENDS)}")
+    if m.attention_backend in ("flash", "fused"):
+        why = fused_attention_obstacle(m, documents)
+        if why:
+            raise ConfigError(f"--attention-backend {m.attention_backend}: {why}; or use "
+                              "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
@@ -415,14 +461,8 @@ def pipeline_plan(cfg: Config, world_size: int | None = None):
     """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
     from mlm_jax.pipeline.layout import PipelinePlanError, plan_pipeline
 
-    p, t = cfg.parallel, cfg.train
-    m = None
-    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                      * p.context_parallel_size)
-    if world_size is not None and model_parallel > 0 and world_size % model_parallel == 0 and t.global_batch_size:
-        per_step = t.micro_batch_size * (world_size // model_parallel)
-        if per_step > 0 and t.global_batch_size % per_step == 0:
-            m = t.global_batch_size // per_step  # else the batch rule in `validate` says why
+    p = cfg.parallel
+    m = None if world_size is None else num_microbatches(cfg, world_size)
     try:
         return plan_pipeline(
             num_layers=cfg.model.num_layers,

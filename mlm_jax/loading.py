@@ -39,11 +39,11 @@ class LoadedModel:
         import jax
         import jax.numpy as jnp
         from flax import nnx
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
 
         from mlm_jax.parallelize import abstract_model, tracing
-        from mlm_jax.sharding.mesh import DATA
         from mlm_jax.sharding.rules import activation_rules
+        from mlm_jax.sharding.specs import tokens_spec
 
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -62,7 +62,7 @@ class LoadedModel:
 
             self._forward = (jax.jit(forward), rules)
         fn, rules = self._forward
-        spec = P(DATA, None) if tokens.shape[0] % self.mesh.shape[DATA] == 0 else P()
+        spec = tokens_spec(tokens.shape[0], dict(self.mesh.shape))
         x = jax.device_put(jnp.asarray(tokens, jnp.int32), NamedSharding(self.mesh, spec))
         with tracing(self.mesh, rules):
             return np.asarray(fn(self.params, x), dtype=np.float32)

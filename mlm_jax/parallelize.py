@@ -1,6 +1,6 @@
 """Turn (config, mesh) into sharded train state and compiled steps: parallelism in one place.
 
-The order, once:
+The order, once (after refusing --attention-backend flash/fused off an NVIDIA GPU):
   1. mesh       given (mlm_jax/sharding/mesh.py), axes pipe, data, expert, context, tensor;
   2. rules      parameter storage rules, compute rules, activation rules (sequence parallel);
   3. params     the abstract model's logical dim names -> compute shardings -> storage
@@ -16,7 +16,9 @@ The order, once:
 
 The train step takes a global batch shaped [microbatches, micro * dp, seq], accumulates
 gradients over the microbatches with `lax.scan`, and averages the loss over every unmasked
-token of the global batch, so the result does not depend on how the batch is split.
+token of the global batch, so the result does not depend on how the batch is split. Both it and
+the pipeline run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the
+head's `aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).
 """
 
 from __future__ import annotations
@@ -29,22 +31,22 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from mlm_jax.config import Config
-from mlm_jax.models.gpt import GPT, cross_entropy
+from mlm_jax.config import Config, num_microbatches
+from mlm_jax.models.attention import check_platform
+from mlm_jax.models.gpt import GPT
 from mlm_jax.optim import lr_at, make_optimizer
-from mlm_jax.sharding.mesh import DATA
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec, param_rules, use_rules, zero_spec
+from mlm_jax.sharding.specs import batch_spec, replicated
 
-BATCH_SPEC = P(None, DATA, None)  # [microbatch, batch/data, seq]
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # + segment_ids with reset mask
 
 
-def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, dict, dict]:
+def abstract_model(cfg: Config, model_class=GPT) -> tuple[nnx.GraphDef, dict, dict]:
     """(graphdef, pure dict of ShapeDtypeStruct, pure dict of logical names): no memory used."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: model_class(cfg.model, nnx.Rngs(0)))
         graphdef, state = nnx.split(model)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
     names = jax.tree.map(
@@ -55,14 +57,19 @@ def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, dict, dict]:
     return graphdef, shapes, nnx.to_pure_dict(names) if isinstance(names, nnx.State) else names
 
 
-def init_params(cfg: Config, seed: int) -> dict:
+def init_params(cfg: Config, seed: int, model_class=GPT) -> dict:
     """Unsharded fp32 parameters as a pure dict (the reference the parallel layouts must match)."""
     with nnx.use_eager_sharding(False):
-        return nnx.to_pure_dict(nnx.state(GPT(cfg.model, nnx.Rngs(seed))))
+        return nnx.to_pure_dict(nnx.state(model_class(cfg.model, nnx.Rngs(seed))))
 
 
 def count_params(shapes: dict) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(shapes))
+
+
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    """The arrays of a training batch (segment_ids only with --reset-attention-mask)."""
+    return BATCH_KEYS + (("segment_ids",) if cfg.data.reset_attention_mask else ())
 
 
 @dataclasses.dataclass
@@ -79,14 +86,14 @@ class Parallel:
     tx: optax.GradientTransformation
     num_microbatches: int
     init: Callable  # seed -> state (sharded)
-    train_step: Callable  # (state, batch, key) -> (state, metrics)
+    train_step: Callable  # (state, batch, key) -> (state, metrics); metrics["aux"]: the head's aux
     eval_step: Callable  # (params, batch) -> (loss_sum, token_count)
     rules: tuple
     loss_and_grads: Callable  # (params, batch, key) -> (loss, grads); compiled on first use
     pipeline: Any = None  # mlm_jax.pipeline.runtime.Pipeline when pipeline size > 1
 
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, BATCH_SPEC)
+        return NamedSharding(self.mesh, batch_spec())
 
     def batch_shape(self) -> tuple[int, int, int]:
         t = self.cfg.train
@@ -107,24 +114,26 @@ def tracing(mesh: Mesh, rules: tuple):
         yield
 
 
-def _loss_sum(graphdef, params, mb, key) -> jax.Array:
-    """Sum of masked per-token losses of one microbatch."""
-    model = nnx.merge(graphdef, params)
-    # segment_ids travel only with --reset-attention-mask; otherwise the mask is just causal.
-    logits = model(mb["tokens"], mb["position_ids"], mb.get("segment_ids"), key)
-    return jnp.sum(cross_entropy(logits, mb["labels"]) * mb["loss_mask"])
+def _sum_aux(acc: dict, aux: dict) -> dict:
+    return jax.tree.map(jnp.add, acc, aux)
 
 
-def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
-    """Apply every parallelism of `cfg` on `mesh` (the order is in the module docstring)."""
+@dataclasses.dataclass
+class _Shardings:
+    shapes: dict
+    compute: dict
+    storage: dict
+    opt: Any
+    tx: optax.GradientTransformation
+    pipeline: Any
+
+
+def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
+    """Steps 3, 4 and 6's storage: compute and storage shardings of params and optimizer."""
     sizes = dict(mesh.shape)
     p = cfg.parallel
-    # 2. rules
-    act_rules = activation_rules(p.sequence_parallel)
-    prules = param_rules()
-    # 3. params
-    graphdef, shapes, names = abstract_model(cfg)
-    compute_spec = jax.tree.map(lambda n: logical_to_spec(n, prules), names,
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    compute_spec = jax.tree.map(lambda n: logical_to_spec(n, param_rules()), names,
                                 is_leaf=lambda x: isinstance(x, tuple))
     pipeline = None
     if p.pipeline_model_parallel_size > 1:  # 6. pipeline: stored layout of the stacked layers
@@ -132,32 +141,104 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
 
         pipeline = Pipeline(cfg, mesh, graphdef)
         shapes, compute_spec = pipeline.stored_shapes(shapes), pipeline.stored_specs(compute_spec)
+    storage_spec = compute_spec
     if p.use_distributed_optimizer:
         storage_spec = jax.tree.map(lambda s, a: zero_spec(s, a.shape, sizes), compute_spec, shapes,
-                                    is_leaf=lambda x: isinstance(x, P))
-    else:
-        storage_spec = compute_spec
+                                    is_leaf=is_spec)
     to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    compute_sharding = jax.tree.map(to_sharding, compute_spec, is_leaf=is_spec)
-    param_sharding = jax.tree.map(to_sharding, storage_spec, is_leaf=is_spec)
+    compute = jax.tree.map(to_sharding, compute_spec, is_leaf=is_spec)
+    storage = jax.tree.map(to_sharding, storage_spec, is_leaf=is_spec)
     # 4. optimizer: moments follow the stored parameters; counters are replicated.
     tx = make_optimizer(cfg.optim, cfg.train.train_iters)
-    opt_sharding = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), param_sharding,
-        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    opt = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), storage,
+        transform_non_params=lambda _: NamedSharding(mesh, replicated()),
     )
-    replicated = NamedSharding(mesh, P())
-    state_sharding = {"params": param_sharding, "opt_state": opt_sharding, "step": replicated}
-    dp = sizes[DATA] * sizes.get("expert", 1)
-    num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    keys = BATCH_KEYS + (("segment_ids",) if cfg.data.reset_attention_mask else ())
-    batch_sharding = {k: NamedSharding(mesh, BATCH_SPEC) for k in keys}
+    return _Shardings(shapes, compute, storage, opt, tx, pipeline)
+
+
+def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
+    """(params, batch, key) -> (token-mean loss, grads in storage sharding, summed aux), the
+    microbatches accumulated with lax.scan."""
+
+    def gathered(params):
+        # Storage -> compute mapping: under ZeRO this is the all-gather of the parameters.
+        return jax.lax.with_sharding_constraint(params, sh.compute)
+
+    def run(params, batch, key):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+
+        def loss_fn(prm, mb, mb_key):
+            loss_sum, aux = nnx.merge(graphdef, gathered(prm)).loss(mb, mb_key)
+            return loss_sum / total_tokens, aux
+
+        def micro(carry, xs):
+            grads_acc, loss_acc, aux_acc = carry
+            mb, index = xs
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, mb, jax.random.fold_in(key, index))
+            # Back to storage: under ZeRO the gradient reduce-scatters over data.
+            grads = jax.lax.with_sharding_constraint(grads, sh.storage)
+            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, _sum_aux(aux_acc, aux)), None
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first, key)[1])
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), sh.storage)
+        (grads, loss, aux), _ = jax.lax.scan(
+            micro, (zeros, jnp.zeros((), jnp.float32), aux0), (batch, jnp.arange(num_micro)))
+        return loss, grads, aux
+
+    def eval_sum(params, batch):
+        def micro(acc, mb):
+            return acc + nnx.merge(graphdef, gathered(params)).loss(mb, None)[0], None
+
+        return jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)[0]
+
+    return run, eval_sum
+
+
+def _train_step(cfg: Config, tx, loss_grads_aux):
+    """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
+    (the head's aux scalars, summed over the microbatches, under "aux")."""
+
+    def train_step(state, batch, key):
+        params = state["params"]
+        loss, grads, aux = loss_grads_aux(params, batch, key)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        metrics = {
+            "lm_loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+            "tokens": jnp.sum(batch["loss_mask"]),
+            "aux": aux,
+        }
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        return new_state, metrics
+
+    return train_step
+
+
+def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
+    """Apply every parallelism of `cfg` on `mesh` (the order is in the module docstring).
+
+    `model_class` (default GPT) is any model offering GPT's constructor and stage API."""
+    check_platform(cfg.model)  # --attention-backend flash off an NVIDIA GPU: refused before compiling
+    act_rules = activation_rules(cfg.parallel.sequence_parallel)  # 2. rules
+    graphdef, shapes, names = abstract_model(cfg, model_class)  # 3. params
+    sh = _shardings(cfg, mesh, graphdef, shapes, names)
+    pipeline, tx = sh.pipeline, sh.tx
+    rep = NamedSharding(mesh, replicated())
+    state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep}
+    num_micro = num_microbatches(cfg, mesh.size)
+    batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg)}
 
     # 7. jit
     def init(seed: int):
         def make():
-            params = init_params(cfg, seed)
+            params = init_params(cfg, seed, model_class)
             if pipeline is not None:
                 params = pipeline.to_pipelined(params)
             return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -165,84 +246,30 @@ def parallelize(cfg: Config, mesh: Mesh) -> Parallel:
         with jax.set_mesh(mesh):
             return jax.jit(make, out_shardings=state_sharding)()
 
-    def gathered(params):
-        # Storage -> compute mapping: under ZeRO this is the all-gather of the parameters.
-        return jax.lax.with_sharding_constraint(params, compute_sharding)
-
-    def loss_and_grads(params, batch, key):
-        """Token-mean loss of the global batch and its gradient, accumulated over microbatches."""
-        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-
-        def micro(carry, xs):
-            grads_acc, loss_acc = carry
-            mb, index = xs
-            loss, grads = jax.value_and_grad(
-                lambda prm: _loss_sum(graphdef, gathered(prm), mb, jax.random.fold_in(key, index))
-                / total_tokens
-            )(params)
-            # Back to storage: under ZeRO the gradient reduce-scatters over data.
-            grads = jax.lax.with_sharding_constraint(grads, param_sharding)
-            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
-
-        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_sharding)
-        (grads, loss), _ = jax.lax.scan(
-            micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(num_micro))
-        )
-        return loss, grads
-
+    loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
-        def loss_and_grads(params, batch, key):  # noqa: F811
-            return pipeline.loss_and_grads(params, batch, key, compute_sharding, param_sharding)
+        def loss_grads_aux(params, batch, key):  # noqa: F811
+            return pipeline.loss_and_grads(params, batch, key, sh.compute, sh.storage)
 
-    def train_step(state, batch, key):
-        params = state["params"]
-        loss, grads = loss_and_grads(params, batch, key)
-        total_tokens = jnp.sum(batch["loss_mask"])
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        metrics = {
-            "lm_loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
-            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
-            "tokens": total_tokens,
-        }
-        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, metrics
+        def eval_sum(params, batch):  # noqa: F811
+            return pipeline.loss_sum(params, batch, sh.compute)
+
+    train_step = _train_step(cfg, tx, loss_grads_aux)
 
     def eval_step(params, batch):
-        def micro(acc, mb):
-            return acc + _loss_sum(graphdef, gathered(params), mb, None), None
-
-        if pipeline is not None:
-            loss_sum = pipeline.loss_sum(params, batch, compute_sharding)
-        else:
-            loss_sum, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
-        return loss_sum, jnp.sum(batch["loss_mask"])
+        return eval_sum(params, batch), jnp.sum(batch["loss_mask"])
 
     with jax.set_mesh(mesh), use_rules(act_rules):
-        train_jit = jax.jit(
-            train_step,
-            in_shardings=(state_sharding, batch_sharding, replicated),
-            out_shardings=(state_sharding, replicated),
-            donate_argnums=(0,),
-        )
-        grads_jit = jax.jit(
-            loss_and_grads,
-            in_shardings=(param_sharding, batch_sharding, replicated),
-            out_shardings=(replicated, param_sharding),
-        )
-        eval_jit = jax.jit(
-            eval_step,
-            in_shardings=(param_sharding, batch_sharding),
-            out_shardings=(replicated, replicated),
-        )
+        train_jit = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding, rep),
+                            out_shardings=(state_sharding, rep), donate_argnums=(0,))
+        grads_jit = jax.jit(lambda p, b, k: loss_grads_aux(p, b, k)[:2],
+                            in_shardings=(sh.storage, batch_sharding, rep), out_shardings=(rep, sh.storage))
+        eval_jit = jax.jit(eval_step, in_shardings=(sh.storage, batch_sharding), out_shardings=(rep, rep))
 
     return Parallel(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, shapes=shapes, param_sharding=param_sharding,
-        compute_sharding=compute_sharding, opt_sharding=opt_sharding, tx=tx,
+        cfg=cfg, mesh=mesh, graphdef=graphdef, shapes=sh.shapes, param_sharding=sh.storage,
+        compute_sharding=sh.compute, opt_sharding=sh.opt, tx=tx,
         num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules),
         eval_step=_traced(eval_jit, mesh, act_rules), rules=act_rules,
         loss_and_grads=_traced(grads_jit, mesh, act_rules), pipeline=pipeline,

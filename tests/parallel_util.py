@@ -47,10 +47,11 @@ def place(pz, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.device_put(v.reshape(shape), pz.batch_sharding()) for k, v in batch.items()}
 
 
-def build(parallel: ParallelConfig, micro_batch: int, devices=None, **model):
+def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=None, **model):
     devices = jax.devices() if devices is None else devices
     cfg = finalize(tiny_config(parallel, micro_batch, **model), len(devices))
-    return parallelize(cfg, make_mesh(cfg.parallel, devices))
+    extra = {} if model_class is None else {"model_class": model_class}
+    return parallelize(cfg, make_mesh(cfg.parallel, devices), **extra)
 
 
 @functools.cache

@@ -11,7 +11,8 @@ from flax import nnx
 from mlm_jax.config import OptimConfig
 from mlm_jax.models import GPT, tiny_gpt
 from mlm_jax.models.gpt import PADDED_LOGIT
-from mlm_jax.optim import decay_mask, lr_at
+from mlm_jax.models import PARAM_FORMAT_VERSION, ParamFormatError, downgrade_params, upgrade_params
+from mlm_jax.optim import decay_mask, lr_at, make_optimizer
 
 CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300,
                padded_vocab_size=384, max_position_embeddings=32)
@@ -46,8 +47,9 @@ def test_lr_schedule_matches_megatron(style):
 
 def test_weight_decay_skips_biases_and_norms():
     mask = decay_mask(model_parts(CFG)[1])
-    assert mask["embed"] and mask["pos_embed"] and mask["layers"]["wqkv"] and mask["layers"]["w2"]
-    assert not mask["layers"]["bqkv"] and not mask["layers"]["b2"]
+    assert mask["embed"] and mask["pos_embed"] and mask["layers"]["attention"]["wqkv"]
+    assert mask["layers"]["mlp"]["w2"]
+    assert not mask["layers"]["attention"]["bqkv"] and not mask["layers"]["mlp"]["b2"]
     assert not mask["layers"]["norm1"]["scale"] and not mask["final_norm"]["bias"]
 
 
@@ -55,10 +57,10 @@ def test_megatron_init():
     cfg = tiny_gpt(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000,
                    padded_vocab_size=1024, init_method_std=0.02)
     p = model_parts(cfg)[1]
-    assert np.std(p["layers"]["wqkv"]) == pytest.approx(0.02, rel=0.02)
-    assert np.std(p["layers"]["w2"]) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.02)
+    assert np.std(p["layers"]["attention"]["wqkv"]) == pytest.approx(0.02, rel=0.02)
+    assert np.std(p["layers"]["mlp"]["w2"]) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.02)
     assert not np.any(p["embed"][1000:])  # padding rows
-    assert np.all(p["layers"]["norm1"]["scale"] == 1.0) and not np.any(p["layers"]["b1"])
+    assert np.all(p["layers"]["norm1"]["scale"] == 1.0) and not np.any(p["layers"]["mlp"]["b1"])
 
 
 def model_parts(cfg):
@@ -139,3 +141,37 @@ def test_dropout_is_keyed_and_off_without_a_key():
     assert not np.allclose(model(TOKENS, dropout_key=k1), model(TOKENS, dropout_key=k2))
     assert np.array_equal(model(TOKENS), model(TOKENS))
     assert not np.allclose(model(TOKENS), model(TOKENS, dropout_key=k1))
+
+
+# The version-1 layer leaves, all directly under `layers` (before the Attention/MLP split).
+V1_LAYER_LEAVES = {"norm1", "wqkv", "bqkv", "wo", "bo", "norm2", "w1", "b1", "w2", "b2"}
+
+
+def _as_v1(tree):
+    """A version-2 params-like dict written back in the version-1 layout, by hand."""
+    layers = dict(tree["layers"])
+    flat = {**layers.pop("attention"), **layers.pop("mlp"), **layers}
+    assert set(flat) == V1_LAYER_LEAVES
+    return {**tree, "layers": flat}
+
+
+def test_upgrade_params_converts_version_1_params_and_optimizer_moments():
+    assert PARAM_FORMAT_VERSION == 2
+    params = model_parts(CFG)[1]
+    old = _as_v1(params)
+    new = upgrade_params(old, 1)
+    assert jax.tree.structure(new) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+        assert a is b  # moved, not copied
+    # AdamW's state holds mu and nu mirroring the params inside optax namedtuples.
+    tx = make_optimizer(OptimConfig(), 10)
+    state_old = tx.init(old)
+    state = upgrade_params(state_old, 1)
+    assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+    assert upgrade_params(params, PARAM_FORMAT_VERSION) is params
+    # The restore target of a version-1 checkpoint: the current tree in the old layout.
+    assert jax.tree.structure(downgrade_params(params, 1)) == jax.tree.structure(old)
+    assert jax.tree.structure(downgrade_params(tx.init(params), 1)) == jax.tree.structure(state_old)
+    with pytest.raises(ParamFormatError, match="parameter format version 3 cannot be read by this "
+                                               "mlm_jax \\(it reads versions 1 to 2\\)"):
+        upgrade_params(params, 3)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from mlm_jax.config import ConfigError, ParallelConfig, finalize
+from mlm_jax.models import GPT
 from mlm_jax.parallelize import parallelize
 from mlm_jax.pipeline import schedules
 from mlm_jax.pipeline.layout import PipelineLayout
@@ -174,6 +175,39 @@ def test_ten_step_training_curve_matches_pp1():
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=CURVE_LOSS_ATOL)
     assert ref_losses[-1] < ref_losses[0] - 0.1
     assert_trees_close(unpad(ref_params), unpad(params), rtol=0.0, atol=CURVE_PARAM_ATOL)
+
+
+# --------------------------------------------------------------------------- aux scalars
+
+
+class ZLossGPT(GPT):
+    """Test-only model whose head reports two aux scalars (as MoE's losses will): the sum of
+    squared log-partition values over unmasked tokens, and the count of those tokens."""
+
+    def head(self, x_bsd, labels_bs, loss_mask_bs):
+        loss_sum, aux = super().head(x_bsd, labels_bs, loss_mask_bs)
+        lse = jax.nn.logsumexp(self.logits(x_bsd), axis=-1)  # [b, s]
+        return loss_sum, {**aux, "z_sum": jnp.sum(lse * lse * loss_mask_bs), "tokens": jnp.sum(loss_mask_bs)}
+
+
+@functools.cache
+def aux_metrics(parallel: ParallelConfig, micro: int, single_device: bool = False) -> dict:
+    pz = build(parallel, micro, jax.devices()[:1] if single_device else None, model_class=ZLossGPT,
+               num_layers=4)
+    _, metrics = pz.train_step(pz.init(0), place(pz, fixed_batch()), jax.random.key(0))
+    return jax.tree.map(float, metrics)
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_interleaved_v2"])
+def test_head_aux_is_summed_over_microbatches_into_the_metrics(name):
+    """Each microbatch's aux counted once (not again in the backward's recompute), on the last
+    stage only, summed over stages: equal to the plain step's sum (fp32, 1e-6 relative)."""
+    ref = aux_metrics(*REFERENCE, single_device=True)
+    got = aux_metrics(*LAYOUTS[name])
+    assert ref["aux"]["tokens"] == got["aux"]["tokens"] == got["tokens"] == float(fixed_batch()["loss_mask"].sum())
+    assert ref["aux"]["z_sum"] > 1.0
+    assert got["aux"]["z_sum"] == pytest.approx(ref["aux"]["z_sum"], rel=1e-6)
+    assert got["lm_loss"] == pytest.approx(ref["lm_loss"], abs=LOSS_ATOL)
 
 
 # --------------------------------------------------------------------------- memory

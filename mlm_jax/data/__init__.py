@@ -8,6 +8,7 @@ What a training script needs:
 
 from mlm_jax.data.batch import make_batch
 from mlm_jax.data.builder import Datasets, build_datasets, megatron_num_samples, parse_blend
+from mlm_jax.data.stream import train_batches
 from mlm_jax.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -42,6 +43,7 @@ __all__ = [
     "megatron_num_samples",
     "optimal_dtype",
     "parse_blend",
+    "train_batches",
     "train_sentencepiece",
     "write_indexed_dataset",
 ]

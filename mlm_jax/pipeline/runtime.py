@@ -28,8 +28,11 @@ Stages and their state
   `--recompute-granularity` still applies inside the recomputed stage (it bounds the memory of
   the one vjp alive at a time).
 
-The loss is the unpipelined one: the sum of masked token losses over the global batch, divided
-by the global batch's token count; dropout keys are folded from (step key, microbatch index,
+A virtual stage runs the model's stage API (`embed_tokens` on the first, `run_layers` on its
+chunk, padded rows included, `head` on the last); this file holds no copy of the layer loop,
+the loss or the dtype rules. The loss is the unpipelined one: the sum of masked token losses
+over the global batch, divided by the global batch's token count; the head's `aux` scalars are
+summed over microbatches and stages; dropout keys are folded from (step key, microbatch index,
 layer index) exactly as `parallelize` does, so pipelined and unpipelined runs draw the same masks.
 """
 
@@ -42,14 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mlm_jax.config import Config, ConfigError, pipeline_plan
-from mlm_jax.models.gpt import attention_mask, cross_entropy, run_layers
+from mlm_jax.models.gpt import stage_keys
+from mlm_jax.models.layers import compute_dtype
 from mlm_jax.pipeline import schedules
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.sharding.mesh import PIPE
-from mlm_jax.sharding.rules import active_rules, constrain, use_rules
+from mlm_jax.sharding.rules import active_rules, constrain, unsharded, use_rules
+from mlm_jax.sharding.specs import pipe_blocks, pipe_stored, replicated, stage_chunks
 
 KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
@@ -201,7 +205,7 @@ class Pipeline:
         return map_layer_leaves(lambda s: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes)
 
     def stored_specs(self, specs: dict) -> dict:
-        return map_layer_leaves(lambda spec: P(PIPE, *tuple(spec)[1:]), specs)
+        return map_layer_leaves(pipe_stored, specs)
 
     def to_pipelined(self, tree):
         return self.layout.to_pipelined(tree)
@@ -216,165 +220,190 @@ class Pipeline:
     # The step pieces (traced inside parallelize's jit, under its mesh and activation rules).
 
     def loss_and_grads(self, params: dict, batch: dict, key, compute_sharding, param_sharding):
-        """(token-mean loss of the global batch, grads in the storage sharding)."""
+        """(token-mean loss of the global batch, grads in the storage sharding, summed aux)."""
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
-        loss, grads = self._run(program, params, batch, key, 1.0 / total_tokens, specs)
-        return loss, jax.lax.with_sharding_constraint(grads, param_sharding)
+        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs)
+        return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
 
     def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
         """Sum of masked token losses of the batch, no dropout (evaluation)."""
         params = jax.lax.with_sharding_constraint(params, compute_sharding)
         program = self.program(batch["tokens"].shape[0], forward_only=True)
-        loss, _ = self._run(program, params, batch, None, jnp.float32(1.0))
-        return loss
+        return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
     def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None):
-        L, graphdef, cfg = self.layout, self.graphdef, self.cfg.model
-        num_stages, V, Lmax, last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
+        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map."""
         train = not program.forward_only
-        use_dropout = key is not None
-        key = jax.random.key(0) if key is None else key
-        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float32
-        first_layer = jnp.asarray([L.first_layer(v) for v in range(L.num_vstages)], jnp.int32)
-        layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
-        _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
+        use_dropout = key is not None
+        key = jax.random.key(0) if key is None else key
 
         def body(layers_blk, shared, batch, key, scale, arrays):
-            def stage_forward(layers_c, shared, x_in, mb_in, v, mb):
-                """One virtual stage on one microbatch: (output [b, s, d], its loss share)."""
-                model = nnx.merge(graphdef, {**shared, "layers": layers_c})
-                if use_dropout:
-                    k_embed, k_layers = jax.random.split(jax.random.fold_in(key, mb))
-                else:
-                    k_embed = k_layers = None
-                positions = mb_in["position_ids"]
-                x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed),
-                                 lambda: x_in)
-                x = constrain(x, ACT_BUFFER[1:])
-                mask = attention_mask(S, mb_in.get("segment_ids"))
-                y = _run_chunk(model.layers, x, positions, mask, k_layers, first_layer[v],
-                               layer_count[v], L.is_padded)
+            stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale)
+            return stage.run(arrays)
 
-                def head():
-                    logits = model.output_logits(y)
-                    return jnp.sum(cross_entropy(logits, mb_in["labels"]) * mb_in["loss_mask"]) * scale
-
-                loss = jax.lax.cond(v == last, head, lambda: _varying(jnp.zeros((), jnp.float32)))
-                return y, loss
-
-            # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
-            # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
-            # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add
-            # and lays it out with collective-permutes inside a branch (see `_embed`).
-            def pin_layers(tree):  # [V, Lmax, ...]
-                if specs is None:
-                    return tree
-                return jax.tree.map(
-                    lambda x, sp: jax.lax.with_sharding_constraint(x, P(None, None, *tuple(sp)[1:])),
-                    tree, specs["layers"])
-
-            def pin_shared(tree):
-                if specs is None:
-                    return tree
-                shared_specs = {k: v for k, v in specs.items() if k != "layers"}
-                return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
-
-            # Per device: layers_blk leaves [V*Lmax, ...] (this stage's rows); shared leaves and
-            # batch [m, b/data, s] whole over pipe; data/tensor sharding stays automatic.
-            stage = jax.lax.axis_index(PIPE)
-            layers_vl = jax.tree.map(lambda a: a.reshape(V, Lmax, *a.shape[1:]), layers_blk)
-            # Per-stage gradients of the replicated params stay per stage until the final psum.
-            shared = jax.tree.map(_varying, shared)
-            zeros_act = _varying(constrain(jnp.zeros((B, S, cfg.hidden_size), dtype), ACT_BUFFER[1:]))
-
-            def buffer(slots):
-                return _varying(constrain(jnp.zeros((slots, B, S, cfg.hidden_size), dtype), ACT_BUFFER))
-
-            carry = {
-                "acts": buffer(program.num_act_slots),  # [slot, b, s, d]
-                "loss": _varying(jnp.zeros((), jnp.float32)),
-            }
-            if train:
-                carry["grads_in"] = buffer(program.num_grad_slots)  # [slot, b, s, d]
-                zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
-                carry["d_layers"] = pin_layers(zeros(layers_vl))  # [V, Lmax, ...]
-                carry["d_shared"] = pin_shared(zeros(shared))
-
-            def tick(carry, row):
-                a = {k: r[stage] for k, r in row.items()}  # this stage's action, scalars
-                mb, c = a["microbatch"], a["chunk"]
-                v = c * num_stages + stage
-                mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), batch)
-                if V == 1:  # a static index: no per-tick copy of the stage's weights
-                    layers_c = jax.tree.map(lambda x: x[0], layers_vl)  # [Lmax, ...]
-                else:
-                    layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
-                                            layers_vl)  # [Lmax, ...]
-                x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
-                # Branches see only this tick's tensors and return this tick's deltas: a branch
-                # that passed the buffers or accumulators through would copy them every tick.
-
-                def nothing():
-                    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-                    return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)),
-                            zeros(layers_c), zeros(shared))
-
-                def idle():
-                    return nothing()
-
-                def forward():
-                    y, loss = stage_forward(layers_c, shared, x_in, mb_in, v, mb)
-                    _, _, _, d_lc, d_sh = nothing()
-                    return y, zeros_act, loss, d_lc, d_sh
-
-                def backward():
-                    (_, loss), vjp = jax.vjp(
-                        lambda lp, sp, x: stage_forward(lp, sp, x, mb_in, v, mb), layers_c, shared, x_in)
-                    at_loss = v == last
-                    g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
-                    d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
-                    return zeros_act, d_x, jnp.zeros_like(loss), d_lc, pin_shared(d_sh)
-
-                if train:
-                    g_in = carry["grads_in"][a["grad_slot"]]  # [b, s, d]
-                    branches = [idle, forward, backward]
-                else:
-                    branches = [idle, forward]
-                send_fwd, send_bwd, loss, d_lc, d_sh = jax.lax.switch(a["kind"], branches)
-                carry = {**carry, "loss": carry["loss"] + loss}
-                if train:
-                    carry["d_layers"] = pin_layers(
-                        jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc))
-                    carry["d_shared"] = pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
-                ring = range(num_stages)
-                got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % num_stages) for i in ring])
-                carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
-                if train:
-                    got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % num_stages) for i in ring])
-                    carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
-                return carry, None
-
-            carry, _ = jax.lax.scan(tick, carry, arrays)
-            loss = jax.lax.psum(carry["loss"], PIPE)
-            if not train:
-                return loss, {}, {}
-            d_layers = jax.tree.map(lambda a: a.reshape(V * Lmax, *a.shape[2:]), carry["d_layers"])
-            return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE)
-
+        rep = replicated()
         run = jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(P(PIPE), P(), P(), P(), P(), P()),
-            out_specs=(P(), P(PIPE), P()),
+            in_specs=(pipe_blocks(), rep, rep, rep, rep, rep),
+            out_specs=(rep, pipe_blocks(), rep, rep),
             axis_names=frozenset({PIPE}),
         )
-        loss, d_layers, d_shared = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
-        return loss, ({**d_shared, "layers": d_layers} if train else None)
+        loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
+        return loss, ({**d_shared, "layers": d_layers} if train else None), aux
+
+
+class _Stage:
+    """One stage's view inside the shard_map: its layer block, the replicated params, the batch.
+
+    Per device: layer leaves [V*Lmax, ...] (this stage's rows), seen as [V, Lmax, ...]; shared
+    leaves and the batch [m, b/data, s] whole over pipe; data/tensor sharding stays automatic.
+    """
+
+    def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
+                 layers_blk, shared, batch, key, scale):
+        L = pipeline.layout
+        self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
+        self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
+        self.padded = L.is_padded
+        self.first_layer = jnp.asarray([L.first_layer(v) for v in range(L.num_vstages)], jnp.int32)
+        self.layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
+        self.train = not program.forward_only
+        self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
+        self.stage = jax.lax.axis_index(PIPE)
+        self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
+        # Per-stage gradients of the replicated params stay per stage until the final psum.
+        self.shared = jax.tree.map(_varying, shared)
+        _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
+        self.act_shape = (B, S, pipeline.cfg.model.hidden_size)
+        self.dtype = compute_dtype(pipeline.cfg.model)
+        self.zeros_act = _varying(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
+
+    def forward(self, layers_c, shared, x_in, mb_in, v, mb):
+        """One virtual stage on one microbatch: (output [b, s, d], its loss share, aux)."""
+        model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
+        k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
+        positions = mb_in["position_ids"]
+        x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed), lambda: x_in)
+        x = constrain(x, ACT_BUFFER[1:])
+        y = model.run_layers(x, positions, mb_in.get("segment_ids"), k_layers, self.first_layer[v],
+                             self.layer_count[v] if self.padded else None)
+
+        def head():
+            loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
+            return loss_sum * self.scale, aux
+
+        def no_head():
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
+            return jax.tree.map(_varying, zeros)
+
+        loss, aux = jax.lax.cond(v == self.last, head, no_head)
+        return y, loss, aux
+
+    # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
+    # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
+    # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add and lays
+    # it out with collective-permutes inside a branch (see `_embed`).
+
+    def pin_layers(self, tree):  # [V, Lmax, ...]
+        if self.specs is None:
+            return tree
+        return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(x, stage_chunks(sp)),
+                            tree, self.specs["layers"])
+
+    def pin_shared(self, tree):
+        if self.specs is None:
+            return tree
+        shared_specs = {k: v for k, v in self.specs.items() if k != "layers"}
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
+
+    def aux_zeros(self):
+        """The head's aux dict, zero (its structure, from the model)."""
+        layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
+        model = nnx.merge(self.graphdef, {**self.shared, "layers": layers_0})
+        labels, mask = self.batch["labels"][0], self.batch["loss_mask"][0]
+        aux = jax.eval_shape(lambda: model.head(self.zeros_act, labels, mask)[1])
+        return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
+
+    def init_carry(self) -> dict:
+        def buffer(slots):  # [slot, b, s, d]
+            return _varying(constrain(jnp.zeros((slots, *self.act_shape), self.dtype), ACT_BUFFER))
+
+        carry = {"acts": buffer(self.program.num_act_slots), "loss": _varying(jnp.zeros((), jnp.float32)),
+                 "aux": self.aux_zeros()}
+        if self.train:
+            zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
+            carry["grads_in"] = buffer(self.program.num_grad_slots)
+            carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
+            carry["d_shared"] = self.pin_shared(zeros(self.shared))
+        return carry
+
+    def action(self, carry, a: dict):
+        """This tick's action -> (sent forward, sent backward, loss, aux, d_layers_c, d_shared).
+
+        Branches see only this tick's tensors and return this tick's deltas: a branch that
+        passed the buffers or accumulators through would copy them every tick."""
+        mb, c = a["microbatch"], a["chunk"]
+        v = c * self.P + self.stage
+        mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
+        if self.V == 1:  # a static index: no per-tick copy of the stage's weights
+            layers_c = jax.tree.map(lambda x: x[0], self.layers_vl)  # [Lmax, ...]
+        else:
+            layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
+                                    self.layers_vl)  # [Lmax, ...]
+        shared, zeros_act = self.shared, self.zeros_act
+        x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
+        g_in = carry["grads_in"][a["grad_slot"]] if self.train else None  # [b, s, d]
+
+        def idle():
+            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+            return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)), self.aux_zeros(),
+                    zeros(layers_c), zeros(shared))
+
+        def forward():  # aux is counted here, once per microbatch (not in the recompute)
+            y, loss, aux = self.forward(layers_c, shared, x_in, mb_in, v, mb)
+            *_, d_lc, d_sh = idle()
+            return y, zeros_act, loss, aux, d_lc, d_sh
+
+        def backward():
+            (_, loss), vjp = jax.vjp(
+                lambda lp, sp, x: self.forward(lp, sp, x, mb_in, v, mb)[:2], layers_c, shared, x_in)
+            at_loss = v == self.last
+            g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
+            d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
+            return zeros_act, d_x, jnp.zeros_like(loss), self.aux_zeros(), d_lc, self.pin_shared(d_sh)
+
+        return jax.lax.switch(a["kind"], [idle, forward, backward] if self.train else [idle, forward])
+
+    def tick(self, carry, row):
+        a = {k: r[self.stage] for k, r in row.items()}  # this stage's action, scalars
+        send_fwd, send_bwd, loss, aux, d_lc, d_sh = self.action(carry, a)
+        carry = {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
+        if self.train:
+            carry["d_layers"] = self.pin_layers(
+                jax.tree.map(lambda acc, d: acc.at[a["chunk"]].add(d), carry["d_layers"], d_lc))
+            carry["d_shared"] = self.pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
+        ring = range(self.P)
+        got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % self.P) for i in ring])
+        carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
+        if self.train:
+            got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % self.P) for i in ring])
+            carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
+        return carry, None
+
+    def run(self, arrays):
+        """The scan over ticks; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe."""
+        carry, _ = jax.lax.scan(self.tick, self.init_carry(), arrays)
+        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
+        if not self.train:
+            return loss, {}, {}, aux
+        d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
+        return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE), aux
 
 
 def _embed(model, tokens_bs, positions_bs, key):
@@ -382,7 +411,7 @@ def _embed(model, tokens_bs, positions_bs, key):
     lays the vocab-parallel lookup out with collective-permutes, and a collective-permute inside
     a branch that only some stages take deadlocks (XLA:CPU rendezvouses every device on it).
     Sharding the result over seq afterwards is a local slice."""
-    with use_rules(tuple((name, None if name == "seq" else axis) for name, axis in active_rules())):
+    with use_rules(unsharded(active_rules(), "seq")):
         return model.embed_tokens(tokens_bs, positions_bs, key)
 
 
@@ -391,27 +420,3 @@ def _land(buf, slot, value):
     i = jnp.maximum(slot, 0)
     keep = buf[i]
     return buf.at[i].set(jnp.where(slot >= 0, value, keep))
-
-
-def _run_chunk(layers, x_bsd, positions_bs, mask_bst, key, first_layer, count, padded: bool):
-    """The chunk's layers. Uneven splits store Lmax rows per chunk; rows past `count` are
-    padding and pass the activation through (lax.cond: no compute spent on them)."""
-    if not padded:
-        return run_layers(layers, x_bsd, positions_bs, mask_bst, key, first_layer)
-    cfg = layers.cfg
-    graphdef, layer_state = nnx.split(layers)
-    n = jax.tree.leaves(layer_state)[0].shape[0]
-
-    def body(x, xs):
-        state_l, index = xs
-
-        def real():
-            layer_key = None if key is None else jax.random.fold_in(key, first_layer + index)
-            return nnx.merge(graphdef, state_l)(x, positions_bs, mask_bst, layer_key)
-
-        return jax.lax.cond(index < count, real, lambda: x), None
-
-    if cfg.recompute_granularity == "full":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
-    return x_bsd

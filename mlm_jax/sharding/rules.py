@@ -7,6 +7,11 @@ Two mappings (Levanter's parameter vs compute mapping):
 With the distributed optimizer, storage additionally shards each parameter over `data`
 (ZeRO): a choice of storage, not a separate code path. The step gathers parameters to the
 compute mapping, and the gradients reduce-scatter back to the storage mapping.
+
+A logical dim maps to one mesh axis, a tuple of axes (split over their product, e.g. `batch` over
+data and expert) or None; within one array each mesh axis is used at most once (a later dim
+that asks for an axis already taken gets only what is left). Every PartitionSpec the rest of
+the code needs is made here or in `specs.py`.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from mlm_jax.sharding.mesh import DATA, TENSOR
+from mlm_jax.sharding.mesh import DATA, EXPERT, TENSOR
 
-Rules = tuple[tuple[str, str | None], ...]
+Axes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, Axes], ...]
 
 # Megatron's tensor-parallel split: column-parallel (heads, kv_heads, mlp) and vocab-parallel.
 _PARAM_RULES: Rules = (
@@ -36,9 +42,10 @@ def param_rules() -> Rules:
 
 
 def activation_rules(sequence_parallel: bool) -> Rules:
-    """Activations: batch over data; at block boundaries, seq over tensor when SP is on."""
+    """Activations: batch over data (x expert: expert parallelism is carved out of data
+    parallelism, as Megatron's); at block boundaries, seq over tensor when SP is on."""
     return (
-        ("batch", DATA),
+        ("batch", (DATA, EXPERT)),
         ("seq", TENSOR if sequence_parallel else None),
     ) + _PARAM_RULES
 
@@ -47,17 +54,21 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     """Resolve logical dim names to a PartitionSpec; each mesh axis is used at most once."""
     table = dict(rules)
     used: set[str] = set()
-    out = []
+    out: list[Axes] = []
     for name in names:
-        axis = table.get(name) if name is not None else None
         if name is not None and name not in table:
             raise KeyError(f"logical dim {name!r} has no rule; known: {sorted(table)}")
-        if axis in used:
-            axis = None
-        if axis is not None:
-            used.add(axis)
-        out.append(axis)
+        axes = table.get(name) if name is not None else None
+        wanted = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        free = tuple(a for a in wanted if a not in used)
+        used.update(free)
+        out.append(None if not free else free[0] if len(free) == 1 else free)
     return P(*out)
+
+
+def unsharded(rules: Rules, *names: str) -> Rules:
+    """`rules` with the logical dims `names` mapped to no axis (whole on every device)."""
+    return tuple((name, None if name in names else axes) for name, axes in rules)
 
 
 def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int]) -> P:

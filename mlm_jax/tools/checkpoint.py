@@ -289,15 +289,17 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
         layers = {
             "norm1": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_1.weight")),
                       "bias": stack(lambda i: take(f"{p}h.{i}.ln_1.bias"))},
-            "wqkv": stack(qkv_w), "bqkv": stack(qkv_b),
-            "wo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.weight").reshape(h, k, d)),
-            "bo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.bias")),
+            "attention": {
+                "wqkv": stack(qkv_w), "bqkv": stack(qkv_b),
+                "wo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.weight").reshape(h, k, d)),
+                "bo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.bias"))},
             "norm2": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_2.weight")),
                       "bias": stack(lambda i: take(f"{p}h.{i}.ln_2.bias"))},
-            "w1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.weight")),
-            "b1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.bias")),
-            "w2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.weight")),
-            "b2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.bias")),
+            "mlp": {
+                "w1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.weight")),
+                "b1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.bias")),
+                "w2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.weight")),
+                "b2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.bias"))},
         }
         params = {"embed": pad_rows(take(f"{p}wte.weight")), "pos_embed": take(f"{p}wpe.weight"),
                   "layers": layers, "final_norm": ln(f"{p}ln_f")}
@@ -321,11 +323,11 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
 
         layers = {
             "norm1": {"scale": stack(lambda i: take(f"model.layers.{i}.input_layernorm.weight"))},
-            "wqkv": stack(qkv_w),
-            "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d)),
+            "attention": {
+                "wqkv": stack(qkv_w),
+                "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d))},
             "norm2": {"scale": stack(lambda i: take(f"model.layers.{i}.post_attention_layernorm.weight"))},
-            "w1": stack(w1),
-            "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T),
+            "mlp": {"w1": stack(w1), "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T)},
         }
         params = {"embed": pad_rows(take("model.embed_tokens.weight")), "layers": layers,
                   "final_norm": {"scale": take("model.norm.weight")}}
@@ -360,31 +362,31 @@ def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, pref
         for i in range(L):
             put(f"{p}h.{i}.ln_1.weight", P["layers/norm1/scale"][i])
             put(f"{p}h.{i}.ln_1.bias", P["layers/norm1/bias"][i])
-            put(f"{p}h.{i}.attn.c_attn.weight", P["layers/wqkv"][i].transpose(0, 2, 1, 3).reshape(d, 3 * h * k))
-            put(f"{p}h.{i}.attn.c_attn.bias", P["layers/bqkv"][i].transpose(1, 0, 2).reshape(3 * h * k))
-            put(f"{p}h.{i}.attn.c_proj.weight", P["layers/wo"][i].reshape(h * k, d))
-            put(f"{p}h.{i}.attn.c_proj.bias", P["layers/bo"][i])
+            put(f"{p}h.{i}.attn.c_attn.weight", P["layers/attention/wqkv"][i].transpose(0, 2, 1, 3).reshape(d, 3 * h * k))
+            put(f"{p}h.{i}.attn.c_attn.bias", P["layers/attention/bqkv"][i].transpose(1, 0, 2).reshape(3 * h * k))
+            put(f"{p}h.{i}.attn.c_proj.weight", P["layers/attention/wo"][i].reshape(h * k, d))
+            put(f"{p}h.{i}.attn.c_proj.bias", P["layers/attention/bo"][i])
             put(f"{p}h.{i}.ln_2.weight", P["layers/norm2/scale"][i])
             put(f"{p}h.{i}.ln_2.bias", P["layers/norm2/bias"][i])
-            put(f"{p}h.{i}.mlp.c_fc.weight", P["layers/w1"][i])
-            put(f"{p}h.{i}.mlp.c_fc.bias", P["layers/b1"][i])
-            put(f"{p}h.{i}.mlp.c_proj.weight", P["layers/w2"][i])
-            put(f"{p}h.{i}.mlp.c_proj.bias", P["layers/b2"][i])
+            put(f"{p}h.{i}.mlp.c_fc.weight", P["layers/mlp/w1"][i])
+            put(f"{p}h.{i}.mlp.c_fc.bias", P["layers/mlp/b1"][i])
+            put(f"{p}h.{i}.mlp.c_proj.weight", P["layers/mlp/w2"][i])
+            put(f"{p}h.{i}.mlp.c_proj.bias", P["layers/mlp/b2"][i])
         put(f"{p}ln_f.weight", P["final_norm/scale"])
         put(f"{p}ln_f.bias", P["final_norm/bias"])
     else:
         put("model.embed_tokens.weight", embed)
         for i in range(L):
-            qkv = P["layers/wqkv"][i].transpose(1, 2, 3, 0)  # [g, r + 2, k, d]
+            qkv = P["layers/attention/wqkv"][i].transpose(1, 2, 3, 0)  # [g, r + 2, k, d]
             put(f"model.layers.{i}.input_layernorm.weight", P["layers/norm1/scale"][i])
             put(f"model.layers.{i}.self_attn.q_proj.weight", qkv[:, :r].reshape(h * k, d))
             put(f"model.layers.{i}.self_attn.k_proj.weight", qkv[:, r].reshape(g * k, d))
             put(f"model.layers.{i}.self_attn.v_proj.weight", qkv[:, r + 1].reshape(g * k, d))
-            put(f"model.layers.{i}.self_attn.o_proj.weight", P["layers/wo"][i].reshape(h * k, d).T)
+            put(f"model.layers.{i}.self_attn.o_proj.weight", P["layers/attention/wo"][i].reshape(h * k, d).T)
             put(f"model.layers.{i}.post_attention_layernorm.weight", P["layers/norm2/scale"][i])
-            put(f"model.layers.{i}.mlp.gate_proj.weight", P["layers/w1"][i][:, 0].T)
-            put(f"model.layers.{i}.mlp.up_proj.weight", P["layers/w1"][i][:, 1].T)
-            put(f"model.layers.{i}.mlp.down_proj.weight", P["layers/w2"][i].T)
+            put(f"model.layers.{i}.mlp.gate_proj.weight", P["layers/mlp/w1"][i][:, 0].T)
+            put(f"model.layers.{i}.mlp.up_proj.weight", P["layers/mlp/w1"][i][:, 1].T)
+            put(f"model.layers.{i}.mlp.down_proj.weight", P["layers/mlp/w2"][i].T)
         put("model.norm.weight", P["final_norm/scale"])
     if m.untie_embeddings_and_output_weights:
         put("lm_head.weight", P["lm_head"][:, :V].T)

@@ -1,0 +1,198 @@
+"""Self-attention: the `Attention` module (projections) and `attention`, the one entry point
+that turns q, k, v plus positions and segment ids into the attended values.
+
+The mask is built here, from positions (causal: a key attends to a query when its position is
+not later) and segment ids (documents: only within the same segment), so no [batch, seq, seq]
+mask array exists outside this file, is carried through the layer scan or crosses a pipeline
+stage. Queries and keys may differ in length (decoding one token against a cache) and positions
+may be any integers (context-parallel chunks are not contiguous).
+
+Backends (Megatron's `--attention-backend`):
+  - `xla` (flags unfused, local): einsums in the compute dtype with fp32 accumulation and an
+    fp32 softmax; grouped-query attention without repeating K/V (queries are grouped instead);
+  - `cudnn` (flags flash, fused): `jax.nn.dot_product_attention(implementation="cudnn")`, the
+    fused flash kernel of NVIDIA GPUs (bf16, causal, GQA native);
+  - `auto`: cuDNN where it applies (NVIDIA GPU, bf16/fp16, no attention dropout, plain causal
+    order, no document mask), XLA otherwise.
+
+Shape letters: b batch, s query seq, t key seq, h heads, g kv groups, r heads per group,
+k head dim, d embed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
+from mlm_jax.models.layers import add_bias, cast, dropout, normal, param, rotary, zeros
+from mlm_jax.sharding.rules import constrain
+
+XLA, CUDNN = "xla", "cudnn"
+_FLAG_TO_BACKEND = {"unfused": XLA, "local": XLA, "flash": CUDNN, "fused": CUDNN}
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def on_nvidia_gpu() -> bool:
+    """Is the default device an NVIDIA (CUDA) GPU? cuDNN's kernels exist nowhere else."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" not in version and "hip" not in version
+
+
+def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, dropout_on: bool,
+                   nvidia_gpu: bool | None = None) -> str:
+    """XLA or CUDNN for `cfg.attention_backend` in this call; ConfigError if flash/fused cannot run.
+
+    `documents`: segment ids are given; `aligned`: the plain causal order (no explicit
+    positions, queries and keys the same tokens); `dropout_on`: attention dropout will be drawn.
+    """
+    flag = cfg.attention_backend
+    if flag in ("unfused", "local"):
+        return XLA
+    nvidia_gpu = on_nvidia_gpu() if nvidia_gpu is None else nvidia_gpu
+    why = fused_attention_obstacle(cfg, documents)
+    if why is None and not nvidia_gpu:
+        why = f"cuDNN fused attention needs an NVIDIA GPU, this is {jax.devices()[0].platform}"
+    if why is None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        why = f"cuDNN fused attention needs bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
+    if why is None and dropout_on:
+        why = "cuDNN fused attention has no attention dropout"
+    if why is None and not aligned:
+        why = "cuDNN fused attention here takes only the plain causal order (no explicit positions)"
+    if flag == "auto":
+        return XLA if why else CUDNN
+    if why:
+        raise ConfigError(f"--attention-backend {flag}: {why}; use --attention-backend auto or unfused")
+    return _FLAG_TO_BACKEND[flag]
+
+
+def check_platform(cfg: ModelConfig) -> None:
+    """Refuse --attention-backend flash/fused off NVIDIA GPUs before anything is compiled."""
+    if cfg.attention_backend in ("flash", "fused") and not on_nvidia_gpu():
+        raise ConfigError(
+            f"--attention-backend {cfg.attention_backend}: cuDNN fused attention needs an NVIDIA GPU, "
+            f"this is {jax.devices()[0].platform}; use --attention-backend auto or unfused")
+
+
+def causal_mask(q_pos_bs, k_pos_bt, q_seg_bs=None, k_seg_bt=None) -> jax.Array:
+    """[b or 1, s, t] bool: key position <= query position, and the same segment when given."""
+    mask = k_pos_bt[:, None, :] <= q_pos_bs[:, :, None]
+    if q_seg_bs is not None:
+        mask = mask & (q_seg_bs[:, :, None] == k_seg_bt[:, None, :])
+    return mask
+
+
+@jax.custom_vjp
+def _scores(q_bsgrk, k_btgk):
+    """q k^T [b, g, r, s, t] in fp32 from compute-dtype operands."""
+    return jnp.einsum("bsgrk,btgk->bgrst", q_bsgrk, k_btgk, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(q, k):
+    return _scores(q, k), (q, k)
+
+
+def _scores_bwd(res, ct_bgrst):
+    # The cotangent arrives in fp32 (the softmax's dtype); left alone, both backward matmuls
+    # would run fp32 x fp32 under --bf16. Cast it to the compute dtype, accumulate in fp32.
+    q, k = res
+    ct = ct_bgrst.astype(q.dtype)
+    dq = jnp.einsum("bgrst,btgk->bsgrk", ct, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bgrst,bsgrk->btgk", ct, q, preferred_element_type=jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key) -> jax.Array:
+    """softmax(q k^T / sqrt(k) + mask) v, grouped-query aware; softmax in fp32."""
+    b, s, h, k = q_bshk.shape
+    g = k_btgk.shape[2]
+    q = q_bshk.reshape(b, s, g, h // g, k)  # [b, s, g, r, k]
+    scores = _scores(q, k_btgk)  # [b, g, r, s, t] fp32
+    scores = scores / math.sqrt(k)
+    scores = jnp.where(mask_bst[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # [b, g, r, s, t]
+    probs = dropout(probs, rate, key).astype(v_btgk.dtype)
+    out = jnp.einsum("bgrst,btgk->bsgrk", probs, v_btgk)  # [b, s, g, r, k]
+    return out.reshape(b, s, h, k)
+
+
+def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=None, k_seg_bt=None,
+              *, backend: str = XLA, dropout_rate: float = 0.0, dropout_key=None,
+              recompute: bool = False) -> jax.Array:
+    """Attention output [b, s, h, k] for queries [b, s, h, k] and keys/values [b, t, g, k].
+
+    Positions ([b or 1, s] and [b or 1, t] ints) order the tokens causally; None for both means
+    the plain order, the queries being the last s of the t keys. Segment ids (documents) restrict
+    attention to equal ids. `recompute` keeps the XLA path's [b, h, s, t] scores out of memory
+    (Megatron's selective recompute). `backend` is XLA or CUDNN (see `choose_backend`).
+    """
+    s, t = q_bshk.shape[1], k_btgk.shape[1]
+    if backend == CUDNN:
+        if q_pos_bs is not None or q_seg_bs is not None or s != t:
+            raise ConfigError("cuDNN fused attention here takes only the plain causal order "
+                              "(no positions, no segment ids, as many queries as keys)")
+        return jax.nn.dot_product_attention(q_bshk, k_btgk, v_btgk, is_causal=True,
+                                            implementation="cudnn")
+    if (q_pos_bs is None) != (k_pos_bt is None):
+        raise ValueError("give both query and key positions, or neither")
+    if q_pos_bs is None:
+        k_pos_bt = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
+        q_pos_bs = k_pos_bt[:, t - s:]  # [1, s]
+    mask_bst = causal_mask(q_pos_bs, k_pos_bt, q_seg_bs, k_seg_bt)
+    core = jax.checkpoint(_xla_attention, static_argnums=(4,)) if recompute else _xla_attention
+    return core(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
+
+
+class Attention(nnx.Module):
+    """Fused QKV projection (column parallel), rotary, `attention`, output projection (row
+    parallel). Inside, the sequence is whole and heads are split: [batch, seq, heads/tensor, k]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, g, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        std = cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled init of output layers
+        self.cfg = cfg
+        # Megatron's layout: per kv group, its r query heads then its key and value heads
+        # ([d, g, r + 2, k]); one matmul, so its input gradient is one partial sum and one
+        # all-reduce.
+        self.wqkv = param(rngs, normal(std), (d, g, h // g + 2, k), ("embed", "kv_heads", None, "head_dim"))
+        self.wo = param(rngs, normal(out_std), (h, k, d), ("heads", "head_dim", "embed"))
+        if cfg.add_bias_linear:
+            self.bqkv = param(None, zeros, (g, h // g + 2, k), ("kv_heads", None, "head_dim"))
+            self.bo = param(None, zeros, (d,), ("embed",))
+        else:
+            self.bqkv = self.bo = None
+
+    def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
+        """y: the normed input [batch, seq, embed] (whole seq); returns [batch, seq, embed]
+        before the residual add (the row-parallel all-reduce or reduce-scatter follows)."""
+        cfg, dt = self.cfg, y_bsd.dtype
+        qkv = add_bias(jnp.einsum("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt)), cast(self.bqkv, dt))
+        qkv = constrain(qkv, ("batch", None, "kv_heads", None, "head_dim"))  # j: r queries, k, v
+        b, s, g, j, hd = qkv.shape
+        q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
+        k, v = qkv[:, :, :, j - 2], qkv[:, :, :, j - 1]  # [b, s, g, k]
+        # Pinning each piece (and so its cotangent) keeps the backward head-parallel too.
+        q = constrain(q, ("batch", None, "heads", "head_dim"))
+        k = constrain(k, ("batch", None, "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
+        if cfg.position_embedding_type == "rope":
+            q = rotary(q, positions_bs, cfg.rotary_base)
+            k = rotary(k, positions_bs, cfg.rotary_base)
+        dropout_on = key is not None and cfg.attention_dropout > 0
+        backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
+                                 dropout_on=dropout_on)
+        o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
+                      dropout_rate=cfg.attention_dropout, dropout_key=key,
+                      recompute=cfg.recompute_granularity == "selective")  # [b, s, h, k]
+        o = constrain(o, ("batch", None, "heads", "head_dim"))
+        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))

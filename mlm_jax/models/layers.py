@@ -1,0 +1,88 @@
+"""The small pieces every module of the decoder shares: parameter creation, norms, dropout,
+rotary embeddings and the compute dtype. No mesh here: parameters carry logical dim names.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.config import ModelConfig
+
+
+def compute_dtype(cfg: ModelConfig):
+    """The dtype activations and matmul operands use; parameters stay fp32 (master weights)."""
+    return jnp.bfloat16 if cfg.bf16 else jnp.float32
+
+
+def normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+def ones(shape, dtype=jnp.float32):
+    return jnp.ones(shape, dtype)
+
+
+def zeros(shape, dtype=jnp.float32):
+    return jnp.zeros(shape, dtype)
+
+
+def param(rngs: nnx.Rngs | None, init, shape, names) -> nnx.Param:
+    """An fp32 parameter whose dims carry the logical `names`; `rngs` None for constant inits."""
+    value = init(rngs.params(), shape, jnp.float32) if rngs is not None else init(shape, jnp.float32)
+    return nnx.Param(value, out_sharding=tuple(names))
+
+
+def cast(p: nnx.Param | None, dtype):
+    """A parameter's value in the compute dtype (None stays None: an absent bias)."""
+    return None if p is None else p[...].astype(dtype)
+
+
+def add_bias(y, b):
+    return y if b is None else y + b
+
+
+class Norm(nnx.Module):
+    """LayerNorm (with bias, as Megatron always has) or RMSNorm; computed in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        d = cfg.hidden_size
+        self.rms = cfg.normalization == "RMSNorm"
+        self.eps = cfg.norm_epsilon
+        self.scale = param(None, ones, (d,), ("embed",))
+        self.bias = None if self.rms else param(None, zeros, (d,), ("embed",))
+
+    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+        x = x_bsd.astype(jnp.float32)
+        if self.rms:
+            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        else:
+            mean = jnp.mean(x, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+            y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x_bsd.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's)."""
+    half = x_bshk.shape[-1] // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [k/2]
+    angles = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [b, s, k/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, k/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_bshk.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bshk.dtype)

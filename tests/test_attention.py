@@ -1,0 +1,187 @@
+"""The attention entry point (mlm_jax/models/attention.py) and the --attention-backend choice.
+
+The entry point is checked against a naive numpy reference that repeats K/V per query head and
+builds the mask by hand: positions that are any integers (not contiguous, not starting at 0),
+fewer queries than keys, documents, grouped-query attention. fp32, 1e-5 absolute (values are
+O(1); a wrong mask entry or a misgrouped head is off by O(0.1)).
+
+The backend choice and its errors run on CPU: `auto` picks XLA here, `flash`/`fused` are refused
+with one line that says why and what to use, in config validation (fp32, dropout, documents),
+at parallelize time (the platform) and on the command line (exit 2, no traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig, finalize
+from mlm_jax.models.attention import CUDNN, XLA, attention, choose_backend
+from tests.parallel_util import tiny_config
+
+RNG = np.random.default_rng(0)
+B, S, T, H, G, K = 2, 5, 9, 8, 2, 16
+
+
+def naive(q, k, v, q_pos, k_pos, q_seg, k_seg):
+    """softmax(q k^T / sqrt(K) masked) v with K/V repeated per head: [b, s, h, k]."""
+    r = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)  # [b, t, h, k]
+    scores = np.einsum("bshk,bthk->bhst", q, k) / np.sqrt(q.shape[-1])
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    scores = np.where(mask[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhst,bthk->bshk", p, v)
+
+
+def qkv(s=S, t=T):
+    return (RNG.standard_normal((B, s, H, K)).astype(np.float32),
+            RNG.standard_normal((B, t, G, K)).astype(np.float32),
+            RNG.standard_normal((B, t, G, K)).astype(np.float32))
+
+
+def test_positions_may_be_any_integers_and_queries_fewer_than_keys():
+    q, k, v = qkv()
+    # Non-contiguous key positions (a context-parallel chunk pair), queries somewhere among them.
+    k_pos = np.stack([np.array([3, 4, 5, 20, 21, 22, 40, 41, 42])] * B).astype(np.int32)
+    q_pos = np.stack([np.array([4, 21, 22, 40, 42]), np.array([3, 5, 20, 41, 42])]).astype(np.int32)
+    q_seg = np.array([[0, 1, 1, 1, 2], [0, 0, 1, 2, 2]], np.int32)
+    k_seg = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2]] * B, np.int32)
+    got = attention(q, k, v, q_pos, k_pos, q_seg, k_seg)
+    np.testing.assert_allclose(got, naive(q, k, v, q_pos, k_pos, q_seg, k_seg), atol=1e-5)
+    got = attention(q, k, v, q_pos, k_pos)  # no documents
+    np.testing.assert_allclose(got, naive(q, k, v, q_pos, k_pos, None, None), atol=1e-5)
+
+
+def test_plain_order_is_the_last_queries_of_the_keys():
+    q, k, v = qkv()
+    k_pos = np.arange(T, dtype=np.int32)[None].repeat(B, 0)
+    q_pos = k_pos[:, T - S:]
+    np.testing.assert_allclose(attention(q, k, v), naive(q, k, v, q_pos, k_pos, None, None), atol=1e-5)
+    q, k, v = qkv(T, T)
+    np.testing.assert_allclose(attention(q, k, v), naive(q, k, v, k_pos, k_pos, None, None), atol=1e-5)
+
+
+def _f32_dots(fn, *args) -> list:
+    """dot_generals of fn's gradient jaxpr with an fp32 operand (XLA computes a mixed
+    fp32 x bf16 dot in fp32)."""
+    jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(*args)
+    found = []
+
+    def visit(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                if any(x.aval.dtype == jnp.float32 for x in eqn.invars):
+                    found.append(eqn)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jaxpr.jaxpr)
+    return found
+
+
+def test_bf16_score_matmuls_compute_in_bf16_forward_and_backward():
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in qkv(T, T))
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2)
+
+    assert _f32_dots(loss, q, k, v) == []
+    # The same check sees fp32 x fp32 when it is there.
+    assert _f32_dots(loss, *(x.astype(jnp.float32) for x in (q, k, v)))
+
+
+# --------------------------------------------------------------------------- backend choice
+
+BF16 = ModelConfig(bf16=True, attention_dropout=0.0, hidden_size=128, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("flag,gpu,cfg,want", [
+    ("auto", False, BF16, XLA),  # CPU
+    ("auto", True, BF16, CUDNN),
+    ("auto", True, dataclasses.replace(BF16, bf16=False), XLA),
+    ("auto", True, dataclasses.replace(BF16, attention_dropout=0.1), XLA),
+    ("unfused", True, BF16, XLA),
+    ("local", True, BF16, XLA),
+    ("flash", True, BF16, CUDNN),
+    ("fused", True, BF16, CUDNN),
+])
+def test_backend_choice(flag, gpu, cfg, want):
+    cfg = dataclasses.replace(cfg, attention_backend=flag)
+    dtype = jnp.bfloat16 if cfg.bf16 else jnp.float32
+    dropout_on = cfg.attention_dropout > 0
+    assert choose_backend(cfg, dtype, documents=False, aligned=True, dropout_on=dropout_on,
+                          nvidia_gpu=gpu) == want
+
+
+def test_auto_falls_back_to_xla_for_documents_and_explicit_positions():
+    cfg = dataclasses.replace(BF16, attention_backend="auto")
+    kw = dict(dropout_on=False, nvidia_gpu=True)
+    assert choose_backend(cfg, jnp.bfloat16, documents=True, aligned=True, **kw) == XLA
+    assert choose_backend(cfg, jnp.bfloat16, documents=False, aligned=False, **kw) == XLA
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(), "cuDNN fused attention needs an NVIDIA GPU, this is cpu"),
+    (dict(bf16=False), "cuDNN fused attention needs bf16 compute"),
+    (dict(attention_dropout=0.1), "cuDNN fused attention has no attention dropout"),
+])
+def test_flash_where_it_cannot_run_says_why(change, why):
+    cfg = dataclasses.replace(BF16, attention_backend="flash", **change)
+    with pytest.raises(ConfigError, match=why) as e:
+        choose_backend(cfg, jnp.bfloat16, documents=False, aligned=True, dropout_on=False)
+    assert "use --attention-backend auto or unfused" in str(e.value)
+
+
+def _finalize(reset_attention_mask=False, **model):
+    cfg = tiny_config(ParallelConfig(), 2, **model)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, reset_attention_mask=reset_attention_mask))
+    return finalize(cfg, jax.device_count())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(attention_backend="flash"), r"--attention-backend flash: cuDNN fused attention needs bf16 compute \(add --bf16\)"),
+    (dict(attention_backend="fused", bf16=True, attention_dropout=0.1),
+     r"--attention-backend fused: cuDNN fused attention has no attention dropout \(--attention-dropout 0.1; set 0\)"),
+    (dict(attention_backend="flash", bf16=True, reset_attention_mask=True),
+     r"cannot mask documents \(--reset-attention-mask\)"),
+    (dict(attention_backend="flash", bf16=True, kv_channels=12), "multiple of 8 and <= 128, got 12"),
+    (dict(attention_backend="triton"), "--attention-backend 'triton' is unknown; choose one of auto, flash"),
+])
+def test_config_validation_refuses_flash_before_compiling(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        _finalize(**kwargs)
+
+
+def test_parallelize_refuses_flash_off_gpu():
+    from mlm_jax.parallelize import parallelize
+    from mlm_jax.sharding import make_mesh
+
+    cfg = _finalize(attention_backend="flash", bf16=True)  # valid config, wrong platform
+    with pytest.raises(ConfigError, match="--attention-backend flash: cuDNN fused attention needs an "
+                                          "NVIDIA GPU, this is cpu; use --attention-backend auto or unfused"):
+        parallelize(cfg, make_mesh(cfg.parallel))
+
+
+def test_cli_flash_on_cpu_exits_2_with_one_line(tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("data")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "mlm_jax.train", "--mock-data", "--attention-backend", "flash",
+                          "--bf16", "--attention-dropout", "0", "--save", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.strip().splitlines() if "--attention-backend flash" in line]
+    assert len(lines) == 1 and "NVIDIA GPU" in lines[0] and "auto or unfused" in lines[0], out.stderr
+    assert keep.read_text() == "data" and not (tmp_path / "run").exists()
