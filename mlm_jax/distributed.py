@@ -27,7 +27,8 @@ themselves and raise `DistributedError` naming the address when it stays closed 
 when it is up but not every process joins, a watchdog names the address and the count just
 before jax stops the process (about 6 s after the timeout). `fail()` prints an error with the
 process id and leaves at once, skipping jax's exit barrier that would hold a failed process for
-minutes while the others sit in a collective.
+minutes while the others sit in a collective. Once joined, the processes watch each other
+(`mlm_jax.peers`): a dead one stops the rest within `--peer-timeout` seconds, naming it.
 """
 
 from __future__ import annotations
