@@ -33,14 +33,16 @@ run's layout), `saver` (saving during training and the exit policy).
 
 from mlm_jax.checkpoint.format import (  # noqa: F401
     ARCH_FIELDS, FORMAT, FORMAT_VERSION, META, OPT_STATE, ORBAX_COMMIT, PARAMS, SHAPE_FIELDS, TMP_MARK,
-    TOKENIZER, VERSION, CheckpointError, check_model_matches, config_from_dict, config_to_dict,
+    TOKENIZER, VERSION, CheckpointError, quiet_orbax, silence_orbax, check_model_matches, config_from_dict, config_to_dict,
     load_tokenizer, tokenizer_flags, tokenizer_record, upgrade)
 from mlm_jax.checkpoint.find import (  # noqa: F401
     Found, find_checkpoint, is_checkpoint, is_hf_folder, read_meta, resolve_load, scan)
+from mlm_jax.checkpoint.restore import damaged_error, read_items  # noqa: F401
 from mlm_jax.checkpoint.restore import (  # noqa: F401
     Start, describe_layout, layout_record, plain_layout, restore_host_params, restore_params,
     restore_train_state)
-from mlm_jax.checkpoint.saver import Saver, write_params_checkpoint  # noqa: F401
+from mlm_jax.checkpoint.saver import (  # noqa: F401
+    ExitPolicy, SaveFailed, Saver, orbax_wedged, write_params_checkpoint)
 
 # Older private names, used by benchmarks/checkpoint.py.
 _describe, _layout_record = describe_layout, layout_record

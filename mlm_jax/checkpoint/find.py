@@ -62,7 +62,10 @@ def read_meta(path: str) -> dict:
 def find_checkpoint(path: str, step: int | None = None, flag: str = "--load",
                     log=print) -> Found | None:
     """The checkpoint `path` names: a checkpoint folder itself, or a save folder's latest complete
-    (or `step`) checkpoint. None when the folder holds none; errors name the path and the reason."""
+    (or `step`) checkpoint. None when the folder holds none; errors name the path and the reason.
+    A relative `path` is taken from the working directory: `Found.path` is always absolute
+    (Orbax refuses relative paths)."""
+    path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{flag} {path}: no such folder")
     if is_checkpoint(path):

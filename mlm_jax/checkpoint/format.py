@@ -3,8 +3,11 @@ the tokenizer record, the Orbax handlers, and the one place where older formats 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import sys
 
 from mlm_jax.config import Config, ConfigError
 
@@ -88,6 +91,44 @@ def check_model_matches(saved, model, where: str) -> None:
 def saved_version(meta: dict) -> int:
     """The format version a checkpoint's metadata records (1 before versions were checked)."""
     return int(meta.get("version", 1))
+
+
+def silence_orbax() -> None:
+    """For a command-line process: keep Orbax's and TensorStore's repeated reports of a failure
+    (see `quiet_orbax`) out of the output for the rest of the process, including the ones its
+    threads and garbage collection print after the error line. Not under MLM_JAX_DEBUG=1."""
+    from mlm_jax.errors import debug
+
+    if debug():
+        return
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda *_: None
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax and TensorStore report one failure many times (absl ERROR logs from every thread,
+    asyncio's "exception was never retrieved", coroutines that were never awaited): hundreds of
+    lines around the one error mlm_jax reports. Silence them while Orbax works, except under
+    MLM_JAX_DEBUG=1."""
+    from mlm_jax.errors import debug
+
+    if debug():
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    hook = sys.unraisablehook
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda *_: None
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        sys.unraisablehook = hook
 
 
 def upgrade(tree, saved_version: int):

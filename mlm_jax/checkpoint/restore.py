@@ -4,13 +4,15 @@ the train state with its start position, or a checkpoint's params on the host.""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
 from typing import Any
 
 from mlm_jax.config import Config
 from mlm_jax.checkpoint.format import (OPT_STATE, PARAMS, CheckpointError, check_model_matches,
-                                       saved_version, upgrade)
-from mlm_jax.checkpoint.find import Found
+                                       quiet_orbax, saved_version, upgrade)
+from mlm_jax.checkpoint.find import Found, scan
 
 
 # --------------------------------------------------------------------------- layouts
@@ -76,10 +78,54 @@ def restore_params(found: Found, shapes: dict, shardings: dict, padded_vocab: in
 
     saved = found.config.model
     strict = (saved.padded_vocab_size or saved.vocab_size) == padded_vocab
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    out = ckptr.restore(found.path, args=ocp.args.Composite(
-        **{PARAMS: ocp.args.StandardRestore(_abstract(shapes, shardings), strict=strict)}))
+    out = read_items(found, {PARAMS: ocp.args.StandardRestore(_abstract(shapes, shardings), strict=strict)})
     return upgrade(out[PARAMS], saved_version(found.meta))
+
+
+_READ_ERROR = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]*)": (.*)')
+
+
+def damaged_error(found: Found, exc: BaseException) -> CheckpointError | None:
+    """A CheckpointError naming the checkpoint, the unreadable array and the previous complete
+    checkpoint, when `exc` (or its cause) is TensorStore failing to read an array file; else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        match = _READ_ERROR.search(str(exc))
+        if match:
+            array = match.group(1).split("/")[0]
+            item = os.path.basename(match.group(2).rstrip("/"))
+            reason = match.group(3).splitlines()[0][:200]
+            root = os.path.dirname(found.path)
+            earlier = [i for i in scan(root)[0] if i < found.iteration] if os.path.isdir(root) else []
+            hint = (f"load the previous complete checkpoint with --ckpt-step {earlier[-1]}" if earlier
+                    else "there is no earlier complete checkpoint to fall back on")
+            return CheckpointError(
+                f"--load {found.path}: the checkpoint is damaged: cannot read array {array!r} of "
+                f"{item}/ ({reason}); {hint}")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def read_items(found: Found, items: dict, optimizer: bool = False) -> dict:
+    """Orbax's restore of `items` from `found`, with its failures as one named error: a damaged
+    array file names the array; an optimizer state that does not fit names --no-load-optim."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        with quiet_orbax():
+            return ckptr.restore(found.path, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001 - translated below, or re-raised as is
+        damaged = damaged_error(found, e)
+        if damaged is not None:
+            raise damaged from e
+        if optimizer and isinstance(e, (ValueError, KeyError, TypeError)):
+            raise CheckpointError(
+                f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
+                f"({type(e).__name__}: {str(e)[:300]}); if the optimizer settings changed, add --no-load-optim"
+            ) from e
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +164,7 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     if load_optim:
         o_shapes = jax.eval_shape(pz.tx.init, shapes)
         items[OPT_STATE] = ocp.args.StandardRestore(_abstract(o_shapes, o_sh), strict=strict)
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    try:
-        restored = ckptr.restore(found.path, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, TypeError) as e:
-        if load_optim:
-            raise CheckpointError(
-                f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
-                f"({type(e).__name__}: {str(e)[:300]}); if the optimizer settings changed, add --no-load-optim"
-            ) from e
-        raise
+    restored = read_items(found, items, optimizer=load_optim)
     params = upgrade(restored[PARAMS], saved_version(meta))
     opt_state = restored.get(OPT_STATE)
     if opt_state is not None:
@@ -177,7 +214,5 @@ def restore_host_params(found: Found) -> dict:
     # (a target without shardings would make Orbax rebuild the saving run's device mesh).
     target = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    out = ckptr.restore(found.path, args=ocp.args.Composite(**{
-        PARAMS: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)}))
+    out = read_items(found, {PARAMS: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)})
     return upgrade(jax.tree.map(np.asarray, out[PARAMS]), saved_version(found.meta))
