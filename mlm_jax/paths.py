@@ -44,7 +44,10 @@ def writable_file(path: str, flag: str) -> str:
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
-    writable_dir(os.path.dirname(full), flag)
+    parent = os.path.dirname(full)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: cannot create the file: {parent} is a file, not a folder")
+    writable_dir(parent, flag)
     if os.path.exists(full):
         try:
             with open(full, "a"):

@@ -59,7 +59,9 @@ def _save_reason(exc: BaseException) -> str:
         exc = exc.__cause__ or exc.__context__
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    # TensorStore's messages put the OS reason ("File too large", "No space left") last.
+    return text if len(text) <= 320 else f"{text[:140]} ... {text[-160:]}"
 
 
 def _agree(flag: bool) -> bool:
@@ -181,7 +183,7 @@ class Saver:
         global _orbax_wedged
         _orbax_wedged = True
         self.pending = None
-        reason = _save_reason(exc) if exc is not None else "not committed"
+        reason = _save_reason(exc) if exc is not None else "Orbax finished without committing it"
         return SaveFailed(f"{self.flag} {self.dir}: {what} failed: {reason}")
 
     def _report_finished(self, wait: bool) -> None:
@@ -199,7 +201,11 @@ class Saver:
             self.mngr.check_for_errors()
         except Exception as e:  # noqa: BLE001 - every failure of Orbax's writer ends the run
             raise self._failed(what, e) from e
-        if not is_checkpoint(path):  # Orbax said nothing, yet the folder is not there
+        if not is_checkpoint(path):  # Orbax said nothing yet, but the folder is not there
+            try:  # its finalize thread holds the error: waiting on it raises it
+                self.mngr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - as above
+                raise self._failed(what, e) from e
             raise self._failed(what)
         self.pending = None
         self.log(f"> checkpoint of iteration {iteration} committed to {path} "
