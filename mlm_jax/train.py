@@ -218,9 +218,15 @@ def build_throughput(cfg: Config, mesh, log):
                       flops_per_token(cfg.model, t.seq_length, causal=False), jax.device_count(), peak, source)
 
 
-def write_config(run_dir: str, cfg: Config) -> None:
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
+def write_config(run_dir: str, cfg: Config, found=None) -> str:
+    """The run's config.json; a run resumed into its own folder keeps the earlier one and writes
+    config.resumed-<iteration>.json beside it (metrics.jsonl is appended to)."""
+    path = os.path.join(run_dir, "config.json")
+    if found is not None and os.path.exists(path):
+        path = os.path.join(run_dir, f"config.resumed-{found.iteration}.json")
+    with open(path, "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return path
 
 
 # --------------------------------------------------------------------------- the loop
@@ -438,7 +444,7 @@ def train(cfg: Config, log=print) -> dict:
     cfg, data = build_data(cfg, log)
     mesh, pz, n_params = build_model(cfg, log)
     if main:
-        write_config(run_dir, cfg)
+        write_config(run_dir, cfg, found)
     state, start = build_state(cfg, pz, found, log)
     loader, valid_loader = build_loaders(cfg, pz, data, start)
     saver = ckpt.Saver(cfg, pz, data.tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)

@@ -77,12 +77,17 @@ def digest(folder) -> dict:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A folder holding one earlier run: `--save ck` (relative), iterations 2 and 4, run folder
-    `run1`; then resumed with `--load ck --save ck` (relative, the README's pattern) to 6."""
+    `run1`; then resumed into the same run folder with `--load ck --save ck` (relative, the
+    README's pattern) to 6."""
     tmp = tmp_path_factory.mktemp("reliability")
     rc, out = cmd(T + ["--train-iters", "4", "--save", "ck", "--save-interval", "2", "--run-dir", "run1"], tmp)
     assert rc == 0, out[-3000:]
+    config = (tmp / "run1" / "config.json").read_bytes()
     rc, resumed = cmd(T + ["--train-iters", "6", "--load", "ck", "--save", "ck", "--save-interval", "2",
-                           "--run-dir", "run2"], tmp)
+                           "--run-dir", "run1"], tmp)
+    # Resuming continues the run's files: metrics appended in order, the first config kept.
+    assert (tmp / "run1" / "config.json").read_bytes() == config
+    assert json.loads((tmp / "run1" / "config.resumed-4.json").read_text())["train"]["train_iters"] == 6
     return tmp, out, resumed, rc
 
 
@@ -94,6 +99,8 @@ def test_relative_paths_resume_load_and_export(work, monkeypatch):
     assert rc == 0 and "Traceback" not in resumed, resumed[-3000:]
     assert f"resumed from checkpoint {tmp / 'ck' / '4'}: iteration 4" in resumed, resumed[-3000:]
     assert ckpt.scan(str(tmp / "ck"))[0] == [2, 4, 6]
+    records = [json.loads(line) for line in open(tmp / "run1" / "metrics.jsonl")]
+    assert [r["iteration"] for r in records if "lm_loss" in r] == [4, 6]  # the last of each part
     monkeypatch.chdir(tmp)
     m = mlm_jax.load("ck")  # relative, in Python
     assert m.iteration == 6
@@ -222,6 +229,15 @@ def test_damaged_checkpoint_names_the_array_and_the_previous_one(work):
     rc, out = cmd(["export-hf", "--load", "ck_bad", "--hf-dir", "hf_bad"], tmp, module="mlm_jax.tools.checkpoint")
     assert_named_error(rc, out, 2, "damaged", "--ckpt-step 4")
     assert not os.path.exists(tmp / "hf_bad")
+    # Damaged metadata, and an array's index files deleted: the same, naming what is wrong.
+    for name, damage, named in (
+            ("meta", lambda c: (c / "meta" / "metadata").write_text("{not json"), "metadata"),
+            ("index", lambda c: [os.remove(c / "params" / f) for f in ("manifest.ocdbt", "_METADATA")],
+             "not found")):
+        shutil.copytree(tmp / "ck", tmp / f"ck_{name}")
+        damage(tmp / f"ck_{name}" / "6")
+        rc, out = cmd(T + ["--train-iters", "8", "--load", f"ck_{name}", "--run-dir", f"run_{name}"], tmp)
+        assert_named_error(rc, out, 2, str(tmp / f"ck_{name}" / "6"), "damaged", named, "--ckpt-step 4")
 
 
 def test_bad_hugging_face_files_name_the_file(work, capsys):

@@ -51,11 +51,34 @@ def scan(root: str) -> tuple[list[int], list[str]]:
     return sorted(complete), incomplete
 
 
+def previous_hint(path: str) -> str:
+    """What to load instead of the damaged checkpoint folder `path`: the save folder's previous
+    complete checkpoint, by --ckpt-step."""
+    root, name = os.path.split(os.path.abspath(path))
+    if not name.isdigit() or not os.path.isdir(root):
+        return "there is no earlier complete checkpoint to fall back on"
+    earlier = [i for i in scan(root)[0] if i < int(name)]
+    return (f"load the previous complete checkpoint with --ckpt-step {earlier[-1]}" if earlier
+            else "there is no earlier complete checkpoint to fall back on")
+
+
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META, "metadata")) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an mlm_jax checkpoint (metadata format {meta.get('format')!r})")
+    """The checkpoint's metadata; a damaged file is an error naming it."""
+    file = os.path.join(path, META, "metadata")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: the checkpoint's metadata is damaged (not JSON: {e}); "
+                              f"{previous_hint(path)}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: not an mlm_jax checkpoint (metadata format {got!r})")
+    missing = [k for k in ("iteration", "config") if k not in meta]
+    if missing or not isinstance(meta["config"], dict) or not isinstance(meta["iteration"], int):
+        raise CheckpointError(f"{file}: the checkpoint's metadata is damaged ("
+                              + (f"no {', '.join(missing)}" if missing else "bad iteration or config")
+                              + f"); {previous_hint(path)}")
     return meta
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from mlm_jax.config import Config
 from mlm_jax.checkpoint.format import (OPT_STATE, PARAMS, CheckpointError, check_model_matches,
                                        quiet_orbax, saved_version, upgrade)
-from mlm_jax.checkpoint.find import Found, scan
+from mlm_jax.checkpoint.find import Found, previous_hint
 
 
 # --------------------------------------------------------------------------- layouts
@@ -96,13 +96,9 @@ def damaged_error(found: Found, exc: BaseException) -> CheckpointError | None:
             array = match.group(1).split("/")[0]
             item = os.path.basename(match.group(2).rstrip("/"))
             reason = match.group(3).splitlines()[0][:200]
-            root = os.path.dirname(found.path)
-            earlier = [i for i in scan(root)[0] if i < found.iteration] if os.path.isdir(root) else []
-            hint = (f"load the previous complete checkpoint with --ckpt-step {earlier[-1]}" if earlier
-                    else "there is no earlier complete checkpoint to fall back on")
             return CheckpointError(
                 f"--load {found.path}: the checkpoint is damaged: cannot read array {array!r} of "
-                f"{item}/ ({reason}); {hint}")
+                f"{item}/ ({reason}); {previous_hint(found.path)}")
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -120,6 +116,10 @@ def read_items(found: Found, items: dict, optimizer: bool = False) -> dict:
         damaged = damaged_error(found, e)
         if damaged is not None:
             raise damaged from e
+        if isinstance(e, OSError):  # a file of the checkpoint is missing or unreadable
+            raise CheckpointError(
+                f"--load {found.path}: the checkpoint is damaged ({' '.join(str(e).split())[:300]}); "
+                f"{previous_hint(found.path)}") from e
         if optimizer and isinstance(e, (ValueError, KeyError, TypeError)):
             raise CheckpointError(
                 f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
