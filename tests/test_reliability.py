@@ -214,7 +214,7 @@ def test_disk_full_during_an_async_save_ends_the_job(tmp_path):
 # --------------------------------------------------------------------------- 5. damaged inputs
 
 
-def test_damaged_checkpoint_names_the_array_and_the_previous_one(work):
+def test_damaged_checkpoint_names_the_array_and_the_previous_one(work, capfd):
     tmp, _, _, _ = work
     bad = tmp / "ck_bad"
     shutil.copytree(tmp / "ck", bad)
@@ -226,6 +226,11 @@ def test_damaged_checkpoint_names_the_array_and_the_previous_one(work):
     line = assert_named_error(rc, out, 2, f"--load {bad / '6'}", "damaged", "--ckpt-step 4")
     assert re.search(r"cannot read array '(embed|pos_embed|final_norm|layers)[\w.]*' of params/", line), line
     assert len(out.splitlines()) < 10, out[-3000:]  # no pages of Orbax/TensorStore reports
+    capfd.readouterr()
+    with pytest.raises(ckpt.CheckpointError, match=r"damaged: cannot read array .* --ckpt-step 4"):
+        mlm_jax.load(str(bad))  # in Python too, and quietly
+    reports = capfd.readouterr()
+    assert "Traceback" not in reports.err + reports.out and "Exception ignored" not in reports.err, reports.err
     rc, out = cmd(["export-hf", "--load", "ck_bad", "--hf-dir", "hf_bad"], tmp, module="mlm_jax.tools.checkpoint")
     assert_named_error(rc, out, 2, "damaged", "--ckpt-step 4")
     assert not os.path.exists(tmp / "hf_bad")

@@ -4,6 +4,7 @@ the train state with its start position, or a checkpoint's params on the host.""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import time
@@ -109,23 +110,32 @@ def read_items(found: Found, items: dict, optimizer: bool = False) -> dict:
     import orbax.checkpoint as ocp
 
     ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    try:
-        with quiet_orbax():
+    with quiet_orbax():
+        try:
             return ckptr.restore(found.path, args=ocp.args.Composite(**items))
-    except Exception as e:  # noqa: BLE001 - translated below, or re-raised as is
-        damaged = damaged_error(found, e)
-        if damaged is not None:
-            raise damaged from e
-        if isinstance(e, OSError):  # a file of the checkpoint is missing or unreadable
-            raise CheckpointError(
-                f"--load {found.path}: the checkpoint is damaged ({' '.join(str(e).split())[:300]}); "
-                f"{previous_hint(found.path)}") from e
-        if optimizer and isinstance(e, (ValueError, KeyError, TypeError)):
-            raise CheckpointError(
-                f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
-                f"({type(e).__name__}: {str(e)[:300]}); if the optimizer settings changed, add --no-load-optim"
-            ) from e
-        raise
+        except Exception as e:  # noqa: BLE001 - translated below, or re-raised as is
+            error = e
+        # The failed read's abandoned coroutines and futures report themselves when collected:
+        # collect them now, while their reports are silenced (a notebook has no exit to hide them).
+        gc.collect()
+    _raise_read_error(found, error, optimizer)
+
+
+def _raise_read_error(found: Found, e: Exception, optimizer: bool):
+    """Raise `e`, Orbax's failure to read `found`, as the named error it stands for."""
+    damaged = damaged_error(found, e)
+    if damaged is not None:
+        raise damaged from e
+    if isinstance(e, OSError):  # a file of the checkpoint is missing or unreadable
+        raise CheckpointError(
+            f"--load {found.path}: the checkpoint is damaged ({' '.join(str(e).split())[:300]}); "
+            f"{previous_hint(found.path)}") from e
+    if optimizer and isinstance(e, (ValueError, KeyError, TypeError)):
+        raise CheckpointError(
+            f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
+            f"({type(e).__name__}: {str(e)[:300]}); if the optimizer settings changed, add --no-load-optim"
+        ) from e
+    raise e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,10 @@ class ExitPolicy:
         self.interrupted = False  # a Ctrl-C stop: the run ends with exit code 130
         self._old_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+            # A SIGINT ignored at start stays ignored (a background job of a script: Ctrl-C at
+            # the terminal is meant for the script, e.g. launch/local.sh, not for its children).
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+                self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
             if c.exit_signal_handler:
                 self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
 
