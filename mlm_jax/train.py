@@ -501,29 +501,17 @@ def use_every_cpu_core() -> None:
 
 
 @errors.cli
-def _main(argv=None) -> int:
-    from mlm_jax.checkpoint import silence_orbax
-
+def main(argv=None) -> int:
+    """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
+    last (see mlm_jax.errors)."""
     cfg = parse_args(argv)
     use_every_cpu_core()
-    silence_orbax()
     train(cfg)
     return 0
 
 
-def main(argv=None) -> int:
-    """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
-    last. After a failed save or a Ctrl-C the process leaves at once: Orbax's background threads
-    may never finish, and waiting for them at interpreter shutdown would hang the job."""
-    from mlm_jax.checkpoint import orbax_wedged
-
-    code = _main(argv)
-    if __name__ == "__main__" and (orbax_wedged() or code == errors.EXIT_INTERRUPTED):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlm_jax.checkpoint import exit_process, silence_orbax
+
+    silence_orbax()  # the command's output ends with its own error line, not Orbax's reports
+    exit_process(main())

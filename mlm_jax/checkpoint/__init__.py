@@ -42,7 +42,7 @@ from mlm_jax.checkpoint.restore import (  # noqa: F401
     Start, describe_layout, layout_record, plain_layout, restore_host_params, restore_params,
     restore_train_state)
 from mlm_jax.checkpoint.saver import (  # noqa: F401
-    ExitPolicy, SaveFailed, Saver, orbax_wedged, write_params_checkpoint)
+    ExitPolicy, SaveFailed, Saver, exit_process, orbax_wedged, write_params_checkpoint)
 
 # Older private names, used by benchmarks/checkpoint.py.
 _describe, _layout_record = describe_layout, layout_record

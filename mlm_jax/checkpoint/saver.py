@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
 from mlm_jax.config import Config
-from mlm_jax.errors import RunFailure
+from mlm_jax.errors import EXIT_INTERRUPTED, RunFailure
 from mlm_jax.checkpoint.format import (FORMAT, FORMAT_VERSION, META, OPT_STATE, PARAMS, TOKENIZER,
                                        CheckpointError, config_to_dict, files_handler, tokenizer_record)
 from mlm_jax.checkpoint.find import is_checkpoint, scan
@@ -51,6 +52,17 @@ _orbax_wedged = False
 def orbax_wedged() -> bool:
     """True when a failed save may have left Orbax threads that would block a normal exit."""
     return _orbax_wedged
+
+
+def exit_process(code: int) -> None:
+    """End a command-line process with `code`. After a failed save or a Ctrl-C it leaves at once
+    (os._exit): Orbax's background threads may never finish, and interpreter shutdown would
+    wait for them forever (the job would hold its nodes until walltime)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _orbax_wedged or code == EXIT_INTERRUPTED:
+        os._exit(code)
+    sys.exit(code)
 
 
 def _save_reason(exc: BaseException) -> str:

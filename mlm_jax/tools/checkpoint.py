@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 
@@ -525,8 +524,6 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
 @errors.cli
 def main(argv=None) -> int:
     """The command: exit 0, 2 (a bad flag, file or checkpoint) or 1, one `error:` line last."""
-    from mlm_jax.checkpoint import silence_orbax
-
     parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
                                      description="Convert checkpoints between Hugging Face and mlm_jax.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -542,7 +539,6 @@ def main(argv=None) -> int:
                      help="tensor dtype (default: the imported model's, else float32)")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
-    silence_orbax()
     if args.command == "import-hf":
         import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
     else:
@@ -550,4 +546,7 @@ def main(argv=None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlm_jax.checkpoint import exit_process, silence_orbax
+
+    silence_orbax()  # the command's output ends with its own error line, not Orbax's reports
+    exit_process(main())
