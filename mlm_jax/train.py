@@ -31,9 +31,15 @@ class TrainingStopped(RunFailure):
 
 
 def _run_dir(cfg: Config) -> str:
+    """--run-dir, or a new folder runs/<date-time>[-N] (never an existing one)."""
     if cfg.train.run_dir:
         return cfg.train.run_dir
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
 
 
 def _data_parallel_rows(mesh) -> int:

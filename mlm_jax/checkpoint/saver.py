@@ -120,6 +120,9 @@ class ExitPolicy:
         if self.signal_received == "SIGINT":  # the second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal_received = "SIGINT"
+        # os.write: a print here could re-enter a print the signal interrupted.
+        os.write(2, b"> Ctrl-C: stopping after this iteration" + (b", saving a checkpoint first" if self.c.save
+                 else b"") + b"; press Ctrl-C again to stop at once\n")
 
     def reason(self, iteration: int) -> str | None:
         """Why training should stop after `iteration` (the same answer on every host), or None."""
