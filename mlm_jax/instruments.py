@@ -143,6 +143,71 @@ class Instruments:
             self.tracing = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """What turns a step time into tokens/s and MFU: tokens per iteration, model FLOPs per token
+    (causal attention, and Megatron's full-attention count), devices and their peak."""
+
+    tokens_per_iter: int
+    flops_causal: float
+    flops_full: float
+    devices: int
+    peak: float  # FLOP/s per device
+    peak_source: str  # "given" or "measured"
+
+    def figures(self, step_s: float) -> dict[str, float | str]:
+        tps = self.tokens_per_iter / step_s
+        return {"tokens_per_sec": tps, "mfu": tps * self.flops_causal / self.devices / self.peak,
+                "mfu_megatron_full_attention": tps * self.flops_full / self.devices / self.peak,
+                "mfu_peak_source": self.peak_source}
+
+
+def iteration_record(iteration: int, global_batch_size: int, metrics: dict[str, float], step_s: float,
+                     data_wait_s: float, throughput: Throughput, *extra: dict) -> dict[str, Any]:
+    """The metrics-file record of a logged iteration; `metrics` holds host floats (lm_loss, lr,
+    grad_norm), `step_s` the mean step time of the log window, `extra` memory and timers."""
+    record = {"iteration": iteration, "consumed_samples": iteration * global_batch_size,
+              "lm_loss": metrics["lm_loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+              "step_time_ms": 1000 * step_s, "data_wait_ms": 1000 * data_wait_s,
+              **throughput.figures(step_s)}
+    for more in extra:
+        record.update(more)
+    return record
+
+
+def iteration_line(record: dict[str, Any], train_iters: int, global_batch_size: int) -> str:
+    """Megatron's console line for `record` (and the figures Megatron does not print)."""
+    r = record
+    line = (f" iteration {r['iteration']:8d}/{train_iters:8d} | consumed samples: "
+            f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {r['step_time_ms']:.1f} | "
+            f"learning rate: {r['lr']:.6E} | global batch size: {global_batch_size:5d} | "
+            f"lm loss: {r['lm_loss']:.6E} | grad norm: {r['grad_norm']:.3f} | "
+            f"tokens/s: {r['tokens_per_sec']:,.0f} | MFU (causal): {100 * r['mfu']:.1f}% | "
+            f"MFU (Megatron, full attention): {100 * r['mfu_megatron_full_attention']:.1f}% | "
+            f"data wait (ms): {r['data_wait_ms']:.1f} |")
+    if r.get("checkpoint_ms", 0) >= 1:
+        line += f" checkpoint (ms): {r['checkpoint_ms']:.1f} |"
+    if "max_iteration_ms" in r:
+        line += f" slowest iteration (ms): {r['max_iteration_ms']:.1f} |"
+    if "bytes_in_use" in r:
+        line += (f" memory (GiB): {r['bytes_in_use'] / 2**30:.2f} in use, "
+                 f"{r.get('peak_bytes_in_use', 0) / 2**30:.2f} peak |")
+    return line
+
+
+def validation_line(iteration: int, loss: float, ppl: float) -> str:
+    return (f" validation loss at iteration {iteration:6d} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
+
+
+def step_memory_line(mem: dict[str, int]) -> str:
+    mib = lambda key: mem.get(key, 0) / 2**20  # noqa: E731
+    return ("> step memory per device (XLA memory analysis; these devices report no live memory): "
+            f"{mib('compiled_total_bytes'):.1f} MiB = arguments {mib('compiled_argument_bytes'):.1f} + "
+            f"outputs {mib('compiled_output_bytes'):.1f} - donated {mib('compiled_alias_bytes'):.1f} + "
+            f"temporaries {mib('compiled_temp_bytes'):.1f}")
+
+
 def slow_iteration_line(slow: dict[str, Any]) -> str:
     return (f" warning: slow iteration {slow['iteration']}: {slow['slow_iteration_ms']:.1f} ms, "
             f"{slow['slow_iteration_ms'] / max(slow['median_iteration_ms'], 1e-9):.1f}x the running median "

@@ -2,27 +2,44 @@
 
 With no flags: a small GPT on the installed Python standard library's source, tokenized by a
 SentencePiece model trained on it on first use (cached), on whatever devices exist.
+
+`train(cfg)` reads top to bottom: prepare (flags, --load, output paths), build the data, the
+model and its state, the loaders and the saver; run the loop (`Loop`); sample; write the summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import sys
 import time
+from typing import Any, Callable
 
+from mlm_jax import errors
 from mlm_jax.arguments import parse_args
-from mlm_jax.config import Config, ConfigError, finalize
-from mlm_jax.errors import RunFailure, cli
+from mlm_jax.config import Config, finalize
+from mlm_jax.errors import RunFailure, UsageError
+
+# Files that mark a run folder as holding a run: reusing it is an error unless resuming.
+RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")
+
+
+class TrainingStopped(RunFailure):
+    """Training cannot go on (NaN/Inf loss or gradient); the message names the iteration."""
 
 
 def _run_dir(cfg: Config) -> str:
+    """--run-dir, or a new folder runs/<date-time>[-N] (never an existing one)."""
     if cfg.train.run_dir:
         return cfg.train.run_dir
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
 
 
 def _data_parallel_rows(mesh) -> int:
@@ -31,38 +48,91 @@ def _data_parallel_rows(mesh) -> int:
     return mesh.shape[DATA] * mesh.shape[EXPERT]
 
 
-class TrainingStopped(RunFailure):
-    """Training cannot go on (NaN/Inf loss or gradient); the message names the iteration."""
+# --------------------------------------------------------------------------- preparing
 
 
-def train(cfg: Config, log=print) -> dict:
-    """Run training as configured; returns a summary (final losses, timings, run dir)."""
+def absolute_paths(cfg: Config) -> Config:
+    """Every path flag resolved once, here, against the working directory: later code (Orbax
+    above all, which refuses relative paths) sees absolute paths only."""
+    ab = lambda p: os.path.abspath(p) if p else p  # noqa: E731
+    c, t = cfg.checkpoint, cfg.train
+    return cfg.replace(
+        checkpoint=dataclasses.replace(c, save=ab(c.save), load=ab(c.load)),
+        train=dataclasses.replace(t, run_dir=ab(t.run_dir), metrics_file=ab(t.metrics_file),
+                                  tensorboard_dir=ab(t.tensorboard_dir)))
+
+
+def _check_run_outputs(cfg: Config, run_dir: str) -> None:
+    from mlm_jax.paths import writable_dir, writable_file
+
+    t = cfg.train
+    flag = "--run-dir" if t.run_dir else "the run folder"
+    if not cfg.checkpoint.load:  # resuming continues a run's files; a new run must not touch them
+        earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+        if earlier:
+            raise UsageError(
+                f"{flag} {run_dir}: holds an earlier run ({os.path.join(run_dir, earlier[0])}); nothing "
+                "in it is overwritten: choose a new --run-dir, or resume that run with --load <its checkpoints>")
+        if t.metrics_file and os.path.isfile(t.metrics_file) and os.path.getsize(t.metrics_file):
+            raise UsageError(f"--metrics-file {t.metrics_file}: holds an earlier run's metrics; choose a new "
+                             "file, or resume that run with --load <its checkpoints>")
+    writable_dir(run_dir, flag)
+    if t.metrics_file:
+        writable_file(t.metrics_file, "--metrics-file")
+    if t.tensorboard_dir:
+        writable_dir(t.tensorboard_dir, "--tensorboard-dir")
+
+
+def check_outputs(cfg: Config, run_dir: str, main: bool) -> None:
+    """Every output path usable before the first step (UsageError naming the flag otherwise),
+    and a run folder holding an earlier run is not reused unless this run resumes (--load)."""
+    from mlm_jax.distributed import broadcast_str
+    from mlm_jax.paths import writable_dir
+
+    if cfg.checkpoint.save:  # every process writes its own shards
+        writable_dir(cfg.checkpoint.save, "--save")
+    problem = ""
+    if main:  # process 0 writes the run folder; every process raises the same error
+        try:
+            _check_run_outputs(cfg, run_dir)
+        except UsageError as e:
+            problem = str(e)
+    problem = broadcast_str(problem)
+    if problem:
+        raise UsageError(problem)
+
+
+def prepare(cfg: Config, log) -> tuple[Config, Any, str, bool, Callable]:
+    """Join the other processes, check the flags, find the --load checkpoint and check every
+    output path: all before any data or compile work. Returns (cfg, found, run_dir, main, log)."""
     import jax
-    import numpy as np
-    from tqdm import tqdm
 
-    from mlm_jax.data import BatchLoader, build_datasets, make_batch, megatron_num_samples
-    from mlm_jax.generate import greedy
-    from mlm_jax.metrics import device_memory, flops_per_token, measure_matmul_peak
-    from mlm_jax.parallelize import abstract_model, count_params, parallelize
-    from mlm_jax.sharding.mesh import make_mesh
     from mlm_jax import checkpoint as ckpt
     from mlm_jax.distributed import broadcast_str, check_same_config, initialize
-    from mlm_jax.instruments import Instruments, RunLogger, Wandb, slow_iteration_line, step_memory
 
     initialize(cfg.distributed)  # joins the other processes (if any) before any device is touched
-    start_time = time.time()
     world = jax.device_count()
-    cfg = finalize(cfg, world)  # flag errors surface before any data or compile work
+    cfg = absolute_paths(finalize(cfg, world))  # flag errors surface before any data or compile work
     check_same_config(cfg)  # processes started with other flags fail here, naming the fields
     cfg, found = ckpt.resolve_load(cfg, world, log)  # --load: which checkpoint (model args from it)
-    t = cfg.train
-    run_dir = broadcast_str(_run_dir(cfg))  # one run folder, named by process 0
+    run_dir = os.path.abspath(broadcast_str(_run_dir(cfg)))  # one run folder, named by process 0
     main = jax.process_index() == 0
+    check_outputs(cfg, run_dir, main)
     if not main:  # only process 0 prints; every process still does all the work
         log = lambda *args, **kwargs: None  # noqa: E731
+    return cfg, found, run_dir, main, log
 
-    # Data (the tokenizer decides the true vocab size).
+
+# --------------------------------------------------------------------------- building
+
+
+def build_data(cfg: Config, log):
+    """The datasets; the tokenizer decides the true vocab size. Returns (cfg, data)."""
+    import jax
+
+    from mlm_jax.data import build_datasets, megatron_num_samples
+
+    t = cfg.train
     t0 = time.perf_counter()
     sizes = megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
     data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size)
@@ -70,33 +140,33 @@ def train(cfg: Config, log=print) -> dict:
     if tokenizer is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size,
                                                     padded_vocab_size=None))
-        cfg = finalize(cfg, world)
+        cfg = finalize(cfg, jax.device_count())
     log(f"> data ready in {time.perf_counter() - t0:.1f} s: {len(data.train)} training samples"
         + (f", {len(data.valid)} validation samples" if data.valid is not None else ""))
+    return cfg, data
+
+
+def build_model(cfg: Config, log):
+    """(mesh, parallelized model and steps, parameter count)."""
+    import jax
+
+    from mlm_jax.parallelize import abstract_model, count_params, parallelize
+    from mlm_jax.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.parallel)
     pz = parallelize(cfg, mesh)
     n_params = count_params(abstract_model(cfg)[1])  # pz.shapes may hold pipeline padding rows
-    log(f"> mesh {dict(mesh.shape)} on {world} {jax.devices()[0].platform} device(s); "
+    log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
-        f"{pz.num_microbatches} microbatch(es) of {t.micro_batch_size} per data-parallel rank")
-    if main:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        f"{pz.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size} per data-parallel rank")
+    return mesh, pz, n_params
 
-    keep = ("tokens", "labels", "loss_mask", "position_ids") + (
-        ("segment_ids",) if cfg.data.reset_attention_mask else ())
 
-    def batch_fn(samples):
-        full = make_batch(samples, eod=tokenizer.eod if tokenizer else cfg.model.vocab_size - 1,
-                          eod_mask_loss=cfg.data.eod_mask_loss,
-                          reset_position_ids=cfg.data.reset_position_ids,
-                          reset_attention_mask=cfg.data.reset_attention_mask)
-        return {k: full[k] for k in keep}
+def build_state(cfg: Config, pz, found, log):
+    """(train state, Start): restored from `found`, or initialised from --seed."""
+    from mlm_jax import checkpoint as ckpt
 
-    shape = pz.batch_shape()
-
+    t = cfg.train
     t0 = time.perf_counter()
     if found is not None:
         state, start = ckpt.restore_train_state(cfg, pz, found, log)
@@ -107,198 +177,340 @@ def train(cfg: Config, log=print) -> dict:
         raise ckpt.CheckpointError(
             f"the checkpoint consumed {start.consumed_samples} samples, not a multiple of "
             f"--global-batch-size {t.global_batch_size}; resume with the batch size it was saved with")
-    # The data order is a function of the sample index: resuming continues it exactly (validation
-    # too: a checkpoint records how many validation batches were used).
-    loader = BatchLoader(data.train, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
+    return state, start
+
+
+def build_loaders(cfg: Config, pz, data, start):
+    """(training loader, validation loader or None), each continuing where `start` left off:
+    the data order is a function of the sample index, so resuming continues it exactly
+    (validation too: a checkpoint records how many validation batches were used)."""
+    from mlm_jax.data import BatchLoader, make_batch
+
+    t, tokenizer = cfg.train, data.tokenizer
+    keep = ("tokens", "labels", "loss_mask", "position_ids") + (
+        ("segment_ids",) if cfg.data.reset_attention_mask else ())
+
+    def batch_fn(samples):
+        full = make_batch(samples, eod=tokenizer.eod if tokenizer else cfg.model.vocab_size - 1,
+                          eod_mask_loss=cfg.data.eod_mask_loss,
+                          reset_position_ids=cfg.data.reset_position_ids,
+                          reset_attention_mask=cfg.data.reset_attention_mask)
+        return {k: full[k] for k in keep}
+
+    shape, sharding = pz.batch_shape(), pz.batch_sharding()
+    loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
                          start_iteration=start.consumed_samples // t.global_batch_size,
                          prefetch=cfg.data.prefetch)
-    valid_loader = (BatchLoader(data.valid, t.global_batch_size, pz.batch_sharding(), shape, batch_fn,
-                                start_iteration=start.valid_batches, prefetch=0)
-                    if data.valid is not None else None)
-    saver = ckpt.Saver(cfg, pz, tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
+    valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, batch_fn,
+                         start_iteration=start.valid_batches, prefetch=0)
+             if data.valid is not None else None)
+    return loader, valid
 
-    peak = t.peak_flops
-    peak_source = "given"
+
+def build_throughput(cfg: Config, mesh, log):
+    """The MFU denominator (given, or this device's measured matmul peak) and FLOPs per token."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlm_jax.instruments import Throughput
+    from mlm_jax.metrics import flops_per_token, measure_matmul_peak
+
+    t = cfg.train
+    peak, source = t.peak_flops, "given"
     if peak is None:
-        peak = measure_matmul_peak(mesh, jax.numpy.bfloat16 if cfg.model.bf16 else jax.numpy.float32)
-        peak_source = "measured"
-    flops_causal = flops_per_token(cfg.model, t.seq_length, causal=True)
-    flops_full = flops_per_token(cfg.model, t.seq_length, causal=False)
-    log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({peak_source} "
+        peak, source = measure_matmul_peak(mesh, jnp.bfloat16 if cfg.model.bf16 else jnp.float32), "measured"
+    log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({source} "
         f"{'bf16' if cfg.model.bf16 else 'fp32'} matmul peak)")
+    return Throughput(t.global_batch_size * t.seq_length, flops_per_token(cfg.model, t.seq_length, causal=True),
+                      flops_per_token(cfg.model, t.seq_length, causal=False), jax.device_count(), peak, source)
 
-    logger = RunLogger(cfg.train.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
-                       cfg.train.tensorboard_dir or (os.path.join(run_dir, "tensorboard") if main else None),
-                       write=tqdm.write, wandb=Wandb(cfg.instruments, cfg, run_dir, main, log))
-    inst = Instruments(cfg.instruments, profile_dir=os.path.join(run_dir, "profile"), main=main)
-    step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
-    seed_key = (jax.random.key(t.seed) if start.rng_key_data is None
-                else jax.random.wrap_key_data(start.rng_key_data))
-    tokens_per_iter = t.global_batch_size * t.seq_length
 
-    def evaluate(iteration: int) -> float | None:
-        if valid_loader is None:
+def write_config(run_dir: str, cfg: Config, found=None) -> str:
+    """The run's config.json; a run resumed into its own folder keeps the earlier one and writes
+    config.resumed-<iteration>.json beside it (metrics.jsonl is appended to)."""
+    path = os.path.join(run_dir, "config.json")
+    if found is not None and os.path.exists(path):
+        path = os.path.join(run_dir, f"config.resumed-{found.iteration}.json")
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return path
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class Loop:
+    """The training loop: steps, the logged iterations, evaluations, saves and early exits.
+
+    One step stays in flight: step i is dispatched before step i-1's metrics are read, so the
+    host never waits on the device except at a logged iteration.
+    """
+
+    def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
+                 throughput, log):
+        import jax
+
+        self.cfg, self.t, self.pz, self.state, self.start = cfg, cfg.train, pz, state, start
+        self.loader, self.valid_loader, self.saver = loader, valid_loader, saver
+        self.logger, self.inst, self.throughput, self.log = logger, inst, throughput, log
+        self.seed_key = (jax.random.key(cfg.train.seed) if start.rng_key_data is None
+                         else jax.random.wrap_key_data(start.rng_key_data))
+        self.iteration = start.iteration
+        self.exit_reason: str | None = None
+        self.last_train_loss: float | None = None
+        self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
+        self.compile_s: float | None = None
+        self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.window_start, self.window_iters, self.window_wait = time.perf_counter(), 0, 0.0
+
+    def consumed(self, iteration: int) -> int:
+        return self.start.consumed_samples + (iteration - self.start.iteration) * self.t.global_batch_size
+
+    def evaluate(self, iteration: int) -> float | None:
+        """Validation loss over --eval-iters batches (logged), or None without validation data."""
+        from mlm_jax.instruments import validation_line
+
+        if self.valid_loader is None:
             return None
         total, count = 0.0, 0.0
-        for _ in range(t.eval_iters):
+        for _ in range(self.t.eval_iters):
             try:
-                batch, _ = next(valid_loader)
+                batch, _ = next(self.valid_loader)
             except StopIteration:
                 break
-            loss_sum, n = pz.eval_step(state["params"], batch)
+            loss_sum, n = self.pz.eval_step(self.state["params"], batch)
             total, count = total + float(loss_sum), count + float(n)
         if count == 0:
             return None
         loss = total / count
         ppl = math.exp(min(loss, 20.0))
-        logger.log({"iteration": iteration, "valid_lm_loss": loss, "valid_ppl": ppl},
-                   console=f" validation loss at iteration {iteration:6d} | lm loss value: "
-                           f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
+        self.logger.log({"iteration": iteration, "valid_lm_loss": loss, "valid_ppl": ppl},
+                        console=validation_line(iteration, loss, ppl))
         return loss
 
-    first_valid = evaluate(0) if start.iteration == 0 else None  # a resumed run evaluates on schedule
-    bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
-               disable=not (main and t.progress_bar), file=sys.stderr)
-    exit_reason = None
-    iteration = start.iteration
-    window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
-    compile_done = None
-    pending = None  # the previous step's metrics, checked after the next step is dispatched
-    last_train_loss = None
-    last_valid = first_valid
-
-    def check(iteration, metrics):
-        if t.check_for_nan_in_loss_and_grad and not bool(metrics["finite"]):
+    def check(self, iteration: int, metrics) -> None:
+        if self.t.check_for_nan_in_loss_and_grad and not bool(metrics["finite"]):
             raise TrainingStopped(
                 f"iteration {iteration}: loss {float(metrics['lm_loss'])} or gradient norm "
                 f"{float(metrics['grad_norm'])} is NaN/Inf; stopping "
                 "(--no-check-for-nan-in-loss-and-grad to go on regardless)")
 
-    try:
-        for iteration in range(start.iteration + 1, t.train_iters + 1):
-            inst.before_step(iteration)
-            batch, wait = next(loader)
-            window_wait += wait
-            inst.add("data_wait", wait)
-            with inst.step_annotation(iteration):
-                state, metrics = pz.train_step(state, batch, jax.random.fold_in(seed_key, iteration))
-            if pending is not None:
-                check(*pending)
-                slow = inst.step_finished(*pending)
-                if slow is not None:
-                    logger.log(slow, console=slow_iteration_line(slow))
-            pending = (iteration, metrics)
-            if compile_done is None:
-                jax.block_until_ready(metrics)
-                compile_done = time.perf_counter() - window_start
-                log(f"> first step (compile + run) took {compile_done:.1f} s")
-                if not device_memory():
-                    step_mem = step_memory(pz.train_step, state, batch, jax.random.fold_in(seed_key, iteration))
-                    if step_mem:
-                        log("> step memory per device (XLA memory analysis; these devices report no live "
-                            f"memory): {step_mem['compiled_total_bytes'] / 2**20:.1f} MiB = arguments "
-                            f"{step_mem.get('compiled_argument_bytes', 0) / 2**20:.1f} + outputs "
-                            f"{step_mem.get('compiled_output_bytes', 0) / 2**20:.1f} - donated "
-                            f"{step_mem.get('compiled_alias_bytes', 0) / 2**20:.1f} + temporaries "
-                            f"{step_mem.get('compiled_temp_bytes', 0) / 2**20:.1f}")
-                window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
-                inst.reset()
-            else:
-                window_iters += 1
-            bar.update(1)
-            if iteration % t.log_interval == 0 or iteration == t.train_iters:
-                check(iteration, metrics)
-                loss = float(metrics["lm_loss"])
-                last_train_loss = loss
-                elapsed = time.perf_counter() - window_start
-                # The first step's window holds no finished iteration: report its own time.
-                step_s = elapsed / window_iters if window_iters else compile_done
-                tps = tokens_per_iter / step_s
-                mfu = tps * flops_causal / world / peak
-                record = {
-                    "iteration": iteration, "consumed_samples": iteration * t.global_batch_size,
-                    "lm_loss": loss, "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"]),
-                    "tokens_per_sec": tps, "step_time_ms": 1000 * step_s,
-                    "data_wait_ms": 1000 * window_wait / max(window_iters, 1),
-                    "mfu": mfu, "mfu_megatron_full_attention": tps * flops_full / world / peak,
-                    "mfu_peak_source": peak_source, **device_memory(), **step_mem, **inst.window(),
-                }
-                memory = device_memory()
-                logger.log(record, console=(
-                    f" iteration {iteration:8d}/{t.train_iters:8d} | consumed samples: "
-                    f"{iteration * t.global_batch_size:12d} | elapsed time per iteration (ms): "
-                    f"{1000 * step_s:.1f} | learning rate: {record['lr']:.6E} | global batch size: "
-                    f"{t.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {record['grad_norm']:.3f} | "
-                    f"tokens/s: {tps:,.0f} | MFU (causal): {100 * mfu:.1f}% | MFU (Megatron, full attention): "
-                    f"{100 * record['mfu_megatron_full_attention']:.1f}% | data wait (ms): "
-                    f"{record['data_wait_ms']:.1f} |"
-                    + (f" checkpoint (ms): {record['checkpoint_ms']:.1f} |" if record.get("checkpoint_ms", 0) >= 1 else "")
-                    + (f" slowest iteration (ms): {record['max_iteration_ms']:.1f} |" if "max_iteration_ms" in record else "")
-                    + (f" memory (GiB): {memory['bytes_in_use'] / 2**30:.2f} in use, "
-                       f"{memory.get('peak_bytes_in_use', 0) / 2**30:.2f} peak |" if "bytes_in_use" in memory else "")))
-                bar.set_postfix(loss=f"{loss:.3f}")
-                window_start, window_iters, window_wait = time.perf_counter(), 0, 0.0
-            if iteration % t.eval_interval == 0 and iteration != t.train_iters:
-                with inst.timed("eval"):
-                    last_valid = evaluate(iteration)
-            consumed = start.consumed_samples + (iteration - start.iteration) * t.global_batch_size
-            with inst.timed("checkpoint"):
-                exit_reason = saver.step_done(iteration, state, consumed, jax.random.key_data(seed_key))
-            inst.after_step(iteration, metrics, last=bool(exit_reason) or iteration == t.train_iters)
-            if exit_reason:
-                log(f"> exiting at iteration {iteration}: {exit_reason}")
-                break
-        if pending is not None:
-            check(*pending)
-        if exit_reason is None:
-            last_valid = evaluate(t.train_iters)
-        saver.finish(iteration, state, start.consumed_samples
-                     + (iteration - start.iteration) * t.global_batch_size, jax.random.key_data(seed_key))
-    finally:
-        inst.close()
-        saver.close()
-        bar.close()
-        loader.close()
-        if valid_loader is not None:
-            valid_loader.close()
-        logger.close()
+    def step(self, iteration: int):
+        """Dispatch step `iteration`, then check (and time) the one before it."""
+        import jax
 
-    sample = None
-    if t.sample_tokens > 0 and tokenizer is not None and data.valid is not None and exit_reason is None:
-        # Prompt with the start of a held-out sample: real context, not a made-up string.
-        prompt = [int(i) for i in data.valid[0][: max(8, t.seq_length // 4)]]
-        ids = greedy(pz.graphdef, state["params"], prompt, t.sample_tokens, t.seq_length)
+        from mlm_jax.instruments import slow_iteration_line
+
+        self.inst.before_step(iteration)
+        batch, wait = next(self.loader)
+        self.window_wait += wait
+        self.inst.add("data_wait", wait)
+        key = jax.random.fold_in(self.seed_key, iteration)
+        with self.inst.step_annotation(iteration):
+            self.state, metrics = self.pz.train_step(self.state, batch, key)
+        if self.pending is not None:
+            self.check(*self.pending)
+            slow = self.inst.step_finished(*self.pending)
+            if slow is not None:
+                self.logger.log(slow, console=slow_iteration_line(slow))
+        self.pending = (iteration, metrics)
+        if self.compile_s is None:
+            self.first_step_done(metrics, batch, key)
+        else:
+            self.window_iters += 1
+        return metrics
+
+    def first_step_done(self, metrics, batch, key) -> None:
+        """After the compiling step: report its time (and memory), restart the clocks."""
+        import jax
+
+        from mlm_jax.instruments import step_memory, step_memory_line
+        from mlm_jax.metrics import device_memory
+
+        jax.block_until_ready(metrics)
+        self.compile_s = time.perf_counter() - self.window_start
+        self.log(f"> first step (compile + run) took {self.compile_s:.1f} s")
+        if not device_memory():
+            self.step_mem = step_memory(self.pz.train_step, self.state, batch, key)
+            if self.step_mem:
+                self.log(step_memory_line(self.step_mem))
+        self._new_window()
+        self.inst.reset()
+
+    def log_iteration(self, iteration: int, metrics) -> float:
+        """The metrics record and console line of a logged iteration; returns the loss."""
+        from mlm_jax.instruments import iteration_line, iteration_record
+        from mlm_jax.metrics import device_memory
+
+        self.check(iteration, metrics)
+        host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
+        # The first step's window holds no finished iteration: report its own time.
+        step_s = ((time.perf_counter() - self.window_start) / self.window_iters if self.window_iters
+                  else self.compile_s)
+        record = iteration_record(iteration, self.t.global_batch_size, host, step_s,
+                                  self.window_wait / max(self.window_iters, 1), self.throughput,
+                                  device_memory(), self.step_mem, self.inst.window())
+        self.logger.log(record, console=iteration_line(record, self.t.train_iters, self.t.global_batch_size))
+        self._new_window()
+        return host["lm_loss"]
+
+    def one_iteration(self, iteration: int, bar) -> None:
+        """Step, log, evaluate and save as scheduled; sets `exit_reason` on an early exit."""
+        import jax
+
+        t = self.t
+        metrics = self.step(iteration)
+        self.iteration = iteration
+        bar.update(1)
+        if iteration % t.log_interval == 0 or iteration == t.train_iters:
+            self.last_train_loss = self.log_iteration(iteration, metrics)
+            bar.set_postfix(loss=f"{self.last_train_loss:.3f}")
+        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            with self.inst.timed("eval"):
+                self.last_valid = self.evaluate(iteration)
+        with self.inst.timed("checkpoint"):
+            self.exit_reason = self.saver.step_done(iteration, self.state, self.consumed(iteration),
+                                                    jax.random.key_data(self.seed_key))
+        self.inst.after_step(iteration, metrics, last=bool(self.exit_reason) or iteration == t.train_iters)
+        if self.exit_reason:
+            self.log(f"> exiting at iteration {iteration}: {self.exit_reason}")
+
+    def run(self, bar) -> None:
+        """Iterations start+1 .. --train-iters (or until an exit request), then the final
+        evaluation and checkpoint."""
+        import jax
+
+        # A resumed run evaluates on schedule, not at its first iteration.
+        self.first_valid = self.evaluate(0) if self.start.iteration == 0 else None
+        self.last_valid = self.first_valid
+        for iteration in range(self.start.iteration + 1, self.t.train_iters + 1):
+            self.one_iteration(iteration, bar)
+            if self.exit_reason:
+                break
+        if self.pending is not None:
+            self.check(*self.pending)
+        if self.exit_reason is None:
+            self.last_valid = self.evaluate(self.t.train_iters)
+        self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
+                          jax.random.key_data(self.seed_key))
+
+
+# --------------------------------------------------------------------------- the end
+
+
+def end_of_run_sample(cfg: Config, pz, params, data, log) -> dict | None:
+    """A greedy continuation of the start of a held-out sample (real context, not a made-up
+    string), from the model in its plain layer order (a pipeline stores its layers permuted).
+    Returns {"prompt_ids", "ids"} plus the texts when the tokenizer has any."""
+    import jax
+
+    from mlm_jax.generate import greedy
+
+    t = cfg.train
+    if t.sample_tokens <= 0 or data.valid is None:
+        return None
+    prompt = [int(i) for i in data.valid[0][: max(8, t.seq_length // 4)]]
+    ids = greedy(pz.graphdef, jax.jit(pz.plain)(params), prompt, t.sample_tokens, t.seq_length)
+    sample = {"prompt_ids": prompt, "ids": ids}
+    try:
+        sample.update(prompt=data.tokenizer.detokenize(prompt), continuation=data.tokenizer.detokenize(ids))
+    except Exception:  # no tokenizer, or one without text (NullTokenizer): the ids only
+        log(f"> greedy sample (token ids), prompt: {prompt}\n> continuation: {ids}")
+        return sample
+    log(f"> greedy sample, prompt:\n{sample['prompt']}\n> continuation:\n{sample['continuation']}")
+    return sample
+
+
+def close_all(*things) -> None:
+    """Close each of `things` (None skipped), all of them even when one fails; then raise the
+    first failure (a save that failed while the last write was awaited)."""
+    first = None
+    for thing in things:
         try:
-            prompt_text, new_text = tokenizer.detokenize(prompt), tokenizer.detokenize(ids)
-        except Exception:  # a tokenizer without text (NullTokenizer) has nothing to show
-            prompt_text = new_text = None
-        if new_text is not None:
-            sample = {"prompt": prompt_text, "continuation": new_text}
-            log(f"> greedy sample, prompt:\n{prompt_text}\n> continuation:\n{new_text}")
-    summary = {"run_dir": run_dir, "first_valid_loss": first_valid, "final_valid_loss": last_valid,
-               "final_train_loss": last_train_loss, "iterations": t.train_iters,
-               "parameters": n_params, "sample": sample, "exit_reason": exit_reason,
-               "last_iteration": iteration, "resumed_from": start.resumed_from,
+            if thing is not None:
+                thing.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest are closed
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def train(cfg: Config, log=print) -> dict:
+    """Run training as configured; returns a summary (final losses, timings, run dir). Ctrl-C
+    stops after the current iteration, saves (with --save) and raises KeyboardInterrupt."""
+    from tqdm import tqdm
+
+    from mlm_jax import checkpoint as ckpt
+    from mlm_jax.instruments import Instruments, RunLogger, Wandb
+
+    start_time = time.time()
+    cfg, found, run_dir, main, log = prepare(cfg, log)
+    cfg, data = build_data(cfg, log)
+    mesh, pz, n_params = build_model(cfg, log)
+    if main:
+        write_config(run_dir, cfg, found)
+    state, start = build_state(cfg, pz, found, log)
+    loader, valid_loader = build_loaders(cfg, pz, data, start)
+    saver = ckpt.Saver(cfg, pz, data.tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
+    t = cfg.train
+    logger = RunLogger(t.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
+                       t.tensorboard_dir or (os.path.join(run_dir, "tensorboard") if main else None),
+                       write=tqdm.write, wandb=Wandb(cfg.instruments, cfg, run_dir, main, log))
+    inst = Instruments(cfg.instruments, profile_dir=os.path.join(run_dir, "profile"), main=main)
+    loop = Loop(cfg, pz, state, start, loader, valid_loader, saver, logger, inst,
+                build_throughput(cfg, mesh, log), log)
+    bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
+               disable=not (main and t.progress_bar), file=sys.stderr)
+    try:
+        loop.run(bar)
+    finally:
+        close_all(inst, saver, bar, loader, valid_loader, logger)
+    sample = None if loop.exit_reason else end_of_run_sample(cfg, pz, loop.state["params"], data, log)
+    summary = {"run_dir": run_dir, "first_valid_loss": loop.first_valid, "final_valid_loss": loop.last_valid,
+               "final_train_loss": loop.last_train_loss, "iterations": t.train_iters,
+               "parameters": n_params, "sample": sample, "exit_reason": loop.exit_reason,
+               "last_iteration": loop.iteration, "resumed_from": start.resumed_from,
                "checkpoints": saver.saved_paths}
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-    log(f"> done: validation loss {first_valid} -> {last_valid}; run folder {run_dir}")
+    if saver.interrupted:
+        log(f"> stopped by Ctrl-C at iteration {loop.iteration}"
+            + (f"; checkpoint saved to {saver.saved_paths[-1]}" if saver.saved_paths else ""))
+        raise KeyboardInterrupt
+    log(f"> done: validation loss {loop.first_valid} -> {loop.last_valid}; run folder {run_dir}")
     return summary
+
+
+# --------------------------------------------------------------------------- the command
 
 
 def use_every_cpu_core() -> None:
     """One XLA CPU device per core, unless the user chose: a single CPU device runs on about one
-    core, so the default run would otherwise leave the rest idle. GPUs are unaffected."""
+    core, so the default run would otherwise leave the rest idle. `MLM_JAX_CPU_DEVICES=N` asks
+    for N devices (XLA_FLAGS' --xla_force_host_platform_device_count wins when both are set).
+    GPUs are unaffected."""
     import jax
 
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and os.environ.get("MLM_JAX_CPU_DEVICES") != "1":
-        jax.config.update("jax_num_cpu_devices", max(1, os.cpu_count() or 1))
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    asked = os.environ.get("MLM_JAX_CPU_DEVICES")
+    count = max(1, os.cpu_count() or 1)
+    if asked is not None:
+        if not asked.strip().isdigit() or int(asked) < 1:
+            raise UsageError(f"MLM_JAX_CPU_DEVICES={asked!r}: must be a whole number of CPU devices, 1 or more")
+        count = int(asked)
+    jax.config.update("jax_num_cpu_devices", count)
 
 
-@cli
+@errors.cli
 def main(argv=None) -> int:
+    """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
+    last (see mlm_jax.errors)."""
     cfg = parse_args(argv)
     use_every_cpu_core()
     train(cfg)
@@ -306,4 +518,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlm_jax.checkpoint import exit_process, silence_orbax
+
+    silence_orbax()  # the command's output ends with its own error line, not Orbax's reports
+    exit_process(main())

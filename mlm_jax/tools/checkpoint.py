@@ -26,10 +26,10 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 
+from mlm_jax import errors
 from mlm_jax.config import Config, ConfigError, ModelConfig, padded_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -51,8 +51,21 @@ def read_hf_config(hf_dir: str) -> dict:
     if not os.path.isfile(path):
         raise HFError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model folder is needed; "
                       "nothing is downloaded)")
-    with open(path) as f:
-        return json.load(f)
+    return _read_json(path)
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from `path`; errors name the file and the line."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HFError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+    except UnicodeDecodeError as e:
+        raise HFError(f"{path}: not a text (JSON) file") from e
+    if not isinstance(out, dict):
+        raise HFError(f"{path}: a JSON object {{...}} is expected, not a {type(out).__name__}")
+    return out
 
 
 def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
@@ -61,8 +74,10 @@ def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFError(f"{index}: no \"weight_map\" object naming the shard of each tensor")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -74,9 +89,13 @@ def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
         path = os.path.join(hf_dir, name)
         if not os.path.isfile(path):
             raise HFError(f"{index}: names {name}, which is missing")
-        with safe_open(path, framework="np") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
+        try:
+            with safe_open(path, framework="np") as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
+            raise HFError(f"{path}: not a readable safetensors file ({reason}); truncated or corrupted?") from e
     return out
 
 
@@ -406,11 +425,23 @@ def _flatten(tree, prefix=""):
     return out
 
 
+def config_from_hf_file(hf: dict, path: str) -> tuple[ModelConfig, str]:
+    """(ModelConfig, kind) of the Hugging Face config read from `path`; errors name the file."""
+    try:
+        kind = hf_kind(hf)
+        return model_config_from_hf(hf), kind
+    except HFError as e:
+        raise HFError(f"{path}: {e}") from e
+    except KeyError as e:
+        raise HFError(f"{path}: no {e.args[0]!r}, which a {hf.get('model_type') or 'this'} model needs") from e
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{path}: a value has the wrong type ({e})") from e
+
+
 def load_hf(hf_dir: str, divisible_by: int = 128, tensor_parallel: int = 1):
     """(ModelConfig with padded vocab, numpy params, original config, tensor naming) of a folder."""
     hf = read_hf_config(hf_dir)
-    kind = hf_kind(hf)
-    m = model_config_from_hf(hf)
+    m, kind = config_from_hf_file(hf, os.path.join(hf_dir, "config.json"))
     padded = padded_vocab_size(m.vocab_size, divisible_by, tensor_parallel)
     m = dataclasses.replace(m, make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded)
     tensors = read_safetensors(hf_dir)
@@ -492,7 +523,9 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
     return hf_dir
 
 
+@errors.cli
 def main(argv=None) -> int:
+    """The command: exit 0, 2 (a bad flag, file or checkpoint) or 1, one `error:` line last."""
     parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
                                      description="Convert checkpoints between Hugging Face and mlm_jax.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -508,16 +541,14 @@ def main(argv=None) -> int:
                      help="tensor dtype (default: the imported model's, else float32)")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
-    try:
-        if args.command == "import-hf":
-            import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
-        else:
-            export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step, int(args.max_shard_size_gb * (1 << 30)))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "import-hf":
+        import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
+    else:
+        export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step, int(args.max_shard_size_gb * (1 << 30)))
     return 0
 
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlm_jax.checkpoint import exit_process, silence_orbax
+
+    silence_orbax()  # the command's output ends with its own error line, not Orbax's reports
+    exit_process(main())

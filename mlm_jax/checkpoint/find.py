@@ -1,0 +1,155 @@
+"""Resolving what to load: a checkpoint folder, a save folder's latest (or --ckpt-step)
+complete checkpoint, or none; and --use-checkpoint-args."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from mlm_jax.config import Config, finalize
+from mlm_jax.checkpoint.format import (ARCH_FIELDS, FORMAT, META, ORBAX_COMMIT, PARAMS, TMP_MARK,
+                                       CheckpointError, config_from_dict, tokenizer_flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A complete checkpoint: its folder, iteration and metadata."""
+
+    path: str
+    iteration: int
+    meta: dict
+
+    @property
+    def config(self) -> Config:
+        return config_from_dict(self.meta["config"])
+
+
+def is_checkpoint(path: str) -> bool:
+    """A complete mlm_jax checkpoint folder (committed by Orbax, with our metadata and params)."""
+    return (os.path.isfile(os.path.join(path, ORBAX_COMMIT))
+            and os.path.isfile(os.path.join(path, META, "metadata"))
+            and os.path.isdir(os.path.join(path, PARAMS)))
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def scan(root: str) -> tuple[list[int], list[str]]:
+    """(complete iterations ascending, names of incomplete entries) of a save folder."""
+    complete, incomplete = [], []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        if name.isdigit() and is_checkpoint(path):
+            complete.append(int(name))
+        elif TMP_MARK in name or name.isdigit():
+            incomplete.append(name)
+    return sorted(complete), incomplete
+
+
+def previous_hint(path: str) -> str:
+    """What to load instead of the damaged checkpoint folder `path`: the save folder's previous
+    complete checkpoint, by --ckpt-step."""
+    root, name = os.path.split(os.path.abspath(path))
+    if not name.isdigit() or not os.path.isdir(root):
+        return "there is no earlier complete checkpoint to fall back on"
+    earlier = [i for i in scan(root)[0] if i < int(name)]
+    return (f"load the previous complete checkpoint with --ckpt-step {earlier[-1]}" if earlier
+            else "there is no earlier complete checkpoint to fall back on")
+
+
+def read_meta(path: str) -> dict:
+    """The checkpoint's metadata; a damaged file is an error naming it."""
+    file = os.path.join(path, META, "metadata")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: the checkpoint's metadata is damaged (not JSON: {e}); "
+                              f"{previous_hint(path)}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: not an mlm_jax checkpoint (metadata format {got!r})")
+    missing = [k for k in ("iteration", "config") if k not in meta]
+    if missing or not isinstance(meta["config"], dict) or not isinstance(meta["iteration"], int):
+        raise CheckpointError(f"{file}: the checkpoint's metadata is damaged ("
+                              + (f"no {', '.join(missing)}" if missing else "bad iteration or config")
+                              + f"); {previous_hint(path)}")
+    return meta
+
+
+def find_checkpoint(path: str, step: int | None = None, flag: str = "--load",
+                    log=print) -> Found | None:
+    """The checkpoint `path` names: a checkpoint folder itself, or a save folder's latest complete
+    (or `step`) checkpoint. None when the folder holds none; errors name the path and the reason.
+    A relative `path` is taken from the working directory: `Found.path` is always absolute
+    (Orbax refuses relative paths)."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path}: no such folder")
+    if is_checkpoint(path):
+        meta = read_meta(path)
+        if step is not None and step != meta["iteration"]:
+            raise CheckpointError(
+                f"{flag} {path} is the checkpoint of iteration {meta['iteration']}, not --ckpt-step {step}")
+        return Found(path, int(meta["iteration"]), meta)
+    if is_hf_folder(path):
+        raise CheckpointError(
+            f"{flag} {path}: this is a Hugging Face model folder, not an mlm_jax checkpoint; convert it "
+            f"first: python -m mlm_jax.tools.checkpoint import-hf --hf-dir {path} --save OUT")
+    complete, incomplete = scan(path)
+    if incomplete:
+        log(f"> {flag} {path}: ignoring incomplete checkpoint(s) {', '.join(incomplete)} "
+            "(interrupted saves; never loaded)")
+    if step is not None:
+        if step not in complete:
+            raise CheckpointError(
+                f"--ckpt-step {step}: {path} has no complete checkpoint of iteration {step} "
+                f"(complete: {complete or 'none'})")
+        chosen = step
+    elif not complete:
+        return None
+    else:
+        chosen = complete[-1]
+    full = os.path.join(path, str(chosen))
+    return Found(full, chosen, read_meta(full))
+
+
+
+def resolve_load(cfg: Config, world: int, log=print) -> tuple[Config, Found | None]:
+    """Find the `--load` checkpoint (before data and model are built) and apply
+    --use-checkpoint-args. Returns the (possibly updated, finalized) config and the checkpoint."""
+    c = cfg.checkpoint
+    if not c.load:
+        return cfg, None
+    resume_pattern = c.save is not None and os.path.abspath(c.save) == os.path.abspath(c.load)
+    if not os.path.isdir(c.load) and resume_pattern and not c.exit_on_missing_checkpoint:
+        log(f"> --load {c.load}: no such folder yet; starting from scratch (it is also --save)")
+        return cfg, None
+    found = find_checkpoint(c.load, c.ckpt_step, log=log)
+    if found is None:
+        if c.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {c.load}: no complete checkpoint there; exiting "
+                                  "(--exit-on-missing-checkpoint)")
+        if not resume_pattern:
+            raise CheckpointError(f"--load {c.load}: no complete checkpoint in this folder")
+        log(f"> --load {c.load}: no checkpoint yet; starting from scratch (it is also --save)")
+        return cfg, None
+    if c.use_checkpoint_args:
+        saved = found.config
+        model = dataclasses.replace(cfg.model, **{f: getattr(saved.model, f) for f in ARCH_FIELDS},
+                                    padded_vocab_size=None)
+        data = cfg.data
+        if data.tokenizer_type is None:
+            data = dataclasses.replace(data, **tokenizer_flags(found.path, found.meta.get("tokenizer")))
+        cfg = finalize(cfg.replace(model=model, data=data), world)
+        log(f"> --use-checkpoint-args: model from {found.path}: {cfg.model.num_layers} layers, hidden "
+            f"{cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}"
+            + (f"; tokenizer {data.tokenizer_type} from the checkpoint" if data is not cfg.data or
+               data.tokenizer_type else ""))
+    return cfg, found
+

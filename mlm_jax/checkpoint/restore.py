@@ -1,0 +1,228 @@
+"""Restoring: abstract targets on this run's mesh and layout, read by Orbax slice by slice;
+the train state with its start position, or a checkpoint's params on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import re
+import time
+from typing import Any
+
+from mlm_jax.config import Config
+from mlm_jax.checkpoint.format import (OPT_STATE, PARAMS, CheckpointError, check_model_matches,
+                                       quiet_orbax, saved_version, upgrade)
+from mlm_jax.checkpoint.find import Found, previous_hint
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _abstract(shapes, shardings):
+    import jax
+
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def _opt_shardings(tx, shapes, param_sharding, mesh):
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), param_sharding,
+                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
+def plain_layout(pz):
+    """(shapes, param shardings, opt shardings, pipeline or None) of the layout checkpoints hold.
+
+    Without a pipeline, or with one whose stored order is the plain order, that is the run's own
+    layout; otherwise the plain [layers, ...] tree, layers replicated over `pipe`, and the
+    pipeline converts (its `to_plain` / `to_pipelined`)."""
+    pipe = pz.pipeline
+    if pipe is None or pipe.layout.is_identity:
+        return pz.shapes, pz.param_sharding, pz.opt_sharding, None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mlm_jax.parallelize import abstract_model
+    from mlm_jax.pipeline.layout import map_layer_leaves
+
+    _, shapes, _ = abstract_model(pz.cfg)
+    p_sh = map_layer_leaves(lambda s: NamedSharding(s.mesh, P(None, *tuple(s.spec)[1:])), pz.param_sharding)
+    return shapes, p_sh, _opt_shardings(pz.tx, shapes, p_sh, pz.mesh), pipe
+
+
+def layout_record(pz) -> dict:
+    import jax
+
+    return {"mesh": {k: int(v) for k, v in pz.mesh.shape.items()},
+            "distributed_optimizer": bool(pz.cfg.parallel.use_distributed_optimizer),
+            "processes": jax.process_count(), "platform": jax.devices()[0].platform}
+
+
+def describe_layout(layout: dict | None) -> str:
+    if not layout:
+        return "?"
+    m = layout["mesh"]
+    return (" x ".join(f"{k}={v}" for k, v in m.items() if v > 1) or "1 device") + (
+        ", ZeRO" if layout.get("distributed_optimizer") else "") + (
+        f", {layout['processes']} processes" if layout.get("processes", 1) > 1 else "")
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def restore_params(found: Found, shapes: dict, shardings: dict, padded_vocab: int):
+    """The checkpoint's params onto `shardings` (a plain-layout tree), vocab padding adapted."""
+    import orbax.checkpoint as ocp
+
+    saved = found.config.model
+    strict = (saved.padded_vocab_size or saved.vocab_size) == padded_vocab
+    out = read_items(found, {PARAMS: ocp.args.StandardRestore(_abstract(shapes, shardings), strict=strict)})
+    return upgrade(out[PARAMS], saved_version(found.meta))
+
+
+_READ_ERROR = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]*)": (.*)')
+
+
+def damaged_error(found: Found, exc: BaseException) -> CheckpointError | None:
+    """A CheckpointError naming the checkpoint, the unreadable array and the previous complete
+    checkpoint, when `exc` (or its cause) is TensorStore failing to read an array file; else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        match = _READ_ERROR.search(str(exc))
+        if match:
+            array = match.group(1).split("/")[0]
+            item = os.path.basename(match.group(2).rstrip("/"))
+            reason = match.group(3).splitlines()[0][:200]
+            return CheckpointError(
+                f"--load {found.path}: the checkpoint is damaged: cannot read array {array!r} of "
+                f"{item}/ ({reason}); {previous_hint(found.path)}")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def read_items(found: Found, items: dict, optimizer: bool = False) -> dict:
+    """Orbax's restore of `items` from `found`, with its failures as one named error: a damaged
+    array file names the array; an optimizer state that does not fit names --no-load-optim."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    with quiet_orbax():
+        try:
+            return ckptr.restore(found.path, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - translated below, or re-raised as is
+            error = e
+        # The failed read's abandoned coroutines and futures report themselves when collected:
+        # collect them now, while their reports are silenced (a notebook has no exit to hide them).
+        gc.collect()
+    _raise_read_error(found, error, optimizer)
+
+
+def _raise_read_error(found: Found, e: Exception, optimizer: bool):
+    """Raise `e`, Orbax's failure to read `found`, as the named error it stands for."""
+    damaged = damaged_error(found, e)
+    if damaged is not None:
+        raise damaged from e
+    if isinstance(e, OSError):  # a file of the checkpoint is missing or unreadable
+        raise CheckpointError(
+            f"--load {found.path}: the checkpoint is damaged ({' '.join(str(e).split())[:300]}); "
+            f"{previous_hint(found.path)}") from e
+    if optimizer and isinstance(e, (ValueError, KeyError, TypeError)):
+        raise CheckpointError(
+            f"--load {found.path}: cannot restore the optimizer state onto this run's optimizer "
+            f"({type(e).__name__}: {str(e)[:300]}); if the optimizer settings changed, add --no-load-optim"
+        ) from e
+    raise e
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where training starts: iteration, consumed samples and the dropout key's source."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    rng_key_data: Any = None  # uint32 key data from the checkpoint, or None: from --seed
+    resumed_from: str | None = None
+    valid_batches: int = 0  # validation batches already used (evaluations continue the stream)
+
+
+def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict, Start]:
+    """Train state ({params, opt_state, step}) on `pz`'s mesh and layout from `found`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    c = cfg.checkpoint
+    t0 = time.perf_counter()
+    meta = found.meta
+    saved_cfg = found.config
+    check_model_matches(saved_cfg.model, cfg.model, f"--load {found.path}")
+    load_optim = c.load_optim and not c.finetune
+    if load_optim and not meta.get("has_optimizer", False):
+        raise CheckpointError(
+            f"--load {found.path}: the checkpoint has no optimizer state (saved with --no-save-optim, "
+            "or imported from Hugging Face); add --finetune (weights only, iteration 0) or --no-load-optim")
+    shapes, p_sh, o_sh, pipe = plain_layout(pz)
+    saved_padded = saved_cfg.model.padded_vocab_size or saved_cfg.model.vocab_size
+    strict = saved_padded == cfg.model.vocab  # else pad/cut the zero padding rows
+    items = {PARAMS: ocp.args.StandardRestore(_abstract(shapes, p_sh), strict=strict)}
+    if load_optim:
+        o_shapes = jax.eval_shape(pz.tx.init, shapes)
+        items[OPT_STATE] = ocp.args.StandardRestore(_abstract(o_shapes, o_sh), strict=strict)
+    restored = read_items(found, items, optimizer=load_optim)
+    params = upgrade(restored[PARAMS], saved_version(meta))
+    opt_state = restored.get(OPT_STATE)
+    if opt_state is not None:
+        opt_state = upgrade(opt_state, saved_version(meta))
+    if pipe is not None:  # plain -> the pipeline's stored order
+        params = jax.jit(pipe.to_pipelined, out_shardings=pz.param_sharding)(params)
+        if opt_state is not None:
+            opt_state = jax.jit(pipe.to_pipelined, out_shardings=pz.opt_sharding)(opt_state)
+    if opt_state is None:
+        with jax.set_mesh(pz.mesh):
+            opt_state = jax.jit(pz.tx.init, out_shardings=pz.opt_sharding)(params)
+    opt_step = int(meta.get("opt_step", meta["iteration"])) if load_optim else 0
+    step = jax.device_put(jnp.asarray(opt_step, jnp.int32), NamedSharding(pz.mesh, P()))
+    state = {"params": params, "opt_state": opt_state, "step": step}
+
+    if c.finetune:
+        start = Start(0, 0, None, found.path)
+    else:
+        rng = meta.get("rng")
+        key_data = (np.asarray(rng["key_data"], np.uint32)
+                    if c.load_rng and rng and rng.get("key_data") is not None else None)
+        start = Start(int(meta["iteration"]), int(meta.get("consumed_samples", 0)), key_data, found.path,
+                      int(meta.get("valid_batches", 0)))
+    what = ("weights only (--finetune), starting at iteration 0" if c.finetune else
+            f"iteration {start.iteration}, {start.consumed_samples} consumed samples; optimizer state "
+            f"{'restored' if load_optim else 'fresh (--no-load-optim)'}; dropout RNG "
+            f"{'restored' if start.rng_key_data is not None else 'from --seed'}")
+    log(f"> resumed from checkpoint {found.path}: {what}; saved on [{describe_layout(meta.get('layout'))}], "
+        f"restored onto [{describe_layout(layout_record(pz))}] in {time.perf_counter() - t0:.1f} s")
+    return state, start
+
+
+
+def restore_host_params(found: Found) -> dict:
+    """The checkpoint's params as numpy arrays on this host (its own shapes; for conversion)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from mlm_jax.parallelize import abstract_model
+
+    saved = found.config
+    if saved.model.padded_vocab_size is None:
+        saved = saved.replace(model=dataclasses.replace(saved.model, padded_vocab_size=saved.model.vocab_size))
+    _, shapes, _ = abstract_model(saved)
+    # Read straight into numpy: no devices involved, so any process can convert any checkpoint
+    # (a target without shardings would make Orbax rebuild the saving run's device mesh).
+    target = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+    restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    out = read_items(found, {PARAMS: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)})
+    return upgrade(jax.tree.map(np.asarray, out[PARAMS]), saved_version(found.meta))
