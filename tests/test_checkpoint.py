@@ -354,3 +354,72 @@ def test_export_a_trained_checkpoint_from_a_one_device_process(straight, tmp):
     tokens = np.random.default_rng(0).integers(0, 500, (8, 32))
     np.testing.assert_allclose(mlm_jax.load(str(out)).logits(tokens),
                                mlm_jax.load(str(tmp / "S")).logits(tokens), rtol=1e-6, atol=1e-6)
+
+
+# -- checkpoints of an older format ---------------------------------------------------------------
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+V1_FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
+            "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--no-progress-bar", "--sample-tokens", "0", "--eval-iters", "1", "--log-interval", "1",
+            "--peak-flops-per-device", "1e9", "--no-final-checkpoint"]
+# The same resume (iteration 2 -> 3) run by the code that wrote the checkpoint (commit 250d8f5,
+# format 1, one CPU device): what the format-2 code must reproduce from it.
+V1_RESUMED_LOSS, V1_RESUMED_GRAD_NORM = 4.153881072998047, 1.9939546585083008
+
+
+def test_format_1_checkpoint_restores_renamed_and_resumes_as_its_writer_did(tmp_path):
+    """tests/fixtures/checkpoint_v1 was written before parameters were grouped into attention/
+    and mlp/ (2 iterations of a tiny GPT, with optimizer state); its params were dumped to
+    checkpoint_v1_params.npz by the code that wrote it."""
+    from mlm_jax.models import upgrade_params
+
+    folder = tmp_path / "v1"
+    import shutil
+
+    shutil.copytree(os.path.join(FIXTURES, "checkpoint_v1"), folder)
+    found = ckpt.find_checkpoint(str(folder))
+    assert ckpt.saved_version(found.meta) == 1 and ckpt.FORMAT_VERSION == 2
+    params = ckpt.restore_host_params(found)
+    assert set(params["layers"]["attention"]) == {"wqkv", "bqkv", "wo", "bo"}
+    expected = {}
+    for path, value in np.load(os.path.join(FIXTURES, "checkpoint_v1_params.npz")).items():
+        node = expected
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    expected = upgrade_params(expected, 1)
+    assert jax.tree.structure(expected) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    # Resume, optimizer state included (renamed the same way), on one device as it was written.
+    env = dict(os.environ, MLM_JAX_CPU_DEVICES="1", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", "mlm_jax.train", *V1_FLAGS, "--train-iters", "3",
+                           "--load", str(folder), "--run-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    (last,) = [r for r in records if r.get("iteration") == 3 and "lm_loss" in r]
+    assert abs(last["lm_loss"] - V1_RESUMED_LOSS) <= 1e-6, last["lm_loss"]
+    assert abs(last["grad_norm"] - V1_RESUMED_GRAD_NORM) <= 1e-5, last["grad_norm"]
+
+
+def test_newer_format_is_refused_naming_both_versions(tmp_path):
+    import shutil
+
+    folder = tmp_path / "v3"
+    shutil.copytree(os.path.join(FIXTURES, "checkpoint_v1"), folder)
+    meta_file = folder / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["version"] = 3
+    meta_file.write_text(json.dumps(meta))
+    env = dict(os.environ, MLM_JAX_CPU_DEVICES="1", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", "mlm_jax.train", *V1_FLAGS, "--train-iters", "3",
+                           "--load", str(folder), "--run-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the checkpoint has format version 3, newer than this mlm_jax's 2; update mlm_jax to load it")

@@ -34,7 +34,7 @@ run's layout), `saver` (saving during training and the exit policy).
 from mlm_jax.checkpoint.format import (  # noqa: F401
     ARCH_FIELDS, FORMAT, FORMAT_VERSION, META, OPT_STATE, ORBAX_COMMIT, PARAMS, SHAPE_FIELDS, TMP_MARK,
     TOKENIZER, VERSION, CheckpointError, quiet_orbax, silence_orbax, check_model_matches, config_from_dict, config_to_dict,
-    load_tokenizer, tokenizer_flags, tokenizer_record, upgrade)
+    as_saved, load_tokenizer, saved_version, tokenizer_flags, tokenizer_record, upgrade)
 from mlm_jax.checkpoint.find import (  # noqa: F401
     Found, find_checkpoint, is_checkpoint, is_hf_folder, read_meta, resolve_load, scan)
 from mlm_jax.checkpoint.restore import damaged_error, read_items  # noqa: F401

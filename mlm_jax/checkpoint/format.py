@@ -10,11 +10,12 @@ import os
 import sys
 
 from mlm_jax.config import Config, ConfigError
+from mlm_jax.models.params import PARAM_FORMAT_VERSION, downgrade_params, upgrade_params
 
 FORMAT = "mlm_jax"
 # The format version written into every checkpoint's metadata. A change to parameter paths or
 # layouts bumps it, and `upgrade` maps an older checkpoint's trees to this version on restore.
-FORMAT_VERSION = 1
+FORMAT_VERSION = PARAM_FORMAT_VERSION  # 2: layer params grouped by module (attention/, mlp/)
 VERSION = FORMAT_VERSION  # the older name
 PARAMS, OPT_STATE, META, TOKENIZER = "params", "opt_state", "meta", "tokenizer"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -134,12 +135,23 @@ def quiet_orbax():
 def upgrade(tree, saved_version: int):
     """A restored params (or optimizer-state) tree saved at format `saved_version`, mapped to
     FORMAT_VERSION. Every restore goes through here: the one place to convert older layouts
-    (e.g. renamed parameter paths). Version 1 is the current one: nothing to do."""
+    (version 1 kept every layer parameter directly under `layers`; see mlm_jax.models.params)."""
+    _check_readable(saved_version)
+    return upgrade_params(tree, saved_version)
+
+
+def as_saved(tree, saved_version: int):
+    """A restore target in this version's layout, laid out as a `saved_version` checkpoint
+    holds it: Orbax reads by the saved paths, then `upgrade` renames them."""
+    _check_readable(saved_version)
+    return downgrade_params(tree, saved_version)
+
+
+def _check_readable(saved_version: int) -> None:
     if saved_version > FORMAT_VERSION:
         raise CheckpointError(
             f"the checkpoint has format version {saved_version}, newer than this mlm_jax's "
             f"{FORMAT_VERSION}; update mlm_jax to load it")
-    return tree
 
 
 # --------------------------------------------------------------------------- tokenizer files

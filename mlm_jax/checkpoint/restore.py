@@ -12,7 +12,7 @@ from typing import Any
 
 from mlm_jax.config import Config
 from mlm_jax.checkpoint.format import (OPT_STATE, PARAMS, CheckpointError, check_model_matches,
-                                       quiet_orbax, saved_version, upgrade)
+                                       quiet_orbax, saved_version, upgrade, as_saved)
 from mlm_jax.checkpoint.find import Found, previous_hint
 
 
@@ -79,8 +79,10 @@ def restore_params(found: Found, shapes: dict, shardings: dict, padded_vocab: in
 
     saved = found.config.model
     strict = (saved.padded_vocab_size or saved.vocab_size) == padded_vocab
-    out = read_items(found, {PARAMS: ocp.args.StandardRestore(_abstract(shapes, shardings), strict=strict)})
-    return upgrade(out[PARAMS], saved_version(found.meta))
+    version = saved_version(found.meta)
+    target = as_saved(_abstract(shapes, shardings), version)
+    out = read_items(found, {PARAMS: ocp.args.StandardRestore(target, strict=strict)})
+    return upgrade(out[PARAMS], version)
 
 
 _READ_ERROR = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]*)": (.*)')
@@ -170,15 +172,16 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     shapes, p_sh, o_sh, pipe = plain_layout(pz)
     saved_padded = saved_cfg.model.padded_vocab_size or saved_cfg.model.vocab_size
     strict = saved_padded == cfg.model.vocab  # else pad/cut the zero padding rows
-    items = {PARAMS: ocp.args.StandardRestore(_abstract(shapes, p_sh), strict=strict)}
+    version = saved_version(meta)
+    items = {PARAMS: ocp.args.StandardRestore(as_saved(_abstract(shapes, p_sh), version), strict=strict)}
     if load_optim:
         o_shapes = jax.eval_shape(pz.tx.init, shapes)
-        items[OPT_STATE] = ocp.args.StandardRestore(_abstract(o_shapes, o_sh), strict=strict)
+        items[OPT_STATE] = ocp.args.StandardRestore(as_saved(_abstract(o_shapes, o_sh), version), strict=strict)
     restored = read_items(found, items, optimizer=load_optim)
-    params = upgrade(restored[PARAMS], saved_version(meta))
+    params = upgrade(restored[PARAMS], version)
     opt_state = restored.get(OPT_STATE)
     if opt_state is not None:
-        opt_state = upgrade(opt_state, saved_version(meta))
+        opt_state = upgrade(opt_state, version)
     if pipe is not None:  # plain -> the pipeline's stored order
         params = jax.jit(pipe.to_pipelined, out_shardings=pz.param_sharding)(params)
         if opt_state is not None:
@@ -222,7 +225,9 @@ def restore_host_params(found: Found) -> dict:
     _, shapes, _ = abstract_model(saved)
     # Read straight into numpy: no devices involved, so any process can convert any checkpoint
     # (a target without shardings would make Orbax rebuild the saving run's device mesh).
+    version = saved_version(found.meta)
+    shapes = as_saved(shapes, version)
     target = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
     out = read_items(found, {PARAMS: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)})
-    return upgrade(jax.tree.map(np.asarray, out[PARAMS]), saved_version(found.meta))
+    return upgrade(jax.tree.map(np.asarray, out[PARAMS]), version)
