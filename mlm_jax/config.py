@@ -360,7 +360,7 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     validate_numbers(cfg)
     if o.min_lr > o.lr:
-        raise ConfigError(f"--min-lr {o.min_lr} must not exceed --lr {o.lr} (the schedule decays from --lr to --min-lr)")
+        raise ConfigError(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr}): the schedule decays from --lr to --min-lr")
     decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
     if o.lr_warmup_iters < 0 or (o.lr_decay_style != "constant" and o.lr_warmup_iters > decay):
         raise ConfigError(
