@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
@@ -72,9 +73,10 @@ def _init_worker(tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool)
 
 
 def _init_pool_worker(*args) -> None:
-    # Ctrl-C reaches the whole process group: only the parent handles it (and terminates the
+    # Ctrl-C reaches the whole process group: only the parent handles it (and stops the
     # pool), so workers print no KeyboardInterrupt tracebacks of their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _init_worker(*args)
 
 
@@ -141,34 +143,31 @@ def _read_tasks(path: str, lines_per_task: int):
 
 
 def _ordered_results(tasks, workers: int, init_args: tuple):
-    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded."""
+    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded.
+
+    A process pool from `concurrent.futures`, not `multiprocessing.Pool`: stopping a Pool early
+    (a bad line, Ctrl-C, SIGTERM) can deadlock in `terminate()` on the queue lock an idle
+    worker holds; the executor instead cancels what is queued and waits only for the few
+    tasks in flight.
+    """
     if workers <= 1:
         _init_worker(*init_args)
         for task in tasks:
             yield _encode_chunk(task)
         return
     ctx = multiprocessing.get_context("spawn")
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    try:
-        pool = ctx.Pool(workers, initializer=_init_pool_worker, initargs=init_args)
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
+                                                  initargs=init_args)
     try:
         pending = collections.deque()
         for task in tasks:
-            pending.append(pool.apply_async(_encode_chunk, (task,)))
+            pending.append(pool.submit(_encode_chunk, task))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
-        pool.close()
+            yield pending.popleft().result()
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
