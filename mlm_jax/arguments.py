@@ -158,7 +158,11 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse for every mlm_jax command: a bad flag or value is ONE line naming the flag (and
     the closest known flag for a typo), raised as `ConfigError` (exit 2 under `errors.cli`)
     instead of a usage screen; a negative number after a flag is its value (`--lr -1e-3`),
-    where plain argparse takes `-1e-3` for a flag. `--help` is unchanged."""
+    where plain argparse takes `-1e-3` for a flag; no abbreviated flags. `--help` is unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a typo is an error, not a guessed flag
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
