@@ -154,6 +154,11 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _looks_negative(text: str) -> bool:
+    """`-1e-3`, `-inf`, `-5,3,2`: a value that starts with a minus sign, never a flag (`--x`, `-h`)."""
+    return text.startswith("-") and (_is_number(text) or text[1:2].isdigit() or text[1:2] == ".")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for every mlm_jax command: a bad flag or value is ONE line naming the flag (and
     the closest known flag for a typo), raised as `ConfigError` (exit 2 under `errors.cli`)
@@ -171,13 +176,15 @@ class ArgumentParser(argparse.ArgumentParser):
         return {o for a in self._actions if a.nargs is None for o in a.option_strings}
 
     def _join_negative_values(self, args: Sequence[str]) -> list[str]:
-        """`--lr -1e-3` -> `--lr=-1e-3` for flags taking one value (before any `--`)."""
+        """`--lr -1e-3` -> `--lr=-1e-3` for flags taking one value (before any `--`): argparse
+        would read a value that starts with '-' as a flag unless it matches its plain-number
+        pattern, which has no exponents."""
         flags, out, i = self._value_flags(), [], 0
         args = list(args)
         while i < len(args):
             if args[i] == "--":
                 return out + args[i:]
-            if args[i] in flags and i + 1 < len(args) and args[i + 1].startswith("-") and _is_number(args[i + 1]):
+            if args[i] in flags and i + 1 < len(args) and _looks_negative(args[i + 1]):
                 out.append(f"{args[i]}={args[i + 1]}")
                 i += 2
                 continue
