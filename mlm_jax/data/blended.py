@@ -95,9 +95,15 @@ class BlendedDataset:
                     return cached
         built = build_blending_indices(self.weights, self.size)
         if cache_dir:
-            for p, arr in zip(files, built):
-                _cache.atomic_save_npy(p, arr)
-            _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            try:
+                for p, arr in zip(files, built):
+                    _cache.atomic_save_npy(p, arr)
+                _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            except OSError as e:
+                raise DatasetError(
+                    f"cannot write the blend index cache in {cache_dir} ({e.strerror or e}); "
+                    "point --data-cache-path to a writable folder"
+                ) from None
         return built
 
     def _load_cached(self, files) -> tuple | None:

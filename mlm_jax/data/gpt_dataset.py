@@ -292,10 +292,16 @@ class GPTDataset:
         logger.info("built %s %s indices (%d samples) in %.2f s", self.name, self.split_name,
                     len(built[1]) - 1, time.perf_counter() - t0)
         if cache_dir:
-            for n, arr in zip(names, built):
-                _cache.atomic_save_npy(self.cache_files[n], arr)
-            # The description is written last: its presence marks a complete entry.
-            _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            try:
+                for n, arr in zip(names, built):
+                    _cache.atomic_save_npy(self.cache_files[n], arr)
+                # The description is written last: its presence marks a complete entry.
+                _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            except OSError as e:
+                raise DatasetError(
+                    f"cannot write the sample index cache in {cache_dir} ({e.strerror or e}); "
+                    "point --data-cache-path to a writable folder"
+                ) from None
         return built
 
     def _load_cached(self, names) -> tuple | None:

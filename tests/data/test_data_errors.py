@@ -254,3 +254,33 @@ def test_failed_run_keeps_an_earlier_complete_output(tmp_path):
     with pytest.raises(pp.BadLineError):
         pp.preprocess(bad, str(tmp_path / "out"), NULL, progress=False)
     assert {p: open(p, "rb").read() for p in glob.glob(str(tmp_path / "out*"))} == before
+
+
+def test_damaged_default_corpus_cache_is_rebuilt(tmp_path):
+    """The default corpus's cached tokenizer and dataset are files the user never named: a
+    damaged one is built again, not reported as a bad --tokenizer-model."""
+    from mlm_jax.data.default_corpus import build_default_corpus
+
+    prefix, tok = build_default_corpus(cache_dir=str(tmp_path), max_bytes=60_000, vocab_size=500)
+    n = len(IndexedDataset(prefix))
+    with open(prefix + ".idx", "r+b") as f:
+        f.write(b"NOTMAGIC!")
+    again, tok2 = build_default_corpus(cache_dir=str(tmp_path), max_bytes=60_000, vocab_size=500)
+    assert again == prefix and len(IndexedDataset(again)) == n
+    stamp = os.stat(prefix + ".bin").st_mtime_ns
+    # A damaged tokenizer is trained again, and the data it tokenized is rebuilt with it.
+    open(tok.model_file, "wb").write(b"garbage, not a SentencePiece model")
+    again, tok3 = build_default_corpus(cache_dir=str(tmp_path), max_bytes=60_000, vocab_size=500)
+    ds = IndexedDataset(again)
+    assert len(ds) == n and tok3.vocab_size == 500 and ds[0][-1] == tok3.eod
+    assert os.stat(prefix + ".bin").st_mtime_ns != stamp
+
+
+def test_unwritable_data_cache_path_is_named(tmp_path):
+    prefix = write_indexed_dataset(str(tmp_path / "d"), random_documents(30))
+    (tmp_path / "afile").write_text("keep")
+    cfg = DataConfig(data_path=(prefix,), split="1", tokenizer_type="NullTokenizer",
+                     data_cache_path=str(tmp_path / "afile" / "cache"))
+    with pytest.raises(DatasetError, match="afile/cache .*--data-cache-path"):
+        build_datasets(cfg, 16, 1, (10, 0, 0), vocab_size=1000)
+    assert (tmp_path / "afile").read_text() == "keep"
