@@ -1,8 +1,10 @@
 """Megatron-LM's flag names -> the typed config, in one table.
 
-An unknown flag is an error naming it (argparse), a flag we accept but cannot serve yet is an
-error from config validation naming it, and `--config FILE.yaml` supplies defaults (flag names
-as keys) that flags on the command line override.
+An unknown flag is an error naming it (and the closest known flag), a bad value one line
+naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag we accept but
+cannot serve yet an error from config validation naming it, and `--config FILE.yaml` supplies
+defaults (flag names as keys, values typed exactly as on the command line) that flags on the
+command line override.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ Megatron-LM's tools/preprocess_data.py writes for the same tokenizer, and identi
 `--workers`. Each line is one document; with `--append-eod` its last sequence ends with EOD
 (an empty text stays an empty document, as in Megatron). A bad line (invalid JSON or UTF-8,
 not an object, missing key, non-string value) stops the run with its line number, or with
-`--skip-bad-lines` is counted, reported and skipped for every key. Outputs are written under
-temporary names and renamed only when complete, so a stopped run never leaves a pair that
-looks finished.
+`--skip-bad-lines` is counted, reported and skipped for every key; with NullTokenizer a word or
+an id outside [0, --vocab-size) is a bad line. An input with no documents, or no tokens for a
+key, is an error rather than an empty dataset. Outputs are written under temporary names,
+renamed only when complete and removed on any failure, Ctrl-C (exit 130) or SIGTERM (exit 1),
+so a stopped run leaves neither a pair that looks finished nor temporary files, and an
+earlier complete output stays as it was. Usage errors exit 2 with one `error:` line.
 """
 
 from __future__ import annotations
