@@ -163,7 +163,7 @@ def test_negative_numbers_are_values_and_refused_by_rule():
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
     (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
     (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0"),
-    (["--adam-beta1", "nan"], "--adam-beta1 must be in [0, 1), got nan"),
+    (["--adam-beta1", "nan"], "--adam-beta1 nan and --adam-beta2 0.999 must be in [0, 1)"),
     (["--norm-epsilon", "-1e-5"], "--norm-epsilon must be > 0, got -1e-05"),
     (["--init-method-std", "-0.02"], "--init-method-std must be >= 0, got -0.02"),
     (["--rotary-base", "0"], "--rotary-base must be > 0, got 0.0"),
