@@ -106,17 +106,16 @@ def _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_pat
     return BlendedDataset(mids, blend_weights, size, cache_dir)
 
 
-def _vocab_rule(tokenizer, vocab_size):
+def _vocab_rule(tokenizer):
     """(the model's true vocab size, where it comes from): the bound every token id must stay
-    below (train.py sizes the model by the tokenizer when there is one); None when unknown."""
-    if tokenizer is not None:
-        kind = getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__)
-        if kind == "NullTokenizer":
-            return tokenizer.vocab_size, f"--vocab-size {tokenizer.vocab_size - 1} of NullTokenizer plus its EOD"
-        return tokenizer.vocab_size, f"the vocab of --tokenizer-type {kind}"
-    if vocab_size is not None:
-        return vocab_size, f"--vocab-size {vocab_size}"
-    return None
+    below, since train.py sizes the model by the tokenizer. None without a tokenizer (only
+    when inspecting ids: training on files always has one)."""
+    if tokenizer is None:
+        return None
+    kind = getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__)
+    if kind == "NullTokenizer":
+        return tokenizer.vocab_size, f"--vocab-size {tokenizer.vocab_size - 1} of NullTokenizer plus its EOD"
+    return tokenizer.vocab_size, f"the vocab of --tokenizer-type {kind}"
 
 
 def _tokenizer_for(data_cfg, vocab_size, optional=False):
@@ -143,8 +142,8 @@ def build_datasets(
     or None still gets one epoch. `vocab_size`: NullTokenizer's `--vocab-size`, and the vocab
     of mock data without a tokenizer type (then EOD = vocab_size - 1). `tokenizer_optional`:
     read --data-path data without a tokenizer (tokenizer None; for inspecting token ids).
-    Every dataset's token ids must lie below the model's vocab (the tokenizer's, else
-    `vocab_size`): checked once per .bin (`vocab_check`), a `VocabularyError` naming it if not.
+    Every dataset's token ids must lie below the model's vocab (the tokenizer's): checked once
+    per .bin (`vocab_check`), a `VocabularyError` naming it if not.
     """
     return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True))
 
@@ -174,11 +173,11 @@ def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_option
         given = build_tokenizer(data_cfg, vocab_size) if data_cfg.tokenizer_type else None
         prefix, tokenizer = build_default_corpus(tokenizer=given)
         split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
-        vocab = _vocab_rule(tokenizer, vocab_size)
+        vocab = _vocab_rule(tokenizer)
         return Datasets(*build_gpt_splits(prefix, split, sizes, seq_length, seed, cache_path, vocab=vocab), tokenizer)
 
     tokenizer = _tokenizer_for(data_cfg, vocab_size, tokenizer_optional)
-    vocab = _vocab_rule(tokenizer, vocab_size)
+    vocab = _vocab_rule(tokenizer)
     if data_cfg.data_path:
         prefixes, weights = parse_blend(data_cfg.data_path)
         split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
