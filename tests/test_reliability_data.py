@@ -265,11 +265,42 @@ def test_inspect_ids_beyond_the_vocab(tmp_path):
     assert_one_error(rc, err, 2, f"{prefix}.bin", "token ids up to 300", "vocab has 201 tokens")
 
 
+def test_inspect_rebuilds_a_damaged_index_cache(tmp_path):
+    """Bad metadata: a truncated cached sample index (or a garbage token-range entry) is rebuilt
+    and the same samples are shown, never a traceback or other samples."""
+    prefix = small_dataset(tmp_path)
+    args = ["--data-path", prefix, "--split", "1", "--seq-length", "8", "--train-samples", "6", "--show", "0:6",
+            "--json", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    p = subprocess.run([sys.executable, "-m", INSPECT, *args], cwd=tmp_path, env=cli_env(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    indices = glob.glob(prefix + "/cache/GPTDataset_indices/*-sample_index.npy")
+    ranges = glob.glob(prefix + "/cache/GPTDataset_indices/*-TokenRange.json")
+    assert indices and ranges
+    for path in indices:
+        open(path, "r+b").truncate(20)
+    for path in ranges:
+        open(path, "w").write("garbage")
+    again = subprocess.run([sys.executable, "-m", INSPECT, *args], cwd=tmp_path, env=cli_env(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert json.loads(again.stdout) == json.loads(p.stdout)
+
+
 def test_train_tokenizer_missing_input(tmp_path):
     rc, err = run("mlm_jax.data.train_tokenizer", ["--input", tmp_path / "nope.txt", "--model-prefix",
                                                    tmp_path / "tok", "--vocab-size", "100"], tmp_path)
     assert_one_error(rc, err, 2, "--input", "nope.txt: no such file")
     assert not os.path.exists(tmp_path / "tok.model")
+
+
+def test_train_tokenizer_model_prefix_under_a_file(tmp_path):
+    (tmp_path / "in.txt").write_text("hello world\n" * 50)
+    (tmp_path / "afile").write_text("keep")
+    rc, err = run("mlm_jax.data.train_tokenizer", ["--input", tmp_path / "in.txt", "--model-prefix",
+                                                   tmp_path / "afile" / "tok", "--vocab-size", "20"], tmp_path)
+    assert_one_error(rc, err, 2, f"--model-prefix {tmp_path / 'afile' / 'tok'}")
+    assert (tmp_path / "afile").read_text() == "keep"
 
 
 # ----------------------------------------------------------------------------- python -m mlm_jax.train: flags
@@ -348,3 +379,4 @@ def test_train_bad_tokenizer_file(tmp_path):
     rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "1",
                           *gpt2_args(tmp_path / "vocab.json", tmp_path / "merges.txt")], tmp_path)
     assert_one_error(rc, err, 2, f"--vocab-file {tmp_path / 'vocab.json'}", "not valid JSON at line 1")
+

@@ -406,7 +406,10 @@ def train_sentencepiece(
         minloglevel=2,
     )
     kwargs.update(options)
-    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    except OSError as e:
+        raise TokenizerError(f"--model-prefix {model_prefix}: cannot create its folder ({e.strerror or e})") from None
     try:
         if input_files is not None:
             for f in input_files:
