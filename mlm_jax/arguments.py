@@ -1,16 +1,20 @@
 """Megatron-LM's flag names -> the typed config, in one table.
 
-An unknown flag is an error naming it (argparse), a flag we accept but cannot serve yet is an
-error from config validation naming it, and `--config FILE.yaml` supplies defaults (flag names
-as keys) that flags on the command line override.
+An unknown flag is an error naming it (and the closest known flag), a bad value one line
+naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag we accept but
+cannot serve yet an error from config validation naming it, and `--config FILE.yaml` supplies
+defaults (flag names as keys, values typed exactly as on the command line) that flags on the
+command line override.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
-from typing import Any, Sequence
+import sys
+from typing import Any, NoReturn, Sequence
 
 import yaml
 
@@ -146,6 +150,73 @@ REFUSED = {
 }
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _looks_negative(text: str) -> bool:
+    """`-1e-3`, `-inf`, `-5,3,2`: a value that starts with a minus sign, never a flag (`--x`, `-h`)."""
+    return text.startswith("-") and (_is_number(text) or text[1:2].isdigit() or text[1:2] == ".")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for every mlm_jax command: a bad flag or value is ONE line naming the flag (and
+    the closest known flag for a typo), raised as `ConfigError` (exit 2 under `errors.cli`)
+    instead of a usage screen; a negative number after a flag is its value (`--lr -1e-3`),
+    where plain argparse takes `-1e-3` for a flag; no abbreviated flags. `--help` is unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a typo is an error, not a guessed flag
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+    def _value_flags(self) -> set[str]:
+        return {o for a in self._actions if a.nargs is None for o in a.option_strings}
+
+    def _join_negative_values(self, args: Sequence[str]) -> list[str]:
+        """`--lr -1e-3` -> `--lr=-1e-3` for flags taking one value (before any `--`): argparse
+        would read a value that starts with '-' as a flag unless it matches its plain-number
+        pattern, which has no exponents."""
+        flags, out, i = self._value_flags(), [], 0
+        args = list(args)
+        while i < len(args):
+            if args[i] == "--":
+                return out + args[i:]
+            if args[i] in flags and i + 1 < len(args) and _looks_negative(args[i + 1]):
+                out.append(f"{args[i]}={args[i + 1]}")
+                i += 2
+                continue
+            out.append(args[i])
+            i += 1
+        return out
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else args
+        return super().parse_known_args(self._join_negative_values(args), namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self._describe_extra(extras))
+        return parsed
+
+    def _describe_extra(self, extras: list[str]) -> str:
+        flag = next((e for e in extras if e.startswith("-") and not _is_number(e)), None)
+        if flag is None:
+            return f"unexpected value {extras[0]!r}: every value follows its flag (see --help)"
+        name = flag.split("=", 1)[0]
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else " (see --help for the flags)"
+        return f"unknown flag {name}{hint}"
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) -> None:
     dest = flag[2:].replace("-", "_")
     help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
@@ -159,7 +230,7 @@ def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m mlm_jax.train", allow_abbrev=False,
         description="Train a GPT/Llama model with Megatron-LM's flags. No flags: the default run.",
     )
@@ -190,20 +261,32 @@ def _yaml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in known or dest == "config":
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
-        action = known[dest]
-        if action.nargs == 0:  # a switch: only true/false make sense
-            if not isinstance(value, bool):
-                raise ConfigError(f"--config {path}: {key} is a switch; give true or false, got {value!r}")
-            value = True if value else None
-        elif action.nargs == "+":
-            value = [str(v) for v in (value if isinstance(value, list) else str(value).split())]
-        elif value is not None and action.type is not None:
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {action.type.__name__}") from e
-        values[dest] = value
+        values[dest] = _yaml_value(path, key, value, known[dest])
     return values
+
+
+def _yaml_value(path: str, key, value, action: argparse.Action):
+    """One YAML value as its flag would parse it; never rounded, never silently dropped."""
+    if action.nargs == 0:  # a switch: only true/false make sense
+        if not isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {key} is a switch; give true or false, got {value!r}")
+        return True if value else None
+    if value is None:
+        raise ConfigError(f"--config {path}: {key} has no value; give one or remove the key")
+    if action.nargs == "+":
+        items = value if isinstance(value, list) else str(value).split()
+        if not items or any(v is None or isinstance(v, (dict, list)) for v in items):
+            raise ConfigError(f"--config {path}: {key} needs one or more plain values, got {value!r}")
+        return [str(v) for v in items]
+    if isinstance(value, (dict, list, bool)):
+        raise ConfigError(f"--config {path}: {key} takes one value, got {value!r}")
+    typ = action.type or str
+    if typ is int and isinstance(value, float):
+        raise ConfigError(f"--config {path}: {key}: {value!r} is not an integer")
+    try:
+        return typ(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {typ.__name__}") from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:

@@ -375,8 +375,11 @@ def validate(cfg: Config, world_size: int) -> None:
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}"
         )
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ConfigError(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
+    validate_numbers(cfg)
+    if o.min_lr > o.lr:
+        raise ConfigError(
+            f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr}): the schedule decays from --lr to --min-lr"
+        )
     decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
     if o.lr_warmup_iters < 0 or (o.lr_decay_style != "constant" and o.lr_warmup_iters > decay):
         raise ConfigError(
@@ -418,6 +421,41 @@ def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
         if why:
             raise ConfigError(f"--attention-backend {m.attention_backend}: {why}; or use "
                               "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
+
+
+def _bounded(flag: str, value, rule: str) -> None:
+    """`rule` is '> 0' or '>= 0'; None means unset. NaN and infinities are refused too."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > 0 if rule == "> 0" else value >= 0)
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")
+
+
+def validate_numbers(cfg: Config) -> None:
+    """Sign and finiteness of the numeric flags that `validate`'s other rules do not cover
+    (Megatron's scheduler asserts 0 <= min_lr <= lr; NumPy seeds are 32-bit unsigned), and
+    the --split syntax, so a bad value stops the run before any data or compile work."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    for flag, value, rule in [
+        ("--lr", o.lr, ">= 0"), ("--min-lr", o.min_lr, ">= 0"),
+        ("--weight-decay", o.weight_decay, ">= 0"), ("--clip-grad", o.clip_grad, ">= 0"),
+        ("--adam-eps", o.adam_eps, "> 0"), ("--lr-decay-iters", o.lr_decay_iters, "> 0"),
+        ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, ">= 0"),
+        ("--norm-epsilon", m.norm_epsilon, "> 0"), ("--init-method-std", m.init_method_std, ">= 0"),
+        ("--rotary-base", m.rotary_base, "> 0"), ("--kv-channels", m.kv_channels, "> 0"),
+        ("--num-query-groups", m.num_query_groups, "> 0"), ("--sample-tokens", t.sample_tokens, ">= 0"),
+        ("--peak-flops-per-device", t.peak_flops, "> 0"), ("--seed", t.seed, ">= 0"),
+    ]:
+        _bounded(flag, value, rule)
+    if t.seed >= 2**32:
+        raise ConfigError(f"--seed must be below 2**32 (a NumPy seed), got {t.seed}")
+    try:
+        from mlm_jax.data.gpt_dataset import parse_split
+
+        parse_split(cfg.data.split)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:

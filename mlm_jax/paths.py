@@ -1,8 +1,9 @@
 """Output paths checked at the edge, before any work: a run must not train for an hour and then
 find that its --save folder is a file or cannot be written.
 
-`writable_dir(path, flag)` and `writable_file(path, flag)` create what is missing (as the run
-would) and prove the folder writable by creating and removing a probe file: `os.access` says
+`writable_dir(path, flag)` and `writable_file(path, flag)` create nothing; they prove the folder
+(or, where it does not exist yet, its nearest existing ancestor) writable by creating and
+removing a probe file: `os.access` says
 yes to root on a read-only or immutable folder, a real write does not. Errors are
 `UsageError`s that name the flag, the path and the reason.
 """
@@ -20,22 +21,26 @@ def _reason(exc: OSError) -> str:
 
 
 def writable_dir(path: str, flag: str) -> str:
-    """The absolute folder `path`, created if missing and proven writable; else a UsageError."""
+    """The absolute folder `path`, proven creatable and writable; else a UsageError.
+
+    Nothing is created: a folder that does not exist yet is checked through its nearest
+    existing ancestor, so a run that stops at a later check leaves no trace on disk."""
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         raise UsageError(f"{flag} {path}: exists and is a file, not a folder")
-    try:
-        os.makedirs(full, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot create the folder ({_reason(e)}"
-                         + (f": {e.filename}" if e.filename and e.filename != full else "") + ")") from e
-    probe = os.path.join(full, f".mlm_jax-write-test-{socket.gethostname()}-{os.getpid()}")
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: cannot create the folder: {existing} is a file, not a folder")
+    probe = os.path.join(existing, f".mlm_jax-write-test-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as e:
-        raise UsageError(f"{flag} {path}: the folder is not writable ({_reason(e)})") from e
+        what = "the folder is not writable" if existing == full else f"cannot create it in {existing}"
+        raise UsageError(f"{flag} {path}: {what} ({_reason(e)})") from e
     return full
 
 

@@ -228,6 +228,7 @@ def build_throughput(cfg: Config, mesh, log):
 def write_config(run_dir: str, cfg: Config, found=None) -> str:
     """The run's config.json; a run resumed into its own folder keeps the earlier one and writes
     config.resumed-<iteration>.json beside it (metrics.jsonl is appended to)."""
+    os.makedirs(run_dir, exist_ok=True)  # created only now, once every check has passed
     path = os.path.join(run_dir, "config.json")
     if found is not None and os.path.exists(path):
         path = os.path.join(run_dir, f"config.resumed-{found.iteration}.json")

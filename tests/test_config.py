@@ -54,10 +54,11 @@ def test_help_lists_the_flags(capsys):
 
 
 def test_unknown_flag_is_an_error_naming_it(capsys):
-    with pytest.raises(SystemExit) as e:
+    # One line naming the flag and the closest known one, no usage screen (exit 2 via errors.cli).
+    with pytest.raises(ConfigError) as e:
         parse_args(["--num-layerz", "4"])
-    assert e.value.code == 2
-    assert "--num-layerz" in capsys.readouterr().err
+    assert str(e.value) == "unknown flag --num-layerz; did you mean --num-layers?"
+    assert capsys.readouterr().err == ""
 
 
 def test_fp16_is_refused_with_the_reason():
@@ -118,6 +119,12 @@ def test_yaml_config_with_flags_overriding(tmp_path):
     ("num-layers: four\n", "num-layers: 'four' is not a valid int"),
     ("swiglu: 3\n", "swiglu is a switch; give true or false"),
     ("- a\n- b\n", "expected a mapping of flag: value"),
+    ("num-layers: 2.5\n", "num-layers: 2.5 is not an integer"),  # never rounded to 2
+    ("num-layers: true\n", "num-layers takes one value, got True"),
+    ("hidden-size:\n", "hidden-size has no value"),  # never silently the default
+    ("lr: [1, 2]\n", "lr takes one value"),
+    ("data-path: [a, null]\n", "data-path needs one or more plain values"),
+    ("lr: fast\n", "lr: 'fast' is not a valid float"),
 ])
 def test_bad_yaml_is_named(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
@@ -138,3 +145,52 @@ def test_vocab_is_padded_like_megatron():
     cfg = finalize(parse_args(["--vocab-size", "500", "--tensor-model-parallel-size", "8",
                                 "--num-attention-heads", "8"]), 8)
     assert cfg.model.padded_vocab_size == 1024
+
+
+def test_negative_numbers_are_values_and_refused_by_rule():
+    # argparse alone reads `-1e-3` as a flag ("expected one argument"); here it is --lr's value.
+    cfg = parse_args(["--lr", "-1e-3", "--min-lr", "-1e-5"])
+    assert cfg.optim.lr == -1e-3 and cfg.optim.min_lr == -1e-5
+    assert config_error(["--lr", "-1e-3"]) == "--lr must be >= 0, got -0.001"
+    assert parse_args(["--seed", "-3"]).train.seed == -3
+    assert parse_args(["--data-path", "x", "--split", "-5,3,2"]).data.split == "-5,3,2"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-lr", "-1e-5"], "--min-lr must be >= 0, got -1e-05"),
+    (["--lr", "nan"], "--lr must be >= 0, got nan"),
+    (["--lr", "inf", "--min-lr", "0"], "--lr must be >= 0, got inf"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0"),
+    (["--adam-beta1", "nan"], "--adam-beta1 nan and --adam-beta2 0.999 must be in [0, 1)"),
+    (["--norm-epsilon", "-1e-5"], "--norm-epsilon must be > 0, got -1e-05"),
+    (["--init-method-std", "-0.02"], "--init-method-std must be >= 0, got -0.02"),
+    (["--rotary-base", "0"], "--rotary-base must be > 0, got 0.0"),
+    (["--lr-decay-iters", "-5"], "--lr-decay-iters must be > 0, got -5"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(2**32)], "--seed must be below 2**32"),
+    (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
+    (["--peak-flops-per-device", "0"], "--peak-flops-per-device must be > 0, got 0.0"),
+    (["--kv-channels", "-8"], "--kv-channels must be > 0, got -8"),
+    (["--hidden-dropout", "-0.1"], "--hidden-dropout must be in [0, 1), got -0.1"),
+    (["--split", "90,x"], "--split '90,x': expected up to three comma-separated weights >= 0"),
+    (["--split", "1,2,3,4"], "--split '1,2,3,4'"),
+])
+def test_numeric_flags_are_refused_with_their_rule(argv, message):
+    assert message in config_error(argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-layers", "2.5"], "argument --num-layers: invalid int value: '2.5'"),
+    (["--lr"], "argument --lr: expected one argument"),
+    (["--save-intervall", "5"], "unknown flag --save-intervall; did you mean --save-interval?"),
+    (["--frobnicate"], "unknown flag --frobnicate (see --help for the flags)"),
+    (["--num-layers", "2", "3"], "unexpected value '3': every value follows its flag (see --help)"),
+    (["--num-layer", "2"], "unknown flag --num-layer; did you mean --num-layers?"),  # no abbreviations
+])
+def test_flag_errors_are_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert str(e.value) == message
+    assert capsys.readouterr().err == ""  # no usage screen

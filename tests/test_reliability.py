@@ -168,6 +168,7 @@ def test_save_folder_turned_read_only_mid_run_ends_the_job(tmp_path):
     admin): today's failure was a "committed" line, then a hang in Orbax's threads forever.
     The job must end with `error: --save DIR: ...`, exit 1, well within the timeout."""
     ck = tmp_path / "ck"
+    ck.mkdir()  # an empty save folder that exists at the start (checks create nothing)
     p = subprocess.Popen([sys.executable, "-m", "mlm_jax.train"] + T + [
         "--train-iters", "400", "--log-interval", "1", "--save", "ck", "--save-interval", "40",
         "--run-dir", "run"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,6 +9,7 @@ What a training script needs:
 from mlm_jax.data.batch import make_batch
 from mlm_jax.data.builder import Datasets, build_datasets, megatron_num_samples, parse_blend
 from mlm_jax.data.stream import train_batches
+from mlm_jax.data.gpt_dataset import DatasetError
 from mlm_jax.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -16,7 +17,9 @@ from mlm_jax.data.indexed_dataset import (
     optimal_dtype,
     write_indexed_dataset,
 )
-from mlm_jax.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, make_tokenizer, train_sentencepiece
+from mlm_jax.data.tokenizers import (TOKENIZER_TYPES, TokenizerError, build_tokenizer, make_tokenizer,
+                                     train_sentencepiece)
+from mlm_jax.data.vocab_check import VocabularyError
 
 
 
@@ -31,11 +34,14 @@ def __getattr__(name):
 
 __all__ = [
     "BatchLoader",
+    "DatasetError",
     "Datasets",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "IndexedDatasetError",
     "TOKENIZER_TYPES",
+    "TokenizerError",
+    "VocabularyError",
     "build_datasets",
     "build_tokenizer",
     "make_batch",

@@ -8,6 +8,7 @@ the C++'s, so the indices are identical to Megatron's.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Sequence
@@ -15,6 +16,9 @@ from typing import Sequence
 import numpy as np
 
 from mlm_jax.data import cache as _cache
+from mlm_jax.data.gpt_dataset import DatasetError
+
+logger = logging.getLogger(__name__)
 
 # Megatron's `mid_level_dataset_surplus`: each blended dataset builds 0.5% more samples than
 # its share, so the blend never runs past a dataset's end.
@@ -58,9 +62,9 @@ class BlendedDataset:
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], size: int, cache_dir: str | None = None):
         if len(datasets) != len(weights):
-            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+            raise DatasetError(f"{len(datasets)} datasets but {len(weights)} weights")
         if len(datasets) >= 32767:
-            raise ValueError("at most 32766 datasets can be blended (int16 dataset index)")
+            raise DatasetError("at most 32766 datasets can be blended (int16 dataset index)")
         self.datasets = list(datasets)
         self.weights = normalize(weights)
         self.size = int(size)
@@ -75,7 +79,7 @@ class BlendedDataset:
         for d, ds in enumerate(self.datasets):
             used = self.dataset_sample_index[self.dataset_index == d]
             if used.size and int(used.max()) >= len(ds):
-                raise ValueError(
+                raise DatasetError(
                     f"blend draws {int(used.max()) + 1} samples from dataset {d}, which has only {len(ds)}"
                 )
 
@@ -86,13 +90,35 @@ class BlendedDataset:
             files = (f"{base}-dataset_index.npy", f"{base}-dataset_sample_index.npy")
             desc_file = f"{base}-description.txt"
             if all(os.path.isfile(p) for p in (*files, desc_file)):
-                return tuple(_cache.load_npy(p) for p in files)
+                cached = self._load_cached(files)
+                if cached is not None:
+                    return cached
         built = build_blending_indices(self.weights, self.size)
         if cache_dir:
-            for p, arr in zip(files, built):
-                _cache.atomic_save_npy(p, arr)
-            _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            try:
+                for p, arr in zip(files, built):
+                    _cache.atomic_save_npy(p, arr)
+                _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            except OSError as e:
+                raise DatasetError(
+                    f"cannot write the blend index cache in {cache_dir} ({e.strerror or e}); "
+                    "point --data-cache-path to a writable folder"
+                ) from None
         return built
+
+    def _load_cached(self, files) -> tuple | None:
+        """The cached indices, or None (rebuilt) when unreadable or not `size` long."""
+        try:
+            cached = tuple(_cache.load_npy(p) for p in files)
+        except (OSError, ValueError, EOFError) as e:
+            logger.warning("blend cache %s is unreadable (%s); rebuilding it", files[0], e)
+            return None
+        if any(a.shape != (self.size,) for a in cached) or (
+            self.size and not 0 <= int(cached[0].min()) <= int(cached[0].max()) < len(self.datasets)
+        ):
+            logger.warning("blend cache %s does not match its description; rebuilding it", files[0])
+            return None
+        return cached
 
     def __len__(self) -> int:
         return self.size

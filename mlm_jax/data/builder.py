@@ -80,7 +80,7 @@ def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
     return [p.strip() for p in paths], None
 
 
-def _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_path):
+def _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_path, vocab=None):
     """Megatron's blended branch for split i, given every prefix's mid-level datasets."""
     only_i = [split[j] if j == i else None for j in range(3)]
     if weights is not None:
@@ -93,7 +93,7 @@ def _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_pat
     else:
         mid_sizes = [[None, None, None] for _ in prefixes]
     mids = [
-        build_gpt_splits(p, only_i, mid_sizes[k], seq_length, seed, cache_path)[i]
+        build_gpt_splits(p, only_i, mid_sizes[k], seq_length, seed, cache_path, vocab=vocab)[i]
         for k, p in enumerate(prefixes)
     ]
     if weights is not None:
@@ -104,6 +104,18 @@ def _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_pat
         size = sum(blend_weights) if sizes[i] is None else min(sizes[i], sum(blend_weights))
     cache_dir = cache_path or index_cache_dir(prefixes[0], None)
     return BlendedDataset(mids, blend_weights, size, cache_dir)
+
+
+def _vocab_rule(tokenizer):
+    """(the model's true vocab size, where it comes from): the bound every token id must stay
+    below, since train.py sizes the model by the tokenizer. None without a tokenizer (only
+    when inspecting ids: training on files always has one)."""
+    if tokenizer is None:
+        return None
+    kind = getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__)
+    if kind == "NullTokenizer":
+        return tokenizer.vocab_size, f"--vocab-size {tokenizer.vocab_size - 1} of NullTokenizer plus its EOD"
+    return tokenizer.vocab_size, f"the vocab of --tokenizer-type {kind}"
 
 
 def _tokenizer_for(data_cfg, vocab_size, optional=False):
@@ -130,6 +142,8 @@ def build_datasets(
     or None still gets one epoch. `vocab_size`: NullTokenizer's `--vocab-size`, and the vocab
     of mock data without a tokenizer type (then EOD = vocab_size - 1). `tokenizer_optional`:
     read --data-path data without a tokenizer (tokenizer None; for inspecting token ids).
+    Every dataset's token ids must lie below the model's vocab (the tokenizer's): checked once
+    per .bin (`vocab_check`), a `VocabularyError` naming it if not.
     """
     return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True))
 
@@ -159,16 +173,19 @@ def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_option
         given = build_tokenizer(data_cfg, vocab_size) if data_cfg.tokenizer_type else None
         prefix, tokenizer = build_default_corpus(tokenizer=given)
         split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
-        return Datasets(*build_gpt_splits(prefix, split, sizes, seq_length, seed, cache_path), tokenizer)
+        vocab = _vocab_rule(tokenizer)
+        return Datasets(*build_gpt_splits(prefix, split, sizes, seq_length, seed, cache_path, vocab=vocab), tokenizer)
 
     tokenizer = _tokenizer_for(data_cfg, vocab_size, tokenizer_optional)
+    vocab = _vocab_rule(tokenizer)
     if data_cfg.data_path:
         prefixes, weights = parse_blend(data_cfg.data_path)
         split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
         if len(prefixes) == 1 and weights is None:
-            return Datasets(*build_gpt_splits(prefixes[0], split, sizes, seq_length, seed, cache_path), tokenizer)
+            return Datasets(*build_gpt_splits(prefixes[0], split, sizes, seq_length, seed, cache_path, vocab=vocab),
+                            tokenizer)
         out = [
-            _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_path)
+            _blend_split(prefixes, weights, split, sizes, i, seq_length, seed, cache_path, vocab)
             if split[i] is not None else None
             for i in range(3)
         ]
@@ -185,9 +202,11 @@ def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_option
         spoof_sizes = [0, 0, 0]
         spoof_sizes[i] = sizes[i]
         if len(prefixes) == 1:
-            out.append(build_gpt_splits(prefixes[0], spoof_split, spoof_sizes, seq_length, seed, cache_path)[i])
+            out.append(build_gpt_splits(prefixes[0], spoof_split, spoof_sizes, seq_length, seed, cache_path,
+                                        vocab=vocab)[i])
         else:
-            out.append(_blend_split(prefixes, weights, spoof_split, spoof_sizes, i, seq_length, seed, cache_path))
+            out.append(_blend_split(prefixes, weights, spoof_split, spoof_sizes, i, seq_length, seed, cache_path,
+                                    vocab))
     return Datasets(*out, tokenizer)
 
 

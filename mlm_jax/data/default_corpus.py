@@ -28,8 +28,10 @@ import time
 import numpy as np
 
 from mlm_jax.data import cache as _cache
-from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, bin_path, exists, idx_path, optimal_dtype
+from mlm_jax.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, bin_path, exists, idx_path,
+                                          optimal_dtype)
 from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepiece
+from mlm_jax.errors import UsageError
 
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_VOCAB_SIZE = 4096  # small: the LM head dominates a tiny model's FLOPs
@@ -46,6 +48,23 @@ _EXCLUDED_DIRS = {
 
 def _log(msg: str) -> None:
     print(f"[default corpus] {msg}", file=sys.stderr, flush=True)
+
+
+def _drop_if_damaged(path: str, load) -> bool:
+    """Remove a cache entry that exists but cannot be loaded, so it is built again (the user
+    never named these files, so an error about them would not help); True if removed."""
+    if not os.path.exists(path):
+        return False
+    try:
+        load()
+    except UsageError as e:
+        _log(f"cached {path} is damaged ({e}); building it again")
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+        return True
+    return False
 
 
 def gather_stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
@@ -121,6 +140,9 @@ def build_default_corpus(
 
     if tokenizer is None:
         model = os.path.join(root, "tokenizer.model")
+        if _drop_if_damaged(model, lambda: GPTSentencePieceTokenizer(model)):
+            # Data tokenized by the old model must not outlive it.
+            shutil.rmtree(os.path.join(root, "data-own"), ignore_errors=True)
         if not os.path.isfile(model):
             _log(f"{len(docs)} stdlib files, {nbytes / 1e6:.1f} MB, from {sysconfig.get_paths()['stdlib']}")
             _log(f"training a lossless SentencePiece BPE tokenizer (vocab {vocab_size})...")
@@ -141,6 +163,8 @@ def build_default_corpus(
 
     data_dir = os.path.join(root, f"data-{tok_key}")
     prefix = os.path.join(data_dir, DATASET_NAME)
+    if exists(prefix):
+        _drop_if_damaged(data_dir, lambda: IndexedDataset(prefix))
     if not exists(prefix):
         texts = [piece for _, text in docs for piece in split_source(text)]
         _log(f"tokenizing {len(texts)} documents from {len(docs)} files ({nbytes / 1e6:.1f} MB)...")

@@ -25,8 +25,8 @@ matrix of `blended_megatron_dataset_config.py`, and `build_sample_idx` in `helpe
 from __future__ import annotations
 
 import logging
+import math
 import os
-import re
 import time
 from typing import Sequence
 
@@ -34,6 +34,8 @@ import numpy as np
 
 from mlm_jax.data import cache as _cache
 from mlm_jax.data.indexed_dataset import IndexedDataset
+from mlm_jax.data.vocab_check import check_token_ids
+from mlm_jax.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ _INDEX_FORMAT = 1
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError):
     """A dataset request that cannot be served; the message names the data and the numbers."""
 
 
@@ -51,10 +53,25 @@ class DatasetError(ValueError):
 
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> normalised [train, valid, test] weights (missing entries are 0)."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not values or len(values) > 3:
-        raise DatasetError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
+    """'969,30,1' -> normalised [train, valid, test] weights (missing entries are 0).
+
+    Weights are separated by ',' (or '/', as older Megatron accepted); each must be a finite
+    number >= 0. Anything else is refused rather than read loosely (`90,x` is not `90`).
+    """
+    text = str(split).strip()
+    parts = text.split("/") if "/" in text and "," not in text else text.split(",")
+    usage = f"--split {split!r}: expected up to three comma-separated weights >= 0, e.g. 969,30,1"
+    if not text or len(parts) > 3:
+        raise DatasetError(usage)
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise DatasetError(f"{usage}; {part.strip()!r} is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise DatasetError(f"{usage}; got {part.strip()}")
+        values.append(value)
     values += [0.0] * (3 - len(values))
     total = float(np.sum(np.array(values, dtype=np.float64)))
     if total <= 0:
@@ -266,18 +283,46 @@ class GPTDataset:
             self.cache_files = {n: f"{base}-{n}.npy" for n in names}
             desc_file = f"{base}-description.txt"
             if all(os.path.isfile(p) for p in (*self.cache_files.values(), desc_file)):
-                return tuple(_cache.load_npy(self.cache_files[n]) for n in names)
+                cached = self._load_cached(names)
+                if cached is not None:
+                    return cached
         t0 = time.perf_counter()
         built = build_indices(self.dataset.sequence_lengths, self.indices, self.num_samples, self.seq_length, self.seed)
         self.built_anew = True
         logger.info("built %s %s indices (%d samples) in %.2f s", self.name, self.split_name,
                     len(built[1]) - 1, time.perf_counter() - t0)
         if cache_dir:
-            for n, arr in zip(names, built):
-                _cache.atomic_save_npy(self.cache_files[n], arr)
-            # The description is written last: its presence marks a complete entry.
-            _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            try:
+                for n, arr in zip(names, built):
+                    _cache.atomic_save_npy(self.cache_files[n], arr)
+                # The description is written last: its presence marks a complete entry.
+                _cache.atomic_write_bytes(desc_file, description.encode("utf-8"))
+            except OSError as e:
+                raise DatasetError(
+                    f"cannot write the sample index cache in {cache_dir} ({e.strerror or e}); "
+                    "point --data-cache-path to a writable folder"
+                ) from None
         return built
+
+    def _load_cached(self, names) -> tuple | None:
+        """The cached indices, or None (rebuilt) when an entry is unreadable or inconsistent:
+        a damaged cache costs a rebuild, never a traceback or wrong samples."""
+        try:
+            doc, sample, shuffle = (_cache.load_npy(self.cache_files[n]) for n in names)
+        except (OSError, ValueError, EOFError) as e:
+            logger.warning("index cache %s is unreadable (%s); rebuilding it", self.cache_files["sample_index"], e)
+            return None
+        n = sample.shape[0] - 1 if sample.ndim == 2 else -1
+        consistent = (
+            doc.ndim == 1 and sample.ndim == 2 and sample.shape[1] == 2 and shuffle.ndim == 1
+            and n >= 0 and shuffle.shape[0] == n
+            and (self.num_samples is None or n >= self.num_samples)
+        )
+        if not consistent:
+            logger.warning("index cache %s does not match its description; rebuilding it",
+                           self.cache_files["sample_index"])
+            return None
+        return doc, sample, shuffle
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -326,10 +371,12 @@ def build_gpt_splits(
     seed: int,
     data_cache_path: str | None = None,
     mock_eod: int | None = None,
+    vocab: tuple[int, str] | None = None,
 ) -> list[GPTDataset | None]:
     """One GPTDataset per split of one indexed dataset (Megatron's `_build_megatron_dataset_splits`).
 
-    `split[i]` is the (begin, end) book-end of split i, or None to skip it.
+    `split[i]` is the (begin, end) book-end of split i, or None to skip it. `vocab`:
+    (the model's vocab size, where it comes from): every token id must be below it.
     """
     if prefix is None:
         low = MockLowLevelDataset(mock_eod)
@@ -337,6 +384,8 @@ def build_gpt_splits(
     else:
         low = IndexedDataset(prefix)
         cache_dir = index_cache_dir(prefix, data_cache_path)
+        if vocab is not None:
+            check_token_ids(low, vocab[0], cache_dir, vocab[1])
     out: list[GPTDataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):
         if split[i] is None:

@@ -30,6 +30,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from mlm_jax.errors import UsageError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
@@ -48,8 +50,12 @@ DTYPE_CODES: dict[int, type] = {
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UsageError):
     """A .bin/.idx pair that cannot be read; the message names the file and what is wrong."""
+
+
+class MissingDatasetError(IndexedDatasetError, FileNotFoundError):
+    """A dataset prefix whose .bin or .idx does not exist (still a `FileNotFoundError`)."""
 
 
 def idx_path(prefix: str) -> str:
@@ -111,13 +117,16 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         missing = [p for p in (ipath, bpath) if not os.path.isfile(p)]
         if missing:
-            raise FileNotFoundError(
+            raise MissingDatasetError(
                 f"indexed dataset {prefix!r}: missing {' and '.join(missing)} "
                 "(a dataset is a .bin/.idx pair; pass the path without the extension)"
             )
-        idx_size = os.path.getsize(ipath)
-        with open(ipath, "rb") as f:
-            head = f.read(HEADER_BYTES)
+        try:
+            idx_size = os.path.getsize(ipath)
+            with open(ipath, "rb") as f:
+                head = f.read(HEADER_BYTES)
+        except OSError as e:
+            raise IndexedDatasetError(f"{ipath}: cannot read ({e.strerror or e})") from None
         if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
             raise IndexedDatasetError(
                 f"{ipath}: bad magic {head[: len(MAGIC)]!r}, expected {MAGIC!r}; "
@@ -167,7 +176,10 @@ class IndexedDataset:
                 f"{self.dtype.name}); the pair is truncated or mismatched"
             )
         # An empty file cannot be memory-mapped.
-        self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+        try:
+            self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+        except OSError as e:
+            raise IndexedDatasetError(f"{bpath}: cannot read ({e.strerror or e})") from None
 
     def _data_bytes(self) -> int:
         if not len(self.sequence_lengths):
@@ -227,6 +239,19 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+    def token_range(self, chunk: int = 1 << 26) -> tuple[int, int] | None:
+        """(smallest, largest) token id in the .bin, read once in chunks; None when empty.
+
+        Python ints (floats for the float dtypes the format allows)."""
+        tokens = np.frombuffer(self._bin, self.dtype.newbyteorder("<"))
+        lo = hi = None
+        for beg in range(0, tokens.size, chunk):
+            part = tokens[beg : beg + chunk]
+            plo, phi = part.min(), part.max()
+            lo = plo if lo is None else min(lo, plo)
+            hi = phi if hi is None else max(hi, phi)
+        return None if lo is None else (lo.item(), hi.item())
 
 
 class IndexedDatasetBuilder:

@@ -17,8 +17,11 @@ import argparse
 import json
 import sys
 
+from mlm_jax import errors
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.config import DataConfig
 from mlm_jax.data.builder import build_split
+from mlm_jax.data.gpt_dataset import DatasetError
 from mlm_jax.data.preprocess import add_tokenizer_args
 
 
@@ -33,9 +36,10 @@ def _range(text: str) -> tuple[int, int]:
     return i, j
 
 
+@errors.cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.data.inspect", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m mlm_jax.data.inspect", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", nargs="+", default=[])
     p.add_argument("--train-data-path", nargs="+", default=[])
     p.add_argument("--mock-data", action="store_true")
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.train_iters is None or args.global_batch_size is None:
             p.error("give --train-samples, or --train-iters and --global-batch-size")
         train_samples = args.train_iters * args.global_batch_size
+    for flag, value, low in [("--seq-length", args.seq_length, 2), ("--train-samples", train_samples, 1),
+                             ("--global-batch-size", args.global_batch_size, 1)]:
+        if value is not None and value < low:
+            p.error(f"{flag} must be at least {low}, got {value}")
     cfg = DataConfig(
         data_path=tuple(args.data_path),
         train_data_path=tuple(args.train_data_path),
@@ -67,19 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
     )
-    try:
-        dataset, tokenizer = build_split(cfg, "train", args.seq_length, args.seed, train_samples,
-                                         vocab_size=args.vocab_size, tokenizer_optional=True)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    dataset, tokenizer = build_split(cfg, "train", args.seq_length, args.seed, train_samples,
+                                     vocab_size=args.vocab_size, tokenizer_optional=True)
     if dataset is None:
-        print("error: the train split is empty (check --split)", file=sys.stderr)
-        return 1
+        raise DatasetError(f"--split {args.split}: the train split is empty")
     i, j = args.show
     if j > len(dataset):
-        print(f"error: --show {i}:{j} but the train split has {len(dataset)} samples", file=sys.stderr)
-        return 1
+        raise DatasetError(f"--show {i}:{j} but the train split has {len(dataset)} samples")
     samples = [dataset[k].tolist() for k in range(i, j)]
     if args.json:
         print(json.dumps(samples))

@@ -9,34 +9,49 @@ Megatron-LM's tools/preprocess_data.py writes for the same tokenizer, and identi
 `--workers`. Each line is one document; with `--append-eod` its last sequence ends with EOD
 (an empty text stays an empty document, as in Megatron). A bad line (invalid JSON or UTF-8,
 not an object, missing key, non-string value) stops the run with its line number, or with
-`--skip-bad-lines` is counted, reported and skipped for every key. Outputs are written under
-temporary names and renamed only when complete, so a stopped run never leaves a pair that
-looks finished.
+`--skip-bad-lines` is counted, reported and skipped for every key; with NullTokenizer a word or
+an id outside [0, --vocab-size) is a bad line. An input with no documents, or no tokens for a
+key, is an error rather than an empty dataset. Outputs are written under temporary names,
+renamed only when complete and removed on any failure, Ctrl-C (exit 130) or SIGTERM (exit 1),
+so a stopped run leaves neither a pair that looks finished nor temporary files, and an
+earlier complete output stays as it was. Usage errors exit 2 with one `error:` line.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlm_jax import errors
 from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
-from mlm_jax.data.tokenizers import make_tokenizer
+from mlm_jax.data.tokenizers import TokenizerError, make_tokenizer
 
 LINES_PER_TASK = 256
 MAX_REPORTED_BAD_LINES = 20
 
 
-class BadLineError(ValueError):
+class BadLineError(errors.UsageError):
     """A line of the input that cannot be used; the message names its line number."""
+
+
+class InputError(errors.UsageError):
+    """An --input or --output-prefix that cannot be used, or an input with nothing to write."""
+
+
+class PreprocessStopped(errors.RunFailure):
+    """SIGTERM during preprocessing; the temporary outputs were removed."""
 
 
 @dataclass
@@ -58,6 +73,14 @@ def _init_worker(tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool)
     _worker_state["tokenizer"] = make_tokenizer(**tokenizer_kwargs)
     _worker_state["keys"] = json_keys
     _worker_state["append_eod"] = append_eod
+
+
+def _init_pool_worker(*args) -> None:
+    # Ctrl-C reaches the whole process group: only the parent handles it (and stops the
+    # pool), so workers print no KeyboardInterrupt tracebacks of their own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    _init_worker(*args)
 
 
 def _parse_line(raw: bytes, keys: list[str]) -> list[str]:
@@ -83,26 +106,28 @@ def _parse_line(raw: bytes, keys: list[str]) -> list[str]:
     return texts
 
 
+def _encode_text(tok, key: str, text: str, append_eod: bool) -> list[int]:
+    try:
+        ids = tok.tokenize(text) if text else []
+    except TokenizerError as e:  # e.g. NullTokenizer given words, or an id beyond --vocab-size
+        raise BadLineError(f"key {key!r}: {e}") from None
+    return [*ids, tok.eod] if ids and append_eod else ids
+
+
 def _encode_chunk(task: tuple[int, list[bytes]]) -> ChunkResult:
     first_line, lines = task
     tok, keys, append_eod = _worker_state["tokenizer"], _worker_state["keys"], _worker_state["append_eod"]
     result = ChunkResult(first_line, len(lines), sum(len(x) for x in lines))
-    good: list[list[str]] = []
+    good: list[list[list[int]]] = []  # [line][key] -> token ids
     for n, raw in enumerate(lines):
         try:
-            good.append(_parse_line(raw, keys))
+            texts = _parse_line(raw, keys)
+            good.append([_encode_text(tok, key, text, append_eod) for key, text in zip(keys, texts)])
         except BadLineError as e:
             result.bad.append((first_line + n, str(e)))
     for k, key in enumerate(keys):
-        parts, lengths = [], []
-        for texts in good:
-            ids = tok.tokenize(texts[k]) if texts[k] else []
-            if ids and append_eod:
-                ids = [*ids, tok.eod]
-            parts.append(ids)
-            lengths.append(len(ids))
-        flat = np.fromiter((t for p in parts for t in p), dtype=np.int64, count=sum(lengths))
-        result.tokens[key] = flat
+        lengths = [len(ids[k]) for ids in good]
+        result.tokens[key] = np.fromiter((t for ids in good for t in ids[k]), dtype=np.int64, count=sum(lengths))
         result.doc_lengths[key] = lengths
     return result
 
@@ -121,38 +146,117 @@ def _read_tasks(path: str, lines_per_task: int):
 
 
 def _ordered_results(tasks, workers: int, init_args: tuple):
-    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded."""
+    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded.
+
+    A process pool from `concurrent.futures`, not `multiprocessing.Pool`: stopping a Pool early
+    (a bad line, Ctrl-C, SIGTERM) can deadlock in `terminate()` on the queue lock an idle
+    worker holds; the executor instead cancels what is queued and waits only for the few
+    tasks in flight.
+    """
     if workers <= 1:
         _init_worker(*init_args)
         for task in tasks:
             yield _encode_chunk(task)
         return
     ctx = multiprocessing.get_context("spawn")
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
+                                                  initargs=init_args)
     try:
         pending = collections.deque()
         for task in tasks:
-            pending.append(pool.apply_async(_encode_chunk, (task,)))
+            pending.append(pool.submit(_encode_chunk, task))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
-        pool.close()
+            yield pending.popleft().result()
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
+
+
+class _Outputs:
+    """The .bin/.idx pair of every key, written under `<final>.tmp-<pid>` names and renamed only
+    by `commit`; leaving the `with` block any other way (error, Ctrl-C, SIGTERM) removes them,
+    so a stopped run leaves neither orphans nor a pair that looks finished, and an earlier
+    complete output stays as it was."""
+
+    def __init__(self, output_prefix: str, json_keys: list[str], dtype):
+        self.keys, self.dtype = json_keys, dtype
+        self.finals = {k: output_prefix_for(output_prefix, k) for k in json_keys}
+        tag = f".tmp-{os.getpid()}"
+        self.temps = {k: (self.finals[k] + tag + ".bin", self.finals[k] + tag + ".idx") for k in json_keys}
+        self.builders: dict[str, IndexedDatasetBuilder] = {}
+        self.committed = False
+
+    def __enter__(self) -> "_Outputs":
+        try:
+            for k in self.keys:
+                self.builders[k] = IndexedDatasetBuilder(self.temps[k][0], self.dtype)
+        except BaseException:
+            self._discard()
+            raise
+        return self
+
+    def add(self, res: ChunkResult) -> None:
+        for k in self.keys:
+            self.builders[k].add_documents(res.tokens[k], res.doc_lengths[k])
+
+    def commit(self) -> None:
+        for k in self.keys:
+            self.builders[k].finalize(self.temps[k][1])
+        # Rename the .bin first and the .idx last: an .idx only ever appears beside its full .bin.
+        for k in self.keys:
+            if os.path.exists(self.finals[k] + ".idx"):
+                os.unlink(self.finals[k] + ".idx")
+            os.replace(self.temps[k][0], self.finals[k] + ".bin")
+            os.replace(self.temps[k][1], self.finals[k] + ".idx")
+        self.committed = True
+
+    def _discard(self) -> None:
+        for k in self.keys:
+            if k in self.builders:
+                self.builders[k].abort()
+            for p in self.temps[k]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self._discard()
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (a job scheduler's stop) raises PreprocessStopped, so cleanup runs as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise PreprocessStopped("preprocessing stopped by SIGTERM; no output written")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _check_paths(input_path: str, output_prefix: str) -> None:
+    if not os.path.isfile(input_path):
+        raise InputError(f"--input {input_path}: no such file")
+    if not os.access(input_path, os.R_OK):
+        raise InputError(f"--input {input_path}: not readable")
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--output-prefix {output_prefix}: cannot create the folder {out_dir} ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise InputError(f"--output-prefix {output_prefix}: the folder {out_dir} is not writable")
 
 
 def preprocess(
@@ -167,86 +271,82 @@ def preprocess(
     lines_per_task: int = LINES_PER_TASK,
 ) -> dict:
     """Run the preprocessing; returns a summary dict. Raises BadLineError on a bad line
-    (unless `skip_bad_lines`), after removing the partial outputs."""
+    (unless `skip_bad_lines`) and InputError when there is nothing to write (no documents,
+    or no tokens for a key); in every failure no output is written and none is left behind."""
     json_keys = list(json_keys)
-    if not os.path.isfile(input_path):
-        raise FileNotFoundError(f"--input {input_path}: no such file")
+    _check_paths(input_path, output_prefix)
     tokenizer = make_tokenizer(**tokenizer_kwargs)
     dtype = optimal_dtype(tokenizer.vocab_size)
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    finals = {k: output_prefix_for(output_prefix, k) for k in json_keys}
-    tmp_tag = f".tmp-{os.getpid()}"
-    temps = {k: (finals[k] + tmp_tag + ".bin", finals[k] + tmp_tag + ".idx") for k in json_keys}
-    builders = {k: IndexedDatasetBuilder(temps[k][0], dtype) for k in json_keys}
-    total_bytes = os.path.getsize(input_path)
+    t0 = time.perf_counter()
+    with _sigterm_raises(), _Outputs(output_prefix, json_keys, dtype) as outputs:
+        stats = _run(input_path, outputs, tokenizer_kwargs, append_eod, workers, skip_bad_lines,
+                     progress, lines_per_task)
+        _check_not_empty(input_path, stats)
+        outputs.commit()
+    elapsed = time.perf_counter() - t0
+    docs, bad = stats["documents"], stats["bad"]
+    return {
+        "input": input_path,
+        "outputs": dict(outputs.finals),
+        "lines": stats["lines"],
+        "documents": docs,
+        "bad_lines": len(bad),
+        "bad_line_examples": bad[:MAX_REPORTED_BAD_LINES],
+        "tokens": stats["tokens"],
+        "dtype": np.dtype(dtype).name,
+        "seconds": elapsed,
+        "docs_per_s": docs / max(elapsed, 1e-9),
+        "mb_per_s": stats["bytes"] / 1e6 / max(elapsed, 1e-9),
+        "workers": workers,
+    }
 
+
+def _run(input_path, outputs: _Outputs, tokenizer_kwargs, append_eod, workers, skip_bad_lines, progress,
+         lines_per_task) -> dict:
+    """Tokenize every line into `outputs`; the counts of lines, documents, tokens and bad lines."""
+    keys = outputs.keys
+    stats = {"lines": 0, "documents": 0, "bytes": 0, "bad": [], "tokens": {k: 0 for k in keys}}
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, unit_divisor=1000,
+                   desc="preprocess", file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
-    docs = lines = nbytes = 0
-    bad: list[tuple[int, str]] = []
-    tokens = {k: 0 for k in json_keys}
-    finished = False
-    try:
-        tasks = _read_tasks(input_path, lines_per_task)
-        ordered_results = _ordered_results(tasks, workers, (tokenizer_kwargs, json_keys, append_eod))
-        # closing(): on a bad line the pool is terminated now, not whenever the generator is collected.
-        with contextlib.closing(ordered_results) as ordered:
-            for res in ordered:
-                if res.bad and not skip_bad_lines:
-                    line_no, reason = res.bad[0]
-                    raise BadLineError(
-                        f"{input_path} line {line_no}: {reason}; fix the line or pass --skip-bad-lines"
-                    )
-                bad.extend(res.bad)
-                for k in json_keys:
-                    builders[k].add_documents(res.tokens[k], res.doc_lengths[k])
-                    tokens[k] += int(res.tokens[k].size)
-                docs += res.num_lines - len(res.bad)
-                lines += res.num_lines
-                nbytes += res.nbytes
-                if bar is not None:
-                    bar.update(res.nbytes)
-                    elapsed = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s", refresh=False)
-        for k in json_keys:
-            builders[k].finalize(temps[k][1])
-        # Rename the .bin first and the .idx last: an .idx only ever appears beside its full .bin.
-        for k in json_keys:
-            if os.path.exists(finals[k] + ".idx"):
-                os.unlink(finals[k] + ".idx")
-            os.replace(temps[k][0], finals[k] + ".bin")
-            os.replace(temps[k][1], finals[k] + ".idx")
-        finished = True
-    finally:
-        if bar is not None:
-            bar.close()
-        if not finished:
-            for k in json_keys:
-                builders[k].abort()
-                for p in temps[k]:
-                    if os.path.exists(p):
-                        os.unlink(p)
-    elapsed = time.perf_counter() - t0
-    return {
-        "input": input_path,
-        "outputs": {k: finals[k] for k in json_keys},
-        "lines": lines,
-        "documents": docs,
-        "bad_lines": len(bad),
-        "bad_line_examples": bad[:MAX_REPORTED_BAD_LINES],
-        "tokens": tokens,
-        "dtype": np.dtype(dtype).name,
-        "seconds": elapsed,
-        "docs_per_s": docs / max(elapsed, 1e-9),
-        "mb_per_s": nbytes / 1e6 / max(elapsed, 1e-9),
-        "workers": workers,
-    }
+    tasks = _read_tasks(input_path, lines_per_task)
+    ordered_results = _ordered_results(tasks, workers, (tokenizer_kwargs, keys, append_eod))
+    # closing(): on a bad line the pool is terminated now, not whenever the generator is collected.
+    with contextlib.closing(ordered_results) as ordered, (bar if bar is not None else contextlib.nullcontext()):
+        for res in ordered:
+            if res.bad and not skip_bad_lines:
+                line_no, reason = res.bad[0]
+                raise BadLineError(f"{input_path} line {line_no}: {reason}; fix the line or pass --skip-bad-lines; "
+                                   "no output written")
+            stats["bad"].extend(res.bad)
+            outputs.add(res)
+            for k in keys:
+                stats["tokens"][k] += int(res.tokens[k].size)
+            stats["documents"] += res.num_lines - len(res.bad)
+            stats["lines"] += res.num_lines
+            stats["bytes"] += res.nbytes
+            if bar is not None:
+                bar.update(res.nbytes)
+                bar.set_postfix_str(f"{stats['documents'] / max(time.perf_counter() - t0, 1e-9):,.0f} docs/s",
+                                    refresh=False)
+    return stats
+
+
+def _check_not_empty(input_path: str, stats: dict) -> None:
+    """An empty dataset would only fail later, at training; refuse it here, naming the input."""
+    if stats["documents"] == 0:
+        skipped = f", all {len(stats['bad'])} skipped as bad" if stats["bad"] else ""
+        raise InputError(f"--input {input_path}: no documents ({stats['lines']} lines{skipped}); no output written")
+    for key, count in stats["tokens"].items():
+        if count == 0:
+            raise InputError(
+                f"--input {input_path}: key {key!r} has no tokens in any of the {stats['documents']} "
+                "documents (every text is empty); no output written"
+            )
 
 
 def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
@@ -268,9 +368,12 @@ def tokenizer_kwargs_from(args) -> dict:
     )
 
 
+@errors.cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.data.preprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from mlm_jax.arguments import ArgumentParser
+
+    p = ArgumentParser(prog="python -m mlm_jax.data.preprocess", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="JSON-lines file, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
@@ -283,14 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenizer_type is None:
         p.error("--tokenizer-type is required")
     if args.workers < 1:
-        p.error("--workers must be at least 1")
-    try:
-        s = preprocess(args.input, args.output_prefix, tokenizer_kwargs_from(args), args.json_keys,
-                       args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress)
-    except (BadLineError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        print("no output written", file=sys.stderr)
-        return 1
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    s = preprocess(args.input, args.output_prefix, tokenizer_kwargs_from(args), args.json_keys,
+                   args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress)
     for line_no, reason in s["bad_line_examples"]:
         print(f"skipped line {line_no}: {reason}", file=sys.stderr)
     if s["bad_lines"] > len(s["bad_line_examples"]):

@@ -20,6 +20,8 @@ import json
 import os
 from typing import Iterable, Iterator, Sequence
 
+from mlm_jax.errors import UsageError
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
@@ -29,16 +31,55 @@ TOKENIZER_TYPES = (
 )
 
 
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be built from the flags given; the message names the flag."""
+class TokenizerError(UsageError):
+    """A tokenizer that cannot be built from the flags given, or text it cannot encode; the
+    message names the flag, the file (and line) or the text."""
+
+
+class TokenizerFileNotFound(TokenizerError, FileNotFoundError):
+    """A tokenizer file that does not exist (still a `FileNotFoundError`)."""
 
 
 def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if not path:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file (needed by --tokenizer-type {tokenizer_type})")
+        raise TokenizerFileNotFound(f"{flag} {path}: no such file (needed by --tokenizer-type {tokenizer_type})")
     return path
+
+
+def _read_json(path: str, what: str):
+    """A JSON file's value; TokenizerError naming the file and line when it is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{what} {path}: not UTF-8 text (byte {e.start}); expected a JSON file") from None
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{what} {path}: not valid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+    except OSError as e:
+        raise TokenizerError(f"{what} {path}: cannot read ({e.strerror or e})") from None
+
+
+def _check_gpt2_files(vocab_file: str, merge_file: str) -> None:
+    """GPT-2's vocab.json (token -> id) and merges.txt (`a b` per line) checked before the
+    `tokenizers` library reads them, since its errors name neither the file nor the right line."""
+    vocab = _read_json(vocab_file, "--vocab-file")
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+        raise TokenizerError(f"--vocab-file {vocab_file}: expected a JSON object of token -> integer id (GPT-2's vocab.json)")
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"--merge-file {merge_file}: not UTF-8 text (byte {e.start}); expected GPT-2's merges.txt") from None
+    for n, line in enumerate(lines, 1):
+        if (n == 1 and line.startswith("#version")) or not line.strip():
+            continue
+        if len(line.split()) != 2:
+            raise TokenizerError(
+                f"--merge-file {merge_file} line {n}: expected two tokens separated by a space "
+                f"(GPT-2's merges.txt), got {line[:60]!r}"
+            )
 
 
 class _TokenizersLibrary:
@@ -68,7 +109,11 @@ class GPT2BPETokenizer(_TokenizersLibrary):
 
         self.vocab_file = _need_file(vocab_file, "--vocab-file", self.tokenizer_type)
         self.merge_file = _need_file(merge_file, "--merge-file", self.tokenizer_type)
-        self._tok = ByteLevelBPETokenizer(self.vocab_file, self.merge_file, add_prefix_space=False)
+        _check_gpt2_files(self.vocab_file, self.merge_file)
+        try:
+            self._tok = ByteLevelBPETokenizer(self.vocab_file, self.merge_file, add_prefix_space=False)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+            raise TokenizerError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: {e}") from None
         eod = self._tok.token_to_id("<|endoftext|>")
         if eod is None:
             raise TokenizerError(f"--vocab-file {vocab_file} has no '<|endoftext|>' entry, GPT-2's EOD token")
@@ -84,7 +129,12 @@ class _SentencePieceBase:
         import sentencepiece as spm
 
         self.model_file = _need_file(model_file, "--tokenizer-model", self.tokenizer_type)
-        self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        except (RuntimeError, OSError) as e:
+            raise TokenizerError(
+                f"--tokenizer-model {model_file}: not a SentencePiece model ({' '.join(str(e).split())})"
+            ) from None
 
     def files(self) -> list[str]:
         return [self.model_file]
@@ -196,13 +246,18 @@ class HuggingFaceTokenizer(_TokenizersLibrary):
             raise TokenizerError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a folder or tokenizer.json)")
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise FileNotFoundError(
+            raise TokenizerFileNotFound(
                 f"--tokenizer-model {path}: no tokenizer.json there. HuggingFaceTokenizer reads a local "
                 "folder containing tokenizer.json, or the file itself; hub names are never downloaded"
             )
         self.path = path
         self.tokenizer_file = file
-        self._tok = Tokenizer.from_file(file)
+        if not isinstance(_read_json(file, "--tokenizer-model"), dict):
+            raise TokenizerError(f"--tokenizer-model {file}: expected a JSON object (a tokenizers tokenizer.json)")
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+            raise TokenizerError(f"--tokenizer-model {file}: not a tokenizers tokenizer.json ({e})") from None
         folder = os.path.dirname(os.path.abspath(file))
         self._extra_files = [
             os.path.join(folder, f)
@@ -211,8 +266,10 @@ class HuggingFaceTokenizer(_TokenizersLibrary):
         ]
         eos = None
         for f in self._extra_files:
-            with open(f, encoding="utf-8") as fh:
-                entry = json.load(fh).get("eos_token")
+            config = _read_json(f, "--tokenizer-model")
+            if not isinstance(config, dict):
+                raise TokenizerError(f"--tokenizer-model {f}: expected a JSON object")
+            entry = config.get("eos_token")
             if isinstance(entry, dict):
                 entry = entry.get("content")
             if isinstance(entry, str) and self._tok.token_to_id(entry) is not None:
@@ -244,7 +301,22 @@ class NullTokenizer:
         self.vocab_size = int(vocab_size) + 1
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        """Space-separated ids in [0, --vocab-size); the EOD id (= --vocab-size) is added by
+        preprocessing's --append-eod, not written in the text."""
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise TokenizerError(
+                    f"NullTokenizer reads space-separated integer token ids; {word[:40]!r} is not one"
+                ) from None
+        if ids and not 0 <= min(ids) <= max(ids) < self.eod:
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise TokenizerError(
+                f"NullTokenizer: token id {bad} is outside [0, {self.eod}) for --vocab-size {self.eod}"
+            )
+        return ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
@@ -334,14 +406,20 @@ def train_sentencepiece(
         minloglevel=2,
     )
     kwargs.update(options)
-    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    if input_files is not None:
-        for f in input_files:
-            if not os.path.isfile(f):
-                raise FileNotFoundError(f"tokenizer training input {f}: no such file")
-        spm.SentencePieceTrainer.train(input=",".join(input_files), **kwargs)
-    else:
-        spm.SentencePieceTrainer.train(sentence_iterator=_nonempty(sentences), **kwargs)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    except OSError as e:
+        raise TokenizerError(f"--model-prefix {model_prefix}: cannot create its folder ({e.strerror or e})") from None
+    try:
+        if input_files is not None:
+            for f in input_files:
+                if not os.path.isfile(f):
+                    raise TokenizerFileNotFound(f"--input {f}: no such file (tokenizer training input)")
+            spm.SentencePieceTrainer.train(input=",".join(input_files), **kwargs)
+        else:
+            spm.SentencePieceTrainer.train(sentence_iterator=_nonempty(sentences), **kwargs)
+    except RuntimeError as e:  # e.g. a vocab size larger than the text allows
+        raise TokenizerError(f"SentencePiece training of {model_prefix}.model failed: {' '.join(str(e).split())}") from None
     return model_prefix + ".model"
 
 

@@ -12,18 +12,25 @@ import argparse
 import sys
 import time
 
+from mlm_jax import errors
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepiece
 
 
+@errors.cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.data.train_tokenizer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m mlm_jax.data.train_tokenizer", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="text files, one sentence per line")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--num-threads", type=int, default=None)
     args = p.parse_args(argv)
+    if args.vocab_size < 1:
+        p.error(f"--vocab-size must be at least 1, got {args.vocab_size}")
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error(f"--num-threads must be at least 1, got {args.num_threads}")
     t0 = time.perf_counter()
     print(f"training a {args.model_type} SentencePiece model, vocab {args.vocab_size}, on {len(args.input)} file(s)...",
           file=sys.stderr)

@@ -37,8 +37,8 @@ def test_inspect_prints_training_order(tmp_path, spm_model, capsys):
     tokenizer = build_datasets(cfg, 32, 7, (40, 0, 0)).tokenizer
     assert out.split("--- text ---\n", 1)[1] == tokenizer.detokenize(train[0]) + "\n"
     assert " ".join(map(str, train[0].tolist())) in out
-    assert inspect_cli.main(args + ["--show", "0:100000"]) == 1
-    assert "train split has" in capsys.readouterr().err
+    assert inspect_cli.main(args + ["--show", "0:100000"]) == 2  # a usage error
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --show 0:100000 but the train split has 140 samples"
 
 
 def test_default_corpus_is_lossless_and_cached(tmp_path):

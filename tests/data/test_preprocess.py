@@ -117,9 +117,9 @@ def test_cli_reports_bad_line_and_summary(tmp_path, gpt2_files, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [json.dumps(r) for r in records(3)] + ["oops"])
     base = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1], "--append-eod", "--no-progress"]
-    assert pp.main(base) == 1
+    assert pp.main(base) == 2  # a usage error: one line naming the file and line
     err = capsys.readouterr().err
-    assert "line 4: invalid JSON" in err and "no output written" in err
+    assert "line 4: invalid JSON" in err and "no output written" in err and err.startswith("error: ")
     assert pp.main(base + ["--skip-bad-lines"]) == 0
     captured = capsys.readouterr()
     assert "skipped line 4: invalid JSON" in captured.err

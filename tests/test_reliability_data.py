@@ -1,0 +1,382 @@
+"""Issue 9, data and configuration side: every bad input ends as ONE `error:` line naming the
+flag, file or value, exit 2 (usage) or 1 (a stopped run), no traceback, nothing on disk lost.
+
+Each case runs the real command line in a subprocess (one CPU device, no jax for the data tools).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mlm_jax.data.indexed_dataset import write_indexed_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The brief's tiny model (`T`), on one CPU device.
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--vocab-size", "256", "--train-iters", "2"]
+
+
+def cli_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLM_JAX_DEBUG", "XLA_FLAGS")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MLM_JAX_CPU_DEVICES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", MLM_JAX_CACHE=str(tmp_path / "cache"))
+    return env
+
+
+def run(module: str, args, tmp_path, timeout: float = 180) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=tmp_path, env=cli_env(tmp_path),
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stderr
+
+
+def assert_one_error(rc: int, err: str, code: int, *named: str) -> str:
+    """Exit `code`, no traceback, and the last line is `error: ...` naming every `named`."""
+    assert rc == code, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: "), err
+    for text in named:
+        assert text in last, (text, last)
+    return last
+
+
+def snapshot(folder) -> dict[str, str]:
+    out = {}
+    for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            out[path] = hashlib.md5(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def assert_nothing_lost(before: dict, folder) -> None:
+    after = snapshot(folder)
+    for path, digest in before.items():
+        assert after.get(path) == digest, f"{path} was lost or overwritten"
+
+
+def jsonl(path, records) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+PRE = "mlm_jax.data.preprocess"
+NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--no-progress"]
+
+
+def preprocess_args(src, prefix, *extra):
+    return ["--input", src, "--output-prefix", prefix, *NULL, *extra]
+
+
+@pytest.fixture
+def earlier_output(tmp_path):
+    """A complete earlier preprocessing output under out/o, which no failed run may touch."""
+    src = jsonl(tmp_path / "good.jsonl", [{"text": "1 2 3"}, {"text": "4 5 6 7"}])
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "out" / "o"), tmp_path)
+    assert rc == 0, err
+    return snapshot(tmp_path / "out")
+
+
+def test_preprocess_missing_input(tmp_path, earlier_output):
+    rc, err = run(PRE, preprocess_args(tmp_path / "nope.jsonl", tmp_path / "out" / "o"), tmp_path)
+    assert_one_error(rc, err, 2, "--input", "nope.jsonl: no such file")
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+
+
+def test_preprocess_null_tokenizer_on_words_names_file_and_line(tmp_path, earlier_output):
+    src = jsonl(tmp_path / "words.jsonl", [{"text": "1 2"}, {"text": "hello world"}])
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "out" / "o"), tmp_path)
+    assert_one_error(rc, err, 2, f"{src} line 2", "'hello' is not one", "no output written")
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+    assert glob.glob(str(tmp_path / "out" / "*.tmp-*")) == []
+
+
+def test_preprocess_null_tokenizer_id_beyond_vocab_size(tmp_path):
+    src = jsonl(tmp_path / "ids.jsonl", [{"text": "1 2"}, {"text": "3 100"}])
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "o"), tmp_path)
+    assert_one_error(rc, err, 2, f"{src} line 2", "token id 100", "--vocab-size 100")
+    assert glob.glob(str(tmp_path / "o*")) == []
+
+
+@pytest.mark.parametrize("lines,shown", [
+    ([], "no documents (0 lines)"),
+    (["", "{oops"], "all 2 skipped as bad"),
+    (['{"text": ""}'], "has no tokens"),
+])
+def test_preprocess_empty_input_is_an_error(tmp_path, earlier_output, lines, shown):
+    src = jsonl(tmp_path / "empty.jsonl", lines)
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "out" / "o", "--skip-bad-lines"), tmp_path)
+    assert_one_error(rc, err, 2, f"--input {src}", shown)
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+
+
+def test_preprocess_output_prefix_under_a_file(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
+    (tmp_path / "afile").write_text("keep me")
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "afile" / "o"), tmp_path)
+    assert_one_error(rc, err, 2, "--output-prefix", "afile")
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_preprocess_unknown_flag_is_one_line_with_the_closest(tmp_path):
+    rc, err = run(PRE, ["--input", "x", "--output-prefix", "y", "--tokenizer-typ", "NullTokenizer"], tmp_path)
+    assert_one_error(rc, err, 2, "unknown flag --tokenizer-typ", "did you mean --tokenizer-type?")
+    assert len(err.strip().splitlines()) == 1  # no usage screen
+
+
+def test_preprocess_bad_flag_value(tmp_path):
+    rc, err = run(PRE, ["--input", "x", "--output-prefix", "y", "--workers", "two"], tmp_path)
+    assert_one_error(rc, err, 2, "--workers", "'two'")
+
+
+def gpt2_args(vocab, merges):
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+
+
+def test_preprocess_vocab_json_not_json(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
+    (tmp_path / "vocab.json").write_text('{"a": 0,\n garbage')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    rc, err = run(PRE, ["--input", src, "--output-prefix", tmp_path / "o", "--no-progress",
+                        *gpt2_args(tmp_path / "vocab.json", tmp_path / "merges.txt")], tmp_path)
+    assert_one_error(rc, err, 2, f"--vocab-file {tmp_path / 'vocab.json'}", "not valid JSON at line 2")
+
+
+def test_preprocess_garbage_merges(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b c d\n")
+    rc, err = run(PRE, ["--input", src, "--output-prefix", tmp_path / "o", "--no-progress",
+                        *gpt2_args(tmp_path / "vocab.json", tmp_path / "merges.txt")], tmp_path)
+    assert_one_error(rc, err, 2, f"--merge-file {tmp_path / 'merges.txt'} line 2")
+
+
+def test_preprocess_sentencepiece_path_not_a_model(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
+    (tmp_path / "tok.model").write_text("not a model")
+    rc, err = run(PRE, ["--input", src, "--output-prefix", tmp_path / "o", "--no-progress", "--tokenizer-type",
+                        "GPTSentencePieceTokenizer", "--tokenizer-model", tmp_path / "tok.model"], tmp_path)
+    assert_one_error(rc, err, 2, f"--tokenizer-model {tmp_path / 'tok.model'}", "not a SentencePiece model")
+
+
+def test_preprocess_missing_tokenizer_file(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
+    rc, err = run(PRE, ["--input", src, "--output-prefix", tmp_path / "o", "--no-progress", "--tokenizer-type",
+                        "HuggingFaceTokenizer", "--tokenizer-model", tmp_path / "nope"], tmp_path)
+    assert_one_error(rc, err, 2, f"--tokenizer-model {tmp_path / 'nope'}", "no tokenizer.json")
+
+
+def big_input(path, lines=300_000) -> str:
+    row = np.arange(40) % 97
+    with open(path, "w") as f:
+        for i in range(lines):
+            f.write('{"text": "' + " ".join(map(str, (row + i) % 97)) + '"}\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("sig,workers", [(signal.SIGINT, 1), (signal.SIGINT, 2), (signal.SIGTERM, 1),
+                                         (signal.SIGTERM, 2)], ids=["int-1", "int-2", "term-1", "term-2"])
+def test_interrupted_preprocessing_leaves_no_temporary_files(tmp_path, earlier_output, sig, workers):
+    """Ctrl-C or SIGTERM mid-run: exit 130 / 1 with one line, no `.tmp-PID` orphans, and the
+    earlier complete output untouched."""
+    src = big_input(tmp_path / "big.jsonl")
+    args = preprocess_args(src, tmp_path / "out" / "o", "--workers", workers)
+    p = subprocess.Popen([sys.executable, "-m", PRE, *map(str, args)],
+                         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 60
+    while not glob.glob(str(tmp_path / "out" / "*.tmp-*.bin")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    assert p.poll() is None, "preprocessing ended before it could be interrupted"
+    time.sleep(0.3)  # mid-run: workers started, tokens being written
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert_one_error(p.returncode, err, 130, "interrupted")
+    else:
+        assert_one_error(p.returncode, err, 1, "stopped by SIGTERM", "no output written")
+    assert glob.glob(str(tmp_path / "out" / "*.tmp-*")) == []
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- inspect, train_tokenizer
+
+INSPECT = "mlm_jax.data.inspect"
+
+
+def small_dataset(tmp_path, max_id=50) -> str:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, max_id, size=60) for _ in range(40)]
+    docs[0][0] = max_id
+    return write_indexed_dataset(str(tmp_path / "d"), docs, dtype=np.uint16)
+
+
+def test_inspect_missing_data_path(tmp_path):
+    rc, err = run(INSPECT, ["--data-path", tmp_path / "nope", "--seq-length", "8", "--train-samples", "4",
+                            "--show", "0:1"], tmp_path)
+    assert_one_error(rc, err, 2, str(tmp_path / "nope.idx"), "missing")
+
+
+def test_inspect_truncated_bin(tmp_path):
+    prefix = small_dataset(tmp_path)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(100)
+    before = snapshot(tmp_path)
+    rc, err = run(INSPECT, ["--data-path", prefix, "--seq-length", "8", "--train-samples", "4", "--show", "0:1"],
+                  tmp_path)
+    assert_one_error(rc, err, 2, f"{prefix}.bin", "does not match its index")
+    assert_nothing_lost(before, tmp_path)
+
+
+def test_inspect_bad_idx(tmp_path):
+    prefix = small_dataset(tmp_path)
+    with open(prefix + ".idx", "r+b") as f:
+        f.write(b"GARBAGE!!")
+    rc, err = run(INSPECT, ["--data-path", prefix, "--seq-length", "8", "--train-samples", "4", "--show", "0:1"],
+                  tmp_path)
+    assert_one_error(rc, err, 2, f"{prefix}.idx", "bad magic")
+
+
+def test_inspect_bad_split(tmp_path):
+    prefix = small_dataset(tmp_path)
+    rc, err = run(INSPECT, ["--data-path", prefix, "--split", "1,2,3,4", "--seq-length", "8", "--train-samples",
+                            "4", "--show", "0:1"], tmp_path)
+    assert_one_error(rc, err, 2, "--split '1,2,3,4'")
+
+
+def test_inspect_ids_beyond_the_vocab(tmp_path):
+    prefix = small_dataset(tmp_path, max_id=300)
+    rc, err = run(INSPECT, ["--data-path", prefix, "--seq-length", "8", "--train-samples", "4", "--show", "0:1",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"], tmp_path)
+    assert_one_error(rc, err, 2, f"{prefix}.bin", "token ids up to 300", "vocab has 201 tokens")
+
+
+def test_inspect_rebuilds_a_damaged_index_cache(tmp_path):
+    """Bad metadata: a truncated cached sample index (or a garbage token-range entry) is rebuilt
+    and the same samples are shown, never a traceback or other samples."""
+    prefix = small_dataset(tmp_path)
+    args = ["--data-path", prefix, "--split", "1", "--seq-length", "8", "--train-samples", "6", "--show", "0:6",
+            "--json", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    p = subprocess.run([sys.executable, "-m", INSPECT, *args], cwd=tmp_path, env=cli_env(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    indices = glob.glob(prefix + "/cache/GPTDataset_indices/*-sample_index.npy")
+    ranges = glob.glob(prefix + "/cache/GPTDataset_indices/*-TokenRange.json")
+    assert indices and ranges
+    for path in indices:
+        open(path, "r+b").truncate(20)
+    for path in ranges:
+        open(path, "w").write("garbage")
+    again = subprocess.run([sys.executable, "-m", INSPECT, *args], cwd=tmp_path, env=cli_env(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert json.loads(again.stdout) == json.loads(p.stdout)
+
+
+def test_train_tokenizer_missing_input(tmp_path):
+    rc, err = run("mlm_jax.data.train_tokenizer", ["--input", tmp_path / "nope.txt", "--model-prefix",
+                                                   tmp_path / "tok", "--vocab-size", "100"], tmp_path)
+    assert_one_error(rc, err, 2, "--input", "nope.txt: no such file")
+    assert not os.path.exists(tmp_path / "tok.model")
+
+
+def test_train_tokenizer_model_prefix_under_a_file(tmp_path):
+    (tmp_path / "in.txt").write_text("hello world\n" * 50)
+    (tmp_path / "afile").write_text("keep")
+    rc, err = run("mlm_jax.data.train_tokenizer", ["--input", tmp_path / "in.txt", "--model-prefix",
+                                                   tmp_path / "afile" / "tok", "--vocab-size", "20"], tmp_path)
+    assert_one_error(rc, err, 2, f"--model-prefix {tmp_path / 'afile' / 'tok'}")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+# ----------------------------------------------------------------------------- python -m mlm_jax.train: flags
+
+TRAIN = "mlm_jax.train"
+MOCK = ["--mock-data", *TINY]
+
+
+def test_train_negative_lr_parses_and_is_refused_with_the_rule(tmp_path):
+    rc, err = run(TRAIN, [*MOCK, "--lr", "-1e-3"], tmp_path)
+    assert_one_error(rc, err, 2, "--lr must be >= 0, got -0.001")
+
+
+def test_train_yaml_fractional_int(tmp_path):
+    (tmp_path / "c.yaml").write_text("num-layers: 2.5\n")
+    rc, err = run(TRAIN, [*MOCK, "--config", "c.yaml"], tmp_path)
+    assert_one_error(rc, err, 2, "--config c.yaml", "num-layers", "2.5 is not an integer")
+
+
+def test_train_yaml_null_value(tmp_path):
+    (tmp_path / "c.yaml").write_text("hidden-size:\n")
+    rc, err = run(TRAIN, [*MOCK, "--config", "c.yaml"], tmp_path)
+    assert_one_error(rc, err, 2, "--config c.yaml", "hidden-size has no value")
+
+
+def test_train_unknown_flag_is_one_line(tmp_path):
+    rc, err = run(TRAIN, [*MOCK, "--nm-layers", "3"], tmp_path)
+    assert_one_error(rc, err, 2, "unknown flag --nm-layers; did you mean --num-layers?")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_train_bad_flag_value_is_one_line(tmp_path):
+    rc, err = run(TRAIN, [*MOCK, "--num-layers", "two"], tmp_path)
+    assert_one_error(rc, err, 2, "--num-layers", "'two'")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("split", ["90,x", "1,2,3,4", "-5,3,2"])
+def test_train_bad_split(tmp_path, split):
+    rc, err = run(TRAIN, [*MOCK, "--split", split], tmp_path)
+    assert_one_error(rc, err, 2, f"--split {split!r}")
+
+
+# ----------------------------------------------------------------------------- python -m mlm_jax.train: data
+# These need train.py's main to end through `errors.cli` (the train/checkpoint helper's change):
+# the data module raises UsageErrors with the right message; main must print them as one line.
+
+
+def test_train_missing_data_path(tmp_path):
+    rc, err = run(TRAIN, [*TINY, "--data-path", tmp_path / "nope", "--tokenizer-type", "NullTokenizer"], tmp_path)
+    assert_one_error(rc, err, 2, str(tmp_path / "nope"), "missing")
+
+
+def test_train_token_ids_beyond_the_vocab(tmp_path):
+    prefix = small_dataset(tmp_path, max_id=1000)
+    before = snapshot(tmp_path)
+    rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "1", "--tokenizer-type", "NullTokenizer",
+                          "--run-dir", tmp_path / "run"], tmp_path)
+    assert_one_error(rc, err, 2, f"{prefix}.bin", "token ids up to 1000", "vocab has 257 tokens")
+    assert_nothing_lost(before, tmp_path)
+
+
+def test_train_truncated_bin(tmp_path):
+    prefix = small_dataset(tmp_path)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(64)
+    rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "1", "--tokenizer-type", "NullTokenizer"],
+                  tmp_path)
+    assert_one_error(rc, err, 2, f"{prefix}.bin", "does not match its index")
+
+
+def test_train_bad_tokenizer_file(tmp_path):
+    prefix = small_dataset(tmp_path)
+    (tmp_path / "vocab.json").write_text("not json at all")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "1",
+                          *gpt2_args(tmp_path / "vocab.json", tmp_path / "merges.txt")], tmp_path)
+    assert_one_error(rc, err, 2, f"--vocab-file {tmp_path / 'vocab.json'}", "not valid JSON at line 1")
+
