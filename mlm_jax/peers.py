@@ -166,6 +166,7 @@ def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: fl
     client = client if client is not None else _client()
     mine = json.loads(json.dumps(flat_config(cfg), default=str))  # as the others will read it
     client.key_value_set(f"{CONFIG_PREFIX}{process_id}", json.dumps(mine), allow_overwrite=True)
+    problem = None
     for j in range(num_processes):
         if j == process_id:
             continue
@@ -175,11 +176,18 @@ def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: fl
             raise ConfigError(f"process {j} did not publish its configuration within {timeout:g} s "
                               f"({' '.join(str(e).split())[:200]})") from None
         diffs = config_differences(mine, theirs)
-        if diffs:
+        if diffs and problem is None:
             shown = "; ".join(d + f" on process {j}" for d in diffs[:8])
             more = f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else ""
-            raise ConfigError(f"the processes were started with different configurations: {shown}{more}; "
-                              "start every process with the same flags")
+            problem = (f"the processes were started with different configurations: {shown}{more}; "
+                       "start every process with the same flags")
+    # Nobody leaves before everyone has read: process 0's exit would take the store with it.
+    try:
+        client.wait_at_barrier("mlm_jax/config_compared", int(timeout * 1000))
+    except Exception:  # noqa: BLE001 - a peer gone already; its own error says why
+        pass
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 _abort_handler = None  # the ctypes thunk must outlive the call that installs it
