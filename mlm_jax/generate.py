@@ -247,13 +247,19 @@ def greedy(graphdef: nnx.GraphDef, params: dict, prompt: list[int], new_tokens: 
     return Decoder(graphdef, params, cfg.vocab_size)([prompt], new_tokens)[0].tokens
 
 
-def greedy_uncached(forward, prompt: list[int], new_tokens: int) -> list[int]:
-    """Reference decoding without a cache: each new token is the argmax of the full-sequence
-    logits `forward(tokens [1, s]) -> [1, s, vocab]` of everything so far (tests, benchmark)."""
+def greedy_uncached(forward, prompt: list[int], new_tokens: int, window: int) -> list[int]:
+    """Reference decoding without a cache (tests, benchmark): each new token is the argmax of
+    the full-sequence logits of everything so far, `forward(tokens [1, window]) -> [1, window,
+    vocab]` on a fixed window (one compile; causal, so the zero padding after is never seen)."""
     tokens = list(prompt)
+    if len(tokens) + new_tokens > window:
+        raise ValueError(f"{len(tokens)} + {new_tokens} tokens exceed the window {window}")
+    buf = np.zeros((1, window), np.int32)
+    buf[0, : len(tokens)] = tokens
     for _ in range(new_tokens):
-        logits = np.asarray(forward(np.asarray([tokens], np.int32)))
+        logits = np.asarray(forward(buf))
         tokens.append(int(np.argmax(logits[0, len(tokens) - 1])))
+        buf[0, len(tokens) - 1] = tokens[-1]
     return tokens[len(prompt):]
 
 
@@ -315,6 +321,7 @@ def load_model(args):
     return m
 
 
+@cli
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlm_jax.generate", description=__doc__.split("\n\n")[0])
     add_model_args(p)
@@ -345,4 +352,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main)())
+    sys.exit(main())
