@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")
     if args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if args.overlapping_eval < 0 or args.overlapping_eval > args.seq_length:
+    if args.task == "WIKITEXT103" and not 0 <= args.overlapping_eval <= args.seq_length:
         raise UsageError(f"--overlapping-eval must be in [0, --seq-length {args.seq_length}], "
                          f"got {args.overlapping_eval}")
     if args.task != "VALID" and not _is_file(args.valid_data):
