@@ -85,10 +85,15 @@ def filter_logits(logits_bv, top_k_b, top_p_b):
 def sample(logits_bv, keys_b, temperature_b, top_k_b, top_p_b):
     """Next tokens [b]: argmax where temperature is 0, else a draw from the filtered,
     temperature-scaled distribution with each row's own key."""
-    greedy = jnp.argmax(logits_bv, axis=-1)
-    scaled = logits_bv / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
-    drawn = jax.vmap(jax.random.categorical)(keys_b, filter_logits(scaled, top_k_b, top_p_b))
-    return jnp.where(temperature_b > 0, drawn, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+
+    def drawn():
+        scaled = logits_bv / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
+        tokens = jax.vmap(jax.random.categorical)(keys_b, filter_logits(scaled, top_k_b, top_p_b))
+        return jnp.where(temperature_b > 0, tokens.astype(jnp.int32), greedy)
+
+    # An all-greedy batch skips the sort and the draw (a vocab-wide sort per row and step).
+    return jax.lax.cond(jnp.any(temperature_b > 0), drawn, lambda: greedy)
 
 
 def _token_logprob(logits_bv, tokens_b):
