@@ -271,54 +271,72 @@ def api_response(model, prompts_ids, outs, logprobs: bool) -> dict:
             "logprobs": [o.prompt_logprobs + o.logprobs for o in outs] if logprobs else None}
 
 
+class Handlers:
+    """The routes' request handlers for one model and its batcher."""
+
+    def __init__(self, model, batcher: Batcher):
+        self.model, self.batcher = model, batcher
+        # Megatron adds and stops on the tokenizer's end-of-document token.
+        self.bos = self.default_stop = getattr(model.tokenizer, "eod", None)
+
+    async def api(self, request):
+        from starlette.responses import JSONResponse
+
+        model = self.model
+        try:
+            r = parse_api(await _json_body(request), model.config.vocab_size)
+            ids = [_encode(model, p, r["add_BOS"], self.bos) for p in r["prompts"]]
+            _check_lengths(model, ids, r["tokens_to_generate"], "tokens_to_generate")
+        except BadRequest as e:
+            return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
+        stop = r["stop_token"] if r["stop_token"] is not None else self.default_stop
+        job = Job(ids, r["tokens_to_generate"], r["temperature"], r["top_k"], r["top_p"],
+                  _seed(r["random_seed"]), stop)
+        outs = await _run_job(self.batcher, job)
+        if not isinstance(outs, list):
+            return outs
+        return JSONResponse(api_response(model, ids, outs, r["logprobs"]))
+
+    async def completions(self, request):
+        from starlette.responses import JSONResponse
+
+        model = self.model
+        try:
+            r = parse_completion(await _json_body(request))
+            ids = [_encode(model, p, False, self.bos) for p in r["prompts"]]
+            _check_lengths(model, ids, r["max_tokens"], "max_tokens")
+        except BadRequest as e:
+            return JSONResponse({"error": {"message": str(e), "field": e.field, "type": "invalid_request_error"}},
+                                status_code=400)
+        top_p = 0.0 if r["top_p"] >= 1.0 else r["top_p"]  # OpenAI's 1.0 is "off"
+        job = Job(ids, r["max_tokens"], r["temperature"], r["top_k"], top_p, _seed(r["seed"]), r["stop_token"])
+        outs = await _run_job(self.batcher, job)
+        if not isinstance(outs, list):
+            return outs
+        return JSONResponse(completion_response(model, r, ids, outs))
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "ok", "model": self.model.path, "in_flight": self.batcher.in_flight,
+                             "batches": self.batcher.batches})
+
+    async def page(self, request):
+        from starlette.responses import FileResponse
+
+        return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
+
+
 def make_app(model, max_batch: int = 16, max_queue: int = 64, timeout: float = 60.0):
-    """The Starlette app serving `model` (a LoadedModel with a tokenizer)."""
+    """The Starlette app serving `model` (a LoadedModel with a tokenizer); `app.state.batcher`
+    is its Batcher."""
     from starlette.applications import Starlette
-    from starlette.responses import FileResponse, JSONResponse
     from starlette.routing import Route
 
     if model.tokenizer is None:
         raise UsageError(f"--load {model.path} carries no tokenizer; give --tokenizer-type and its files")
     batcher = Batcher(model, max_batch, max_queue, timeout)
-    bos = getattr(model.tokenizer, "eod", None)
-    default_stop = bos
-
-    async def api(request):
-        try:
-            r = parse_api(await _json_body(request), model.config.vocab_size)
-            ids = [_encode(model, p, r["add_BOS"], bos) for p in r["prompts"]]
-            _check_lengths(model, ids, r["tokens_to_generate"], "tokens_to_generate")
-        except BadRequest as e:
-            return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
-        stop = r["stop_token"] if r["stop_token"] is not None else default_stop
-        job = Job(ids, r["tokens_to_generate"], r["temperature"], r["top_k"], r["top_p"],
-                  _seed(r["random_seed"]), stop)
-        outs = await _run_job(batcher, job)
-        if not isinstance(outs, list):
-            return outs
-        return JSONResponse(api_response(model, ids, outs, r["logprobs"]))
-
-    async def completions(request):
-        try:
-            r = parse_completion(await _json_body(request))
-            ids = [_encode(model, p, False, bos) for p in r["prompts"]]
-            _check_lengths(model, ids, r["max_tokens"], "max_tokens")
-        except BadRequest as e:
-            return JSONResponse({"error": {"message": str(e), "field": e.field, "type": "invalid_request_error"}},
-                                status_code=400)
-        top_p = 0.0 if r["top_p"] >= 1.0 else r["top_p"]
-        job = Job(ids, r["max_tokens"], r["temperature"], r["top_k"], top_p, _seed(r["seed"]), r["stop_token"])
-        outs = await _run_job(batcher, job)
-        if not isinstance(outs, list):
-            return outs
-        return JSONResponse(completion_response(model, r, ids, outs))
-
-    async def health(request):
-        return JSONResponse({"status": "ok", "model": model.path, "in_flight": batcher.in_flight,
-                             "batches": batcher.batches})
-
-    async def page(request):
-        return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
+    h = Handlers(model, batcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -326,9 +344,9 @@ def make_app(model, max_batch: int = 16, max_queue: int = 64, timeout: float = 6
         yield
         await batcher.stop()
 
-    app = Starlette(routes=[Route("/api", api, methods=["PUT"]),
-                            Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/health", health), Route("/", page)], lifespan=lifespan)
+    app = Starlette(routes=[Route("/api", h.api, methods=["PUT"]),
+                            Route("/v1/completions", h.completions, methods=["POST"]),
+                            Route("/health", h.health), Route("/", h.page)], lifespan=lifespan)
     app.state.batcher = batcher
     return app
 

@@ -121,7 +121,11 @@ def test_valid_and_cli(hf, tmp_path, capsys):
     prefix = str(tmp_path / "valid")
     write_indexed_dataset(prefix, docs)
     out = tmp_path / "r.json"
-    code = main(["--task", "VALID", "--valid-data", prefix, "--load", folder, "--seq-length", str(L),
+    # --load an mlm_jax checkpoint (imported from the HF folder), on tp1 (the fixture is tp2).
+    from mlm_jax.tools.checkpoint import import_hf
+
+    save = import_hf(folder, str(tmp_path / "ckpt"), log=lambda *_: None)
+    code = main(["--task", "VALID", "--valid-data", prefix, "--load", save, "--seq-length", str(L),
                  "--micro-batch-size", "2", "--output-json", str(out)])
     assert code == 0
     line = capsys.readouterr().out.splitlines()[-1]

@@ -226,3 +226,30 @@ def test_page_in_headless_chromium(served):
     want = _put(server.url, {"prompts": ["w5 w9 w13"], "tokens_to_generate": 4, "top_k": 1}).json()["text"][0]
     assert f'<pre id="output">{want}</pre>' in r.stdout, r.stdout[-2000:]
     assert '<p id="status">done</p>' in r.stdout
+
+
+def test_serve_command(tmp_path):
+    """`python -m mlm_jax.serve` itself: starts, answers, and refuses bad flags with exit 2."""
+    folder = str(tmp_path / "gpt2")
+    make_gpt2(folder)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    bad = subprocess.run([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--max-queue", "0"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "error: --max-queue must be >= 1, got 0"
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = _put(f"http://127.0.0.1:{port}", {"prompts": ["w5 w9"], "tokens_to_generate": 2, "top_k": 1})
+        assert r.status_code == 200 and r.json()["text"][0].startswith("w5 w9 ")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
