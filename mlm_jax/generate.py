@@ -49,7 +49,7 @@ class Generated:
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
-    prompt_logprobs: list[float]
+    prompt_logprobs: list[float] | None  # None unless asked for
     finish_reason: str
     text: str | None = None
 
@@ -103,24 +103,28 @@ def _token_logprob(logits_bv, tokens_b):
 # ------------------------------------------------------------------------------ the program
 
 
-def _prefill(model, tokens_bp, lengths_b, max_len, vocab):
-    """(cache, logits of each row's last prompt token [b, v], prompt log-probs [b, p-1])."""
+def _prefill(model, tokens_bp, lengths_b, max_len, vocab, prompt_logprobs: bool):
+    """(cache, logits of each row's last prompt token [b, v], prompt log-probs [b, p-1]; zeros
+    unless `prompt_logprobs`: then the head runs on every prompt position, not only the last)."""
     b, p = tokens_bp.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = model.forward_cached(tokens_bp, positions, model.init_cache(b, max_len))
-    logits = logits[..., :vocab]  # [b, p, v] true vocab
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [b, p-1, v]
+    x = model.embed_tokens(tokens_bp, positions, None)
+    x, cache = model.run_layers_cached(x, positions, model.init_cache(b, max_len))  # x [b, p, d]
+    x_last = jnp.take_along_axis(x, (lengths_b - 1)[:, None, None], axis=1)  # [b, 1, d]
+    last = model.logits(x_last)[:, 0, :vocab]  # [b, v]
+    if not prompt_logprobs:
+        return cache, last, jnp.zeros((b, p - 1), jnp.float32)
+    logp = jax.nn.log_softmax(model.logits(x[:, :-1])[..., :vocab], axis=-1)  # [b, p-1, v]
     prompt_lp = jnp.take_along_axis(logp, tokens_bp[:, 1:, None], axis=-1)[..., 0]  # [b, p-1]
-    last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]  # [b, v]
     return cache, last, prompt_lp
 
 
-def _decode_program(graphdef, vocab: int, max_len: int):
+def _decode_program(graphdef, vocab: int, max_len: int, prompt_logprobs: bool):
     """The jitted prefill + decode loop for one bucket (see the module docstring)."""
 
     def run(params, tokens_bp, lengths_b, new_b, temperature_b, top_k_b, top_p_b, stop_b, keys_b2):
         model = nnx.merge(graphdef, params)
-        cache, last, prompt_lp = _prefill(model, tokens_bp, lengths_b, max_len, vocab)
+        cache, last, prompt_lp = _prefill(model, tokens_bp, lengths_b, max_len, vocab, prompt_logprobs)
         b = tokens_bp.shape[0]
         keys = jax.random.wrap_key_data(keys_b2)
         out_tok = jnp.zeros((b, max_len), jnp.int32)
@@ -179,11 +183,12 @@ class Decoder:
                                  f"{self.max_positions} positions")
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens, temperature=0.0, top_k=0,
-                 top_p=0.0, seeds=0, stop_token=None) -> list[Generated]:
+                 top_p=0.0, seeds=0, stop_token=None, prompt_logprobs: bool = False) -> list[Generated]:
         """Generate for each prompt (token-id lists). Every setting is one value for all rows or
         a list with one per row. Row i's random key is fold_in(key(seed), i) for one int `seeds`;
         a list gives each row a seed or a (seed, index) pair (the server: a request's seed and
-        the prompt's index in it), so a row draws the same tokens whatever it is batched with."""
+        the prompt's index in it), so a row draws the same tokens whatever it is batched with.
+        `prompt_logprobs`: also score the prompt tokens (`Generated.prompt_logprobs`)."""
         rows = len(prompts)
         per_row = lambda x: list(x) if isinstance(x, (list, tuple)) else [x] * rows  # noqa: E731
         new = [int(n) for n in per_row(max_new_tokens)]
@@ -205,13 +210,14 @@ class Decoder:
                   np.array(per_row(top_p) + [0.0] * pad, np.float32),
                   np.array(stop + [-1] * pad, np.int32),
                   np.stack(keys + [keys[0]] * pad).astype(np.uint32))
-        out_tok, out_lp, count, prompt_lp = self._run((b, p, t), arrays)
-        return [_result(prompts[i], out_tok[i], out_lp[i], int(count[i]), prompt_lp[i], stop[i])
+        out_tok, out_lp, count, prompt_lp = self._run((b, p, t, bool(prompt_logprobs)), arrays)
+        return [_result(prompts[i], out_tok[i], out_lp[i], int(count[i]), prompt_lp[i] if prompt_logprobs else None,
+                        stop[i])
                 for i in range(rows)]
 
     def _run(self, shape, arrays):
         if shape not in self._programs:
-            self._programs[shape] = _decode_program(self.graphdef, self.vocab, shape[2])
+            self._programs[shape] = _decode_program(self.graphdef, self.vocab, shape[2], shape[3])
         fn = self._programs[shape]
         if self.mesh is None:
             outs = fn(self.params, *arrays)
@@ -232,8 +238,8 @@ def _row_key(seed, index: int) -> np.ndarray:
 def _result(prompt, toks, lps, count, prompt_lp, stop) -> Generated:
     toks = [int(x) for x in toks[:count]]
     reason = "stop" if toks and toks[-1] == stop else "length"
-    return Generated(prompt, toks, [float(x) for x in lps[:count]],
-                     [float(x) for x in prompt_lp[: len(prompt) - 1]], reason)
+    scored = None if prompt_lp is None else [float(x) for x in prompt_lp[: len(prompt) - 1]]
+    return Generated(prompt, toks, [float(x) for x in lps[:count]], scored, reason)
 
 
 # ------------------------------------------------------------------------------ train's sample

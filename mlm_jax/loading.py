@@ -108,7 +108,7 @@ class LoadedModel:
             raise ValueError("prompts is a list of prompts: wrap one prompt in a list")
         check_sampling(temperature, top_k, top_p, max_new_tokens, flags=False)
         outs = self.decoder()([self.encode(p) for p in prompts], max_new_tokens, temperature, top_k,
-                              top_p, seed, stop_token)
+                              top_p, seed, stop_token, prompt_logprobs=logprobs)
         for out in outs:
             if self.tokenizer is not None:
                 try:

@@ -48,6 +48,7 @@ class Job:
     top_p: float
     seed: int
     stop_token: int | None
+    logprobs: bool = False  # the prompt tokens' log-probs too
     future: asyncio.Future | None = None
     cancelled: bool = False
 
@@ -208,7 +209,7 @@ class Batcher:
             [p for _, _, p in rows], [j.new_tokens for j, _, _ in rows],
             [j.temperature for j, _, _ in rows], [j.top_k for j, _, _ in rows],
             [j.top_p for j, _, _ in rows], [(j.seed, i) for j, i, _ in rows],
-            [j.stop_token for j, _, _ in rows])
+            [j.stop_token for j, _, _ in rows], prompt_logprobs=any(j.logprobs for j in jobs))
         result, at = [], 0
         for j in jobs:
             result.append(outs[at: at + len(j.prompts)])
@@ -291,7 +292,7 @@ class Handlers:
             return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
         stop = r["stop_token"] if r["stop_token"] is not None else self.default_stop
         job = Job(ids, r["tokens_to_generate"], r["temperature"], r["top_k"], r["top_p"],
-                  _seed(r["random_seed"]), stop)
+                  _seed(r["random_seed"]), stop, r["logprobs"])
         outs = await _run_job(self.batcher, job)
         if not isinstance(outs, list):
             return outs

@@ -52,17 +52,17 @@ def test_cache_is_sharded_like_the_heads():
     m = memory_model(2, "gpt2")
     dec = m.decoder()
     m.generate([[1, 2]], max_new_tokens=2)
-    shape = (1, 8, 16)  # one row, prompt bucket 8, cache bucket 16
+    shape = (1, 8, 16, False)  # one row, prompt bucket 8, cache bucket 16, no prompt log-probs
     fn = dec._programs[shape]
     hlo = fn.lower(m.params, *_arrays(shape)).compile().as_text()
-    b, p, t = shape
+    b, p, t = shape[:3]
     per_device = f"f32[{m.config.num_layers},{b},{t},{m.config.query_groups // 2},{m.config.head_dim}]"
     assert per_device in hlo, per_device
     assert jax.device_count() == 8
 
 
 def _arrays(shape):
-    b, p, t = shape
+    b, p, t = shape[:3]
     return (np.zeros((b, p), np.int32), np.ones(b, np.int32), np.ones(b, np.int32), np.zeros(b, np.float32),
             np.zeros(b, np.int32), np.zeros(b, np.float32), np.full(b, -1, np.int32), np.zeros((b, 2), np.uint32))
 

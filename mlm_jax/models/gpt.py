@@ -160,7 +160,7 @@ class GPT(nnx.Module):
         """All layers on new tokens against the KV cache, in one scan (decoding; no dropout).
 
         `cache` holds "k" and "v", each [layers, batch, max_len, kv_heads, head_dim]
-        (`kv_cache_names`); returns (x, the updated cache).
+        (`KV_CACHE` names its dims); returns (x, the updated cache).
         """
         graphdef, layer_state = nnx.split(self.layers)
 
