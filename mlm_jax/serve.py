@@ -156,6 +156,7 @@ class Batcher:
         self.in_flight = 0
         self.batches = 0  # decodes run (a test checks concurrent requests share them)
         self._task = None
+        self._held: Job | None = None
 
     def start(self):
         self.queue = asyncio.Queue()
@@ -166,7 +167,7 @@ class Batcher:
             self._task.cancel()
 
     async def submit(self, job: Job):
-        """The job's `Generated` list; BadRequest-free: raises Full (503) or TimeoutError (504)."""
+        """The job's list of `Generated`; raises Full (503) or asyncio.TimeoutError (504)."""
         if self.in_flight >= self.max_queue:
             raise Full()
         self.in_flight += 1
@@ -180,15 +181,25 @@ class Batcher:
         finally:
             self.in_flight -= 1
 
+    async def _next_batch(self) -> list[Job]:
+        """The waiting jobs, oldest first, up to max_batch rows (a job that does not fit waits
+        for the next batch; one job larger than max_batch runs alone)."""
+        jobs = [self._held if self._held is not None else await self.queue.get()]
+        self._held = None
+        rows = len(jobs[0].prompts)
+        while not self.queue.empty():
+            job = self.queue.get_nowait()
+            if rows + len(job.prompts) > self.max_batch:
+                self._held = job
+                break
+            jobs.append(job)
+            rows += len(job.prompts)
+        return [j for j in jobs if not j.cancelled]
+
     async def _run(self):
         loop = asyncio.get_running_loop()
         while True:
-            jobs = [await self.queue.get()]
-            rows = len(jobs[0].prompts)
-            while not self.queue.empty() and rows + len(self.queue._queue[0].prompts) <= self.max_batch:
-                jobs.append(self.queue.get_nowait())
-                rows += len(jobs[-1].prompts)
-            jobs = [j for j in jobs if not j.cancelled]
+            jobs = await self._next_batch()
             if not jobs:
                 continue
             try:
@@ -252,6 +263,8 @@ async def _run_job(batcher: Batcher, job: Job):
                             headers={"Retry-After": "1"})
     except asyncio.TimeoutError:
         return JSONResponse({"error": f"request timed out after {batcher.timeout} s"}, status_code=504)
+    except Exception as e:  # noqa: BLE001 - one failed decode answers 500, the server stays up
+        return JSONResponse({"error": f"generation failed: {type(e).__name__}: {e}"}, status_code=500)
 
 
 async def _json_body(request):
