@@ -3,6 +3,7 @@
     import mlm_jax
     m = mlm_jax.load("runs/20260101-120000/checkpoints")   # or a checkpoint folder, or an HF folder
     logits = m.logits(tokens)   # int [batch, seq] -> float32 numpy [batch, seq, m.config.vocab_size]
+    outs = m.generate(["a prompt"], max_new_tokens=32)   # KV-cached decoding (mlm_jax/generate.py)
 
 `logits` returns the *true* vocab (the padding columns Megatron adds are dropped). Parameters
 are placed on the available devices: by default one mesh over all of them, data-parallel
@@ -33,6 +34,7 @@ class LoadedModel:
 
     def __post_init__(self):
         self._forward = None
+        self._decoder = None
 
     def logits(self, tokens) -> np.ndarray:
         """float32 [batch, seq, config.vocab_size] (true vocab) for int tokens [batch, seq]."""
@@ -66,6 +68,56 @@ class LoadedModel:
         x = jax.device_put(jnp.asarray(tokens, jnp.int32), NamedSharding(self.mesh, spec))
         with tracing(self.mesh, rules):
             return np.asarray(fn(self.params, x), dtype=np.float32)
+
+
+    def decoder(self):
+        """The cached `mlm_jax.generate.Decoder` for these parameters (made on first use)."""
+        if self._decoder is None:
+            from mlm_jax.config import Config
+            from mlm_jax.generate import Decoder
+            from mlm_jax.parallelize import abstract_model
+            from mlm_jax.sharding.rules import activation_rules
+
+            m = self.config
+            graphdef, _, _ = abstract_model(Config(model=m))
+            limit = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
+            self._decoder = Decoder(graphdef, self.params, m.vocab_size, limit, self.mesh, activation_rules(False))
+        return self._decoder
+
+    def encode(self, prompt) -> list[int]:
+        """A prompt as token ids: a string through the tokenizer, a sequence of ints as is."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.path} carries no tokenizer: give prompts as token-id lists")
+            return list(self.tokenizer.tokenize(prompt))
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 0.0, seed: int = 0, logprobs: bool = False, stop_token: int | None = None):
+        """Continue each prompt (token-id lists, or strings when the checkpoint has a tokenizer)
+        with up to `max_new_tokens` tokens, with the KV cache (`mlm_jax.generate`).
+
+        temperature 0 is greedy; top_k / top_p 0 are off; `seed` fixes the draws (row i uses
+        fold_in(key(seed), i)); `stop_token` ends a row early. Returns one
+        `mlm_jax.generate.Generated` per prompt (`.tokens`, `.text` with a tokenizer, and
+        `.logprobs` / `.prompt_logprobs`, kept only when `logprobs`).
+        """
+        from mlm_jax.generate import check_sampling
+
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            raise ValueError("prompts is a list of prompts: wrap one prompt in a list")
+        check_sampling(temperature, top_k, top_p, max_new_tokens, flags=False)
+        outs = self.decoder()([self.encode(p) for p in prompts], max_new_tokens, temperature, top_k,
+                              top_p, seed, stop_token, prompt_logprobs=logprobs)
+        for out in outs:
+            if self.tokenizer is not None:
+                try:
+                    out.text = self.tokenizer.detokenize(out.tokens)
+                except Exception:  # noqa: BLE001 - a tokenizer without text (NullTokenizer)
+                    out.text = None
+            if not logprobs:
+                out.logprobs = out.prompt_logprobs = None
+        return outs
 
 
 def _mesh(mesh):

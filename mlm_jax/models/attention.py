@@ -172,9 +172,8 @@ class Attention(nnx.Module):
         else:
             self.bqkv = self.bo = None
 
-    def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
-        """y: the normed input [batch, seq, embed] (whole seq); returns [batch, seq, embed]
-        before the residual add (the row-parallel all-reduce or reduce-scatter follows)."""
+    def _project(self, y_bsd, positions_bs):
+        """q [b, s, h, k], k and v [b, s, g, k] (rotary applied) for the normed input y."""
         cfg, dt = self.cfg, y_bsd.dtype
         qkv = add_bias(jnp.einsum("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt)), cast(self.bqkv, dt))
         qkv = constrain(qkv, ("batch", None, "kv_heads", None, "head_dim"))  # j: r queries, k, v
@@ -188,11 +187,45 @@ class Attention(nnx.Module):
         if cfg.position_embedding_type == "rope":
             q = rotary(q, positions_bs, cfg.rotary_base)
             k = rotary(k, positions_bs, cfg.rotary_base)
+        return q, k, v
+
+    def _out(self, o_bshk):
+        o = constrain(o_bshk, ("batch", None, "heads", "head_dim"))
+        dt = o.dtype
+        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
+
+    def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
+        """y: the normed input [batch, seq, embed] (whole seq); returns [batch, seq, embed]
+        before the residual add (the row-parallel all-reduce or reduce-scatter follows)."""
+        cfg, dt = self.cfg, y_bsd.dtype
+        q, k, v = self._project(y_bsd, positions_bs)
         dropout_on = key is not None and cfg.attention_dropout > 0
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=dropout_on)
         o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
                       dropout_rate=cfg.attention_dropout, dropout_key=key,
                       recompute=cfg.recompute_granularity == "selective")  # [b, s, h, k]
-        o = constrain(o, ("batch", None, "heads", "head_dim"))
-        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
+        return self._out(o)
+
+    def cached(self, y_bsd, positions_bs, cache_k_btgk, cache_v_btgk):
+        """Attention of s new tokens against a KV cache; returns (out [b, s, d], k cache, v cache).
+
+        Cache slot = token position: the new keys/values are written at their positions
+        (s > 1, the prefill: every row starts at position 0; s == 1, a decode step: each row
+        at its own position) and a query sees the slots at or before its position, so the
+        unwritten (or right-padding) slots past it are masked by the causal rule itself.
+        """
+        q, k, v = self._project(y_bsd, positions_bs)
+        t = cache_k_btgk.shape[1]
+        if y_bsd.shape[1] == 1:
+            at = (jnp.arange(t)[None, :] == positions_bs)[:, :, None, None]  # [b, t, 1, 1]
+            cache_k_btgk = jnp.where(at, k.astype(cache_k_btgk.dtype), cache_k_btgk)
+            cache_v_btgk = jnp.where(at, v.astype(cache_v_btgk.dtype), cache_v_btgk)
+        else:
+            cache_k_btgk = jax.lax.dynamic_update_slice(cache_k_btgk, k.astype(cache_k_btgk.dtype), (0, 0, 0, 0))
+            cache_v_btgk = jax.lax.dynamic_update_slice(cache_v_btgk, v.astype(cache_v_btgk.dtype), (0, 0, 0, 0))
+        cache_k_btgk = constrain(cache_k_btgk, ("batch", None, "kv_heads", "head_dim"))
+        cache_v_btgk = constrain(cache_v_btgk, ("batch", None, "kv_heads", "head_dim"))
+        k_pos = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
+        o = attention(q, cache_k_btgk.astype(q.dtype), cache_v_btgk.astype(q.dtype), positions_bs, k_pos)
+        return self._out(o), cache_k_btgk, cache_v_btgk

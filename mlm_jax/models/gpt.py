@@ -12,6 +12,8 @@ re-implements the forward):
   embed_tokens(tokens, positions, key)                          -> x [batch, seq, embed]
   run_layers(x, positions, segment_ids, key, first, count)      -> x
   head(x, labels, loss_mask)                                    -> (loss_sum, aux)
+Decoding uses the same embedding, layer bodies and head, with a KV cache threaded through the
+layer scan (`forward_cached`, `run_layers_cached`, `init_cache`).
 `aux` is a dict of per-step scalars (empty for this dense model; MoE's load-balancing losses
 go there), summed over microbatches into the train step's metrics.
 
@@ -31,6 +33,7 @@ from mlm_jax.models.mlp import MLP
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
+KV_CACHE = ("layers", "batch", None, "kv_heads", "head_dim")  # [l, b, max_len, g, k]
 PADDED_LOGIT = -1e30
 
 
@@ -75,6 +78,14 @@ class Block(nnx.Module):
         y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
         o = self.mlp(y)
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY)
+
+    def cached(self, x_bsd, positions_bs, cache_k, cache_v):
+        """The layer on new tokens against its KV cache (no dropout): (x, cache_k, cache_v)."""
+        y = constrain(self.norm1(x_bsd), ("batch", None, "embed"))
+        o, cache_k, cache_v = self.attention.cached(y, positions_bs, cache_k, cache_v)
+        x_bsd = constrain(x_bsd + o, BLOCK_BOUNDARY)
+        y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
+        return constrain(x_bsd + self.mlp(y), BLOCK_BOUNDARY), cache_k, cache_v
 
 
 class GPT(nnx.Module):
@@ -144,6 +155,36 @@ class GPT(nnx.Module):
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
         return x_bsd
+
+    def run_layers_cached(self, x_bsd, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
+        """All layers on new tokens against the KV cache, in one scan (decoding; no dropout).
+
+        `cache` holds "k" and "v", each [layers, batch, max_len, kv_heads, head_dim]
+        (`KV_CACHE` names its dims); returns (x, the updated cache).
+        """
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(x, xs):
+            state_l, k_l, v_l = xs
+            x, k_l, v_l = nnx.merge(graphdef, state_l).cached(x, positions_bs, k_l, v_l)
+            return x, (k_l, v_l)
+
+        x_bsd, (k, v) = jax.lax.scan(body, x_bsd, (layer_state, cache["k"], cache["v"]))
+        return x_bsd, {"k": constrain(k, KV_CACHE), "v": constrain(v, KV_CACHE)}
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty KV cache for `batch` rows of up to `max_len` positions, in the compute dtype."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.query_groups, cfg.head_dim)
+        zero = constrain(jnp.zeros(shape, self.dtype), KV_CACHE)
+        return {"k": zero, "v": zero}
+
+    def forward_cached(self, tokens_bs, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
+        """(fp32 logits [b, s, padded vocab], cache) of new tokens at `positions` (see
+        `Attention.cached`: s > 1 is a prefill from position 0, s == 1 one decode step)."""
+        x = self.embed_tokens(tokens_bs, positions_bs, None)
+        x, cache = self.run_layers_cached(x, positions_bs, cache)
+        return self.logits(x), cache
 
     def logits(self, x_bsd) -> jax.Array:
         """Final norm and LM head: fp32 logits [batch, seq, padded vocab], padding masked."""
