@@ -335,7 +335,8 @@ def test_ctrl_c_twice_during_the_first_compile(tmp_path):
     rc, out, took = _interrupt(tmp_path, "twice", second_after=0.05)
     assert_named_error(rc, out, 130, "interrupted (Ctrl-C)")
     assert took < 60, (took, out[-2000:])
-    for stopped in ckpt.scan(str(tmp_path / "ck_twice"))[0]:  # a save only after a finished step
+    saved = ckpt.scan(str(tmp_path / "ck_twice"))[0] if (tmp_path / "ck_twice").exists() else []
+    for stopped in saved:  # a save only after a finished step
         assert f"> exiting at iteration {stopped}: received SIGINT" in out
 
 
