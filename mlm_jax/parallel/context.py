@@ -1,0 +1,206 @@
+"""Context-parallel attention: the sequence split over the `context` mesh axis, in shard_map.
+
+Outside attention every activation is [batch, seq/context, ...] (the rules map `seq` and
+`context_seq` to `context`) and GSPMD handles the rest of the layer: weights are replicated
+over `context` and their gradients are summed over it. Attention is the one place a token needs
+the others' keys and values; `context_attention` runs it manual over every mesh axis that is not
+already manual (the pipeline's `pipe` is), with one of Megatron's `--cp-comm-type`s:
+
+  - `p2p` (ring): each rank keeps its queries and passes its K/V block (and the block's segment
+    ids) to the next rank C-1 times with `ppermute`. The transfer of the next block is issued
+    before the current block's attention, with no dependency between them, so the scheduler can
+    overlap them. Blocks are merged with an online softmax: each block returns its normalised
+    output and log-sum-exp, and the running pair is rescaled (flash attention's merge). The
+    backward is the autodiff of the loop: the cotangents of the K/V blocks travel the ring the
+    other way. Each block's scores are recomputed in the backward (`jax.checkpoint`), so only
+    one [s/C, s/C] block of scores is ever alive.
+  - `allgather`: K/V (and their segment ids) gathered over `context`, then local attention of
+    this rank's queries; the backward reduce-scatters dK/dV.
+  - `a2a` (Ulysses): all-to-all from sequence-split/heads-whole to sequence-whole/heads-split,
+    whole-sequence attention on H/C heads, all-to-all back. Needs heads and KV groups (per
+    tensor rank) divisible by C.
+
+In every case the mask comes from the original token indices (`chunks.local_order`) and the
+segment ids, and K/V keep their G groups (grouped-query attention never repeats K/V, neither
+in memory nor on the wire). Shape letters as in mlm_jax/models/attention.py; `c` = the context
+size C, per-device block shapes are in the comments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+from mlm_jax.models.attention import _scores, attention, causal_mask
+from mlm_jax.models.layers import dropout
+from mlm_jax.parallel.chunks import local_order, seq_order
+from mlm_jax.sharding.mesh import CONTEXT
+from mlm_jax.sharding.rules import active_rules, logical_to_spec
+
+COMM_TYPES = ("p2p", "allgather", "a2a")
+NEG = -1e30  # a finite "minus infinity": fully masked rows stay NaN-free in value and gradient
+
+_ACTIVE: list[str] = []
+
+
+class use_comm_type:
+    """Context manager: the --cp-comm-type in force while a step is traced."""
+
+    def __init__(self, comm_type: str):
+        if comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+        self.comm_type = comm_type
+
+    def __enter__(self):
+        _ACTIVE.append(self.comm_type)
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+
+
+def context_size() -> int:
+    """The `context` axis size of the mesh being traced under; 1 outside a mesh, the rules or
+    `use_comm_type` (callers whose sequence is not in the chunk order, e.g. generation)."""
+    if not active_rules() or not _ACTIVE:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT not in mesh.axis_names:
+        return 1
+    return dict(mesh.shape)[CONTEXT]
+
+
+# --------------------------------------------------------------------------- one block
+
+
+def _block(q_bsgrk, k_btgk, v_btgk, mask_bst, rate, key):
+    """Attention of queries to one K/V block: (output [b, g, r, s, k] fp32, normalised over
+    this block only; log-sum-exp [b, g, r, s] fp32, NEG where the block hides every key)."""
+    scores = _scores(q_bsgrk, k_btgk) / math.sqrt(q_bsgrk.shape[-1])  # [b, g, r, s, t] fp32
+    mask = mask_bst[:, None, None]  # [b, 1, 1, s, t]
+    scores = jnp.where(mask, scores, NEG)
+    # The max only keeps exp in range; the result does not depend on it.
+    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1))  # [b, g, r, s]
+    p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)  # [b, g, r, s, t]
+    total = jnp.sum(p, axis=-1)  # [b, g, r, s]
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    p = dropout(p, rate, key).astype(v_btgk.dtype)
+    o = jnp.einsum("bgrst,btgk->bgrsk", p, v_btgk, preferred_element_type=jnp.float32)
+    return o / safe[..., None], jnp.where(seen, m + jnp.log(safe), NEG)
+
+
+_block_remat = jax.checkpoint(_block, static_argnums=(4,))
+
+
+def _merge(acc, new):
+    """Online-softmax merge of two (output, lse) pairs over disjoint key sets."""
+    if acc is None:
+        return new
+    (o_a, lse_a), (o_b, lse_b) = acc, new
+    lse = jnp.logaddexp(lse_a, lse_b)  # [b, g, r, s]
+    o = o_a * jnp.exp(lse_a - lse)[..., None] + o_b * jnp.exp(lse_b - lse)[..., None]
+    return o, lse
+
+
+def _mask(q_idx_s, k_idx_t, q_seg_bs, k_seg_bt):
+    """[b or 1, s, t] bool from original indices (causal) and segment ids (documents)."""
+    return causal_mask(q_idx_s[None], k_idx_t[None], q_seg_bs, k_seg_bt)
+
+
+def _key(key, *ids):
+    if key is None:
+        return None
+    for i in ids:
+        key = jax.random.fold_in(key, i)
+    return key
+
+
+# --------------------------------------------------------------------------- comm types
+
+
+def _ring(q, k, v, seg, key, *, c: int, rate: float):
+    """p2p: per device q [b, s/c, h, k], k/v [b, s/c, g, k], seg [b, s/c] or None."""
+    rank = jax.lax.axis_index(CONTEXT)
+    b, s, h, hd = q.shape
+    g = k.shape[2]
+    q_bsgrk = q.reshape(b, s, g, h // g, hd)  # [b, s/c, g, r, k]
+    q_idx = local_order(rank, c, s, jnp)  # [s/c]
+    perm = [(i, (i + 1) % c) for i in range(c)]
+    block = (k, v, seg)  # the travelling K/V block and its segment ids
+    acc = None
+    for step in range(c):
+        # Issue the next transfer first: it does not depend on this step's compute.
+        nxt = jax.lax.ppermute(block, CONTEXT, perm) if step < c - 1 else None
+        src = (rank - step) % c  # the rank this block came from
+        k_b, v_b, seg_b = block
+        mask = _mask(q_idx, local_order(src, c, s, jnp), seg, seg_b)  # [b or 1, s/c, s/c]
+        acc = _merge(acc, _block_remat(q_bsgrk, k_b, v_b, mask, rate, _key(key, rank, src)))
+        block = nxt
+    o, _ = acc  # [b, g, r, s/c, k]
+    return jnp.einsum("bgrsk->bsgrk", o).reshape(b, s, h, hd).astype(q.dtype)
+
+
+def _allgather(q, k, v, seg, key, *, c: int, rate: float):
+    """allgather: K/V [b, s/c, g, k] -> [b, s, g, k] (stored order); queries stay local."""
+    rank = jax.lax.axis_index(CONTEXT)
+    s = q.shape[1]
+    k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)  # [b, s, g, k]
+    v_all = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)  # [b, s, g, k]
+    seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
+    q_idx = local_order(rank, c, s, jnp)[None]  # [1, s/c]
+    k_idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
+    return attention(q, k_all, v_all, q_idx, k_idx, seg, seg_all, dropout_rate=rate,
+                     dropout_key=_key(key, rank), recompute=True)
+
+
+def _a2a(q, k, v, seg, key, *, c: int, rate: float):
+    """a2a (Ulysses): [b, s/c, n, k] -> [b, s, n/c, k] for q (n = h) and k, v (n = g)."""
+    rank = jax.lax.axis_index(CONTEXT)
+    s = q.shape[1]
+
+    def to_heads(x):  # [b, s/c, n, k] -> [b, s, n/c, k]
+        return jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
+
+    seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
+    idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
+    o = attention(to_heads(q), to_heads(k), to_heads(v), idx, idx, seg_all, seg_all,
+                  dropout_rate=rate, dropout_key=_key(key, rank), recompute=True)  # [b, s, h/c, k]
+    return jax.lax.all_to_all(o, CONTEXT, split_axis=1, concat_axis=2, tiled=True)  # [b, s/c, h, k]
+
+
+_IMPLS = {"p2p": _ring, "allgather": _allgather, "a2a": _a2a}
+
+
+def _spec(names, axes) -> P:
+    """The activation spec of logical `names`, keeping only the mesh axes made manual here."""
+    parts = []
+    for part in logical_to_spec(names, active_rules()):
+        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in axes)
+        parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*parts)
+
+
+def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_rate: float = 0.0,
+                      dropout_key=None, comm_type: str | None = None) -> jax.Array:
+    """Causal attention over the context-parallel sequence: [b, s, h, k] sharded [batch,
+    s/context, heads, k], keys/values [b, s, g, k]; the stored sequence is in the load-balanced
+    order of `chunks.seq_order`. Called inside the mesh and activation rules."""
+    comm_type = comm_type or (_ACTIVE[-1] if _ACTIVE else "p2p")
+    c = context_size()
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+    q_spec = _spec(("batch", "context_seq", "heads", "head_dim"), axes)
+    kv_spec = _spec(("batch", "context_seq", "kv_heads", "head_dim"), axes)
+    seg_spec = _spec(("batch", "context_seq"), axes)
+    impl = _IMPLS[comm_type]
+    use_key = dropout_key is not None and dropout_rate > 0
+
+    def body(q, k, v, seg, key):
+        return impl(q, k, v, seg, key if use_key else None, c=c, rate=dropout_rate)
+
+    key = dropout_key if use_key else jax.random.key(0)
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, P()),
+                         out_specs=q_spec, axis_names=axes)(q_bshk, k_bsgk, v_bsgk, segment_ids_bs, key)
