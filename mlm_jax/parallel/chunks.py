@@ -58,3 +58,20 @@ def unpermute_seq(arr: np.ndarray, context_size: int, axis: int = -1) -> np.ndar
         return np.asarray(arr)
     order = seq_order(np.shape(arr)[axis], context_size)
     return np.take(np.asarray(arr), np.argsort(order), axis=axis)
+
+
+def sharding_seq_order(sharding, shape) -> np.ndarray | None:
+    """The stored order for a [..., seq] batch of `shape` laid out by `sharding` (a
+    NamedSharding): the load-balanced order when its seq dim is split over a `context` axis
+    larger than 1, else None (the plain order)."""
+    from mlm_jax.sharding.mesh import CONTEXT
+
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or len(spec) < len(shape):
+        return None  # trailing dims left out of a spec are unsharded
+    last = spec[len(shape) - 1]
+    axes = (last,) if isinstance(last, str) else tuple(last or ())
+    size = dict(mesh.shape).get(CONTEXT, 1)
+    if CONTEXT not in axes or size == 1:
+        return None
+    return seq_order(shape[-1], size)

@@ -28,6 +28,7 @@ size C, per-device block shapes are in the comments.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -121,13 +122,15 @@ def _key(key, *ids):
 # --------------------------------------------------------------------------- comm types
 
 
-def _ring(q, k, v, seg, key, *, c: int, rate: float):
+def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     """p2p: per device q [b, s/c, h, k], k/v [b, s/c, g, k], seg [b, s/c] or None."""
     rank = jax.lax.axis_index(CONTEXT)
     b, s, h, hd = q.shape
     g = k.shape[2]
     q_bsgrk = q.reshape(b, s, g, h // g, hd)  # [b, s/c, g, r, k]
     q_idx = local_order(rank, c, s, jnp)  # [s/c]
+    if in_pipeline:
+        return _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, c=c, rate=rate)
     perm = [(i, (i + 1) % c) for i in range(c)]
     block = (k, v, seg)  # the travelling K/V block and its segment ids
     acc = None
@@ -139,11 +142,35 @@ def _ring(q, k, v, seg, key, *, c: int, rate: float):
         mask = _mask(q_idx, local_order(src, c, s, jnp), seg, seg_b)  # [b or 1, s/c, s/c]
         acc = _merge(acc, _block_remat(q_bsgrk, k_b, v_b, mask, rate, _key(key, rank, src)))
         block = nxt
-    o, _ = acc  # [b, g, r, s/c, k]
+    return _finish(acc, q)
+
+
+def _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, *, c: int, rate: float):
+    """The ring's blockwise merge with the C blocks all-gathered once: the p2p path inside a
+    pipeline stage. There the stage runs in a `lax.switch` branch that only some stages take,
+    and XLA:CPU pairs a collective-permute in such a branch with the wrong peer op (the
+    pipeline runtime's docstring has the same warning); all-gather is safe there and receives
+    the same C-1 blocks, without the ring's overlap."""
+    s = q.shape[1]
+    k_all = jax.lax.all_gather(k, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
+    v_all = jax.lax.all_gather(v, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
+    seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=0, tiled=False)  # [c, b, s/c]
+    acc = None
+    for src in range(c):  # static: the key indices are constants
+        seg_b = None if seg is None else seg_all[src]
+        mask = _mask(q_idx, jnp.asarray(local_order(src, c, s)), seg, seg_b)  # [b or 1, s/c, s/c]
+        acc = _merge(acc, _block_remat(q_bsgrk, k_all[src], v_all[src], mask, rate, _key(key, rank, src)))
+    return _finish(acc, q)
+
+
+def _finish(acc, q):
+    """The merged [b, g, r, s/c, k] output as [b, s/c, h, k] in q's dtype."""
+    o, _ = acc
+    b, s, h, hd = q.shape
     return jnp.einsum("bgrsk->bsgrk", o).reshape(b, s, h, hd).astype(q.dtype)
 
 
-def _allgather(q, k, v, seg, key, *, c: int, rate: float):
+def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     """allgather: K/V [b, s/c, g, k] -> [b, s, g, k] (stored order); queries stay local."""
     rank = jax.lax.axis_index(CONTEXT)
     s = q.shape[1]
@@ -156,7 +183,7 @@ def _allgather(q, k, v, seg, key, *, c: int, rate: float):
                      dropout_key=_key(key, rank), recompute=True)
 
 
-def _a2a(q, k, v, seg, key, *, c: int, rate: float):
+def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     """a2a (Ulysses): [b, s/c, n, k] -> [b, s, n/c, k] for q (n = h) and k, v (n = g)."""
     rank = jax.lax.axis_index(CONTEXT)
     s = q.shape[1]
@@ -183,6 +210,43 @@ def _spec(names, axes) -> P:
     return P(*parts)
 
 
+def _manual_axes(mesh) -> frozenset:
+    """The axes this shard_map makes manual: every axis not manual already (inside the
+    pipeline's shard_map, `pipe` is)."""
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan, q, k, v, seg, key):
+    """The shard_map'd attention of `plan` = (body, specs, axes)."""
+    body, (q_spec, kv_spec, seg_spec), axes = plan
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, P()), out_specs=q_spec,
+                         axis_names=axes)(q, k, v, seg, key)
+
+
+def _attend_fwd(plan, q, k, v, seg, key):
+    # Only the inputs are kept for the backward ([b, s/c, ...] each: nothing grows with C).
+    # Left to autodiff, the residuals of a shard_map nested in the pipeline's get a dim sharded
+    # (pipe, data) that Shardy rejects; recomputing the forward inside the backward's own
+    # shard_map avoids both (flash attention recomputes its blocks too).
+    return _attend(plan, q, k, v, seg, key), (q, k, v, seg, key)
+
+
+def _attend_bwd(plan, res, do):
+    body, (q_spec, kv_spec, seg_spec), axes = plan
+
+    def grads(q, k, v, seg, key, do):
+        _, vjp = jax.vjp(lambda q, k, v: body(q, k, v, seg, key), q, k, v)
+        return vjp(do)  # the K/V cotangents travel the ring backwards
+
+    dq, dk, dv = jax.shard_map(grads, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, P(), q_spec),
+                               out_specs=(q_spec, kv_spec, kv_spec), axis_names=axes)(*res, do)
+    return dq, dk, dv, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
 def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_rate: float = 0.0,
                       dropout_key=None, comm_type: str | None = None) -> jax.Array:
     """Causal attention over the context-parallel sequence: [b, s, h, k] sharded [batch,
@@ -191,16 +255,18 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
     comm_type = comm_type or (_ACTIVE[-1] if _ACTIVE else "p2p")
     c = context_size()
     mesh = jax.sharding.get_abstract_mesh()
-    axes = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
-    q_spec = _spec(("batch", "context_seq", "heads", "head_dim"), axes)
-    kv_spec = _spec(("batch", "context_seq", "kv_heads", "head_dim"), axes)
-    seg_spec = _spec(("batch", "context_seq"), axes)
-    impl = _IMPLS[comm_type]
+    axes = _manual_axes(mesh)
+    in_pipeline = len(axes) < len(mesh.axis_names)
+    specs = (_spec(("batch", "context_seq", "heads", "head_dim"), axes),
+             _spec(("batch", "context_seq", "kv_heads", "head_dim"), axes),
+             _spec(("batch", "context_seq"), axes))
     use_key = dropout_key is not None and dropout_rate > 0
-
-    def body(q, k, v, seg, key):
-        return impl(q, k, v, seg, key if use_key else None, c=c, rate=dropout_rate)
-
+    impl = functools.partial(_IMPLS[comm_type], in_pipeline=in_pipeline)
+    body = functools.partial(_body, impl, c, dropout_rate if use_key else 0.0)
     key = dropout_key if use_key else jax.random.key(0)
-    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, P()),
-                         out_specs=q_spec, axis_names=axes)(q_bshk, k_bsgk, v_bsgk, segment_ids_bs, key)
+    return _attend((body, specs, axes), q_bshk, k_bsgk, v_bsgk, segment_ids_bs, key)
+
+
+def _body(impl, c, rate, q, k, v, seg, key):
+    """Per device: q [b, s/c, h, k], k/v [b, s/c, g, k], seg [b, s/c] or None -> [b, s/c, h, k]."""
+    return impl(q, k, v, seg, key if rate > 0 else None, c=c, rate=rate)
