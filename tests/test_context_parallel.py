@@ -131,3 +131,20 @@ def test_cli_bad_context_size_exits_2_with_one_line(tmp_path):
     lines = [line for line in out.stderr.strip().splitlines() if "--context-parallel-size" in line]
     assert len(lines) == 1 and "--seq-length 30 is not divisible by 2 x --context-parallel-size 2 = 4" in lines[0], out.stderr
     assert keep.read_text() == "data" and not (tmp_path / "run").exists()
+
+
+def test_inspect_shows_each_context_ranks_chunks(capsys):
+    import json
+
+    from mlm_jax.data import inspect as inspect_cli
+
+    args = ["--mock-data", "--vocab-size", "100", "--seq-length", "8", "--train-samples", "8", "--show", "0:2"]
+    assert inspect_cli.main(args + ["--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert inspect_cli.main(args + ["--json", "--context-parallel-size", "2"]) == 0
+    ranks = json.loads(capsys.readouterr().out)
+    for sample, per_rank in zip(whole, ranks):  # 4 chunks of 2 inputs: rank 0 has 0 and 3
+        inputs = sample[:-1]
+        assert per_rank == [inputs[0:2] + inputs[6:8], inputs[2:6]]
+    assert inspect_cli.main(args + ["--context-parallel-size", "3"]) == 2
+    assert "--seq-length 8 is not divisible by 2 x --context-parallel-size 3 = 6" in capsys.readouterr().err

@@ -97,7 +97,8 @@ _block_remat = jax.checkpoint(_block, static_argnums=(4,))
 
 
 def _merge(acc, new):
-    """Online-softmax merge of two (output, lse) pairs over disjoint key sets."""
+    """Online-softmax merge of two (output, lse) pairs over disjoint key sets (`acc` may be
+    the empty pair: zeros and NEG)."""
     if acc is None:
         return new
     (o_a, lse_a), (o_b, lse_b) = acc, new
@@ -132,16 +133,26 @@ def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     if in_pipeline:
         return _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, c=c, rate=rate)
     perm = [(i, (i + 1) % c) for i in range(c)]
-    block = (k, v, seg)  # the travelling K/V block and its segment ids
-    acc = None
-    for step in range(c):
-        # Issue the next transfer first: it does not depend on this step's compute.
-        nxt = jax.lax.ppermute(block, CONTEXT, perm) if step < c - 1 else None
-        src = (rank - step) % c  # the rank this block came from
+
+    def attend(acc, block, step):
         k_b, v_b, seg_b = block
+        src = (rank - step) % c  # the rank this block came from
         mask = _mask(q_idx, local_order(src, c, s, jnp), seg, seg_b)  # [b or 1, s/c, s/c]
-        acc = _merge(acc, _block_remat(q_bsgrk, k_b, v_b, mask, rate, _key(key, rank, src)))
-        block = nxt
+        return _merge(acc, _block_remat(q_bsgrk, k_b, v_b, mask, rate, _key(key, rank, src)))
+
+    def ring_step(carry, step):
+        block, acc = carry
+        # Issue the next transfer first: it does not depend on this step's compute.
+        nxt = jax.lax.ppermute(block, CONTEXT, perm)
+        return (nxt, attend(acc, block, step)), None
+
+    # A scan over all C steps keeps one block of scores alive at a time: unrolled (or a scan
+    # XLA unrolls, of length 1 at C = 2), XLA merges the independent blocks' matmuls that share
+    # q back into one [s/c, s] product. The price: the last step's transfer is not used (C
+    # transfers for C-1 blocks).
+    q_bgrsk = jnp.einsum("bsgrk->bgrsk", q_bsgrk)
+    acc = (jnp.zeros_like(q_bgrsk, jnp.float32), jnp.full_like(q_bgrsk[..., 0], NEG, jnp.float32))
+    (_, acc), _ = jax.lax.scan(ring_step, ((k, v, seg), acc), jnp.arange(c))
     return _finish(acc, q)
 
 
