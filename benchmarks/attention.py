@@ -8,7 +8,7 @@ Rows: `xla` (the plain backend, one device), `xla+recompute` (the selective-reco
 over `context` in the load-balanced chunk order). Prints a markdown table, writes JSON.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/attention.py \\
-        [--seqs 1024,2048,4096] [--cp 2,4] [--heads 8] [--groups 4] [--head-dim 32] [--steps 5]
+        [--seqs 1024,2048,4096] [--cp 2,4] [--heads 8] [--groups 4] [--head-dim 32] [--steps 5] [--comm p2p] [--only-cp]
 
 On a CPU the fake devices share the cores: context parallelism shows its memory effect, not a
 speed-up (each device does 1/C of the work but the devices run on the same two cores).
@@ -87,6 +87,8 @@ def main():
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--comm", default=",".join(COMM_TYPES), help="comm types to run")
+    p.add_argument("--only-cp", action="store_true", help="skip the one-device rows")
     p.add_argument("--out", default="runs/benchmarks")
     a = p.parse_args()
     rows = []
@@ -94,13 +96,13 @@ def main():
     print(f"| seq | backend | fwd+bwd ms | temp MB/device | compile s |\n|---|---|---|---|---|")
     for seq in [int(s) for s in a.seqs.split(",")]:
         args = inputs(seq, a.heads, a.groups, a.head_dim)
-        cases = [("xla", lambda: plain_row(XLA, False, args, a.steps)),
-                 ("xla+recompute", lambda: plain_row(XLA, True, args, a.steps))]
-        if on_nvidia_gpu():
+        cases = [] if a.only_cp else [("xla", lambda: plain_row(XLA, False, args, a.steps)),
+                                      ("xla+recompute", lambda: plain_row(XLA, True, args, a.steps))]
+        if on_nvidia_gpu() and not a.only_cp:
             bf = tuple(x.astype(jnp.bfloat16) for x in args)
             cases.append(("cudnn", lambda: plain_row(CUDNN, False, bf, a.steps)))
         for cp in cps:
-            for comm in COMM_TYPES:
+            for comm in a.comm.split(","):
                 if comm == "a2a" and (a.heads % cp or a.groups % cp):
                     continue
                 cases.append((f"cp{cp} {comm}", lambda cp=cp, comm=comm: cp_row(cp, comm, args, a.steps)))

@@ -7,18 +7,22 @@ the others' keys and values; `context_attention` runs it manual over every mesh 
 already manual (the pipeline's `pipe` is), with one of Megatron's `--cp-comm-type`s:
 
   - `p2p` (ring): each rank keeps its queries and passes its K/V block (and the block's segment
-    ids) to the next rank C-1 times with `ppermute`. The transfer of the next block is issued
-    before the current block's attention, with no dependency between them, so the scheduler can
-    overlap them. Blocks are merged with an online softmax: each block returns its normalised
-    output and log-sum-exp, and the running pair is rescaled (flash attention's merge). The
-    backward is the autodiff of the loop: the cotangents of the K/V blocks travel the ring the
-    other way. Each block's scores are recomputed in the backward (`jax.checkpoint`), so only
-    one [s/C, s/C] block of scores is ever alive.
+    ids) to the next rank with `ppermute`, in a `lax.scan` over the C steps. Each step's
+    transfer is issued before its block's attention, with no dependency between them, so the
+    scheduler can overlap them. Blocks are merged with an online softmax: each block returns
+    its normalised output and log-sum-exp, and the running pair is rescaled (flash attention's
+    merge). With the load-balanced chunks an off-diagonal step computes half a block (the
+    causal skip below). Each block's scores are recomputed in the backward (`jax.checkpoint`),
+    so one block of scores is alive at a time; the cotangents of the K/V blocks travel the
+    ring the other way.
   - `allgather`: K/V (and their segment ids) gathered over `context`, then local attention of
     this rank's queries; the backward reduce-scatters dK/dV.
   - `a2a` (Ulysses): all-to-all from sequence-split/heads-whole to sequence-whole/heads-split,
     whole-sequence attention on H/C heads, all-to-all back. Needs heads and KV groups (per
     tensor rank) divisible by C.
+
+The backward (`_attend`'s custom VJP) keeps only q, k, v and the segment ids and recomputes the
+forward inside its own shard_map (the ring runs again: backward traffic is twice the forward's).
 
 In every case the mask comes from the original token indices (`chunks.local_order`) and the
 segment ids, and K/V keep their G groups (grouped-query attention never repeats K/V, neither
@@ -135,10 +139,12 @@ def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     perm = [(i, (i + 1) % c) for i in range(c)]
 
     def attend(acc, block, step):
-        k_b, v_b, seg_b = block
         src = (rank - step) % c  # the rank this block came from
-        mask = _mask(q_idx, local_order(src, c, s, jnp), seg, seg_b)  # [b or 1, s/c, s/c]
-        return _merge(acc, _block_remat(q_bsgrk, k_b, v_b, mask, rate, _key(key, rank, src)))
+        k_idx = local_order(src, c, s, jnp)  # [s/c]
+        which = jnp.where(step == 0, 0, jnp.where(src < rank, 1, 2))
+        branches = [functools.partial(f, q_bsgrk, q_idx, seg, block, k_idx, rate, _key(key, rank, src))
+                    for f in (_diagonal, _early_block, _late_block)]
+        return _merge(acc, jax.lax.switch(which, branches))
 
     def ring_step(carry, step):
         block, acc = carry
@@ -156,12 +162,51 @@ def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     return _finish(acc, q)
 
 
+# The load balance's causal skip (Megatron's): rank r holds chunks r and 2C-1-r, and a block
+# from rank j holds chunks j and 2C-1-j. Its own block (j = r) needs the causal mask. From an
+# earlier rank (j < r) only the block's first chunk is visible, to both query chunks; from a
+# later rank (j > r) only the second query chunk sees anything, the whole block. Each
+# off-diagonal step therefore computes half a block; the masks still apply (documents).
+
+
+def _half(x, first: bool, axis: int = 1):
+    if x is None:
+        return None
+    n = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0 if first else n, n if first else 2 * n, axis=axis)
+
+
+def _diagonal(q_bsgrk, q_idx, seg, block, k_idx, rate, key):
+    k_b, v_b, seg_b = block
+    return _block_remat(q_bsgrk, k_b, v_b, _mask(q_idx, k_idx, seg, seg_b), rate, key)
+
+
+def _early_block(q_bsgrk, q_idx, seg, block, k_idx, rate, key):
+    """Every query against the block's first chunk: [s/c] x [s/(2c)] scores."""
+    k_b, v_b, seg_b = (_half(x, True) for x in block)
+    mask = _mask(q_idx, _half(k_idx, True, 0), seg, seg_b)  # [b or 1, s/c, s/2c]
+    return _block_remat(q_bsgrk, k_b, v_b, mask, rate, key)
+
+
+def _late_block(q_bsgrk, q_idx, seg, block, k_idx, rate, key):
+    """The second query chunk against the whole block; the first chunk sees none of it."""
+    k_b, v_b, seg_b = block
+    q2 = _half(q_bsgrk, False)  # [b, s/2c, g, r, k]
+    mask = _mask(_half(q_idx, False, 0), k_idx, _half(seg, False), seg_b)  # [b or 1, s/2c, s/c]
+    o2, lse2 = _block_remat(q2, k_b, v_b, mask, rate, key)  # [b, g, r, s/2c, k], [b, g, r, s/2c]
+    o = jnp.concatenate([jnp.zeros_like(o2), o2], axis=3)  # [b, g, r, s/c, k]
+    lse = jnp.concatenate([jnp.full_like(lse2, NEG), lse2], axis=3)  # [b, g, r, s/c]
+    return o, lse
+
+
 def _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, *, c: int, rate: float):
     """The ring's blockwise merge with the C blocks all-gathered once: the p2p path inside a
     pipeline stage. There the stage runs in a `lax.switch` branch that only some stages take,
     and XLA:CPU pairs a collective-permute in such a branch with the wrong peer op (the
     pipeline runtime's docstring has the same warning); all-gather is safe there and receives
-    the same C-1 blocks, without the ring's overlap."""
+    the same C-1 blocks, without the ring's overlap. Full blocks with masks, no causal skip: a
+    `lax.switch` on the rank here leaves rank-derived residuals that Shardy rejects inside the
+    pipeline's recomputed stage."""
     s = q.shape[1]
     k_all = jax.lax.all_gather(k, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
     v_all = jax.lax.all_gather(v, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
