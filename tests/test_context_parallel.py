@@ -8,14 +8,14 @@ rotary) are folded into some layouts rather than doubling every case (each compi
 here); learned absolute positions are the default model's. Tolerances: tests/test_parallel.py's.
 """
 
-import jax
+import dataclasses
+
 import numpy as np
 import pytest
 
 from mlm_jax.config import ConfigError, ParallelConfig, finalize
 from mlm_jax.parallel.chunks import local_order, permute_seq, seq_order, unpermute_seq
-from tests.parallel_util import (DOCUMENTS, VOCAB, build, document_grads_for, grads_for, tiny_config,
-                                 unpad)
+from tests.parallel_util import VOCAB, build, document_grads_for, grads_for, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, REFERENCE, assert_trees_close
 
 LLAMA = (("num_query_groups", 4), ("position_embedding_type", "rope"), ("normalization", "RMSNorm"),
@@ -106,8 +106,8 @@ def test_loader_delivers_each_context_rank_its_chunks():
 def test_bad_context_parallel_sizes_are_one_line_errors(parallel, model, message):
     cfg = tiny_config(parallel, 1, **model)
     if "seq-length 36" in message:
-        cfg = cfg.replace(train=cfg.train.__class__(**{**cfg.train.__dict__, "seq_length": 36}),
-                          model=cfg.model.__class__(**{**cfg.model.__dict__, "max_position_embeddings": 36}))
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, seq_length=36),
+                          model=dataclasses.replace(cfg.model, max_position_embeddings=36))
     with pytest.raises(ConfigError) as err:
         finalize(cfg, 8)
     assert message in str(err.value) and "\n" not in str(err.value)
