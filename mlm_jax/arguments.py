@@ -55,7 +55,8 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", "int", "pipeline parallel size"),
-    ("--context-parallel-size", "parallel", "context_parallel_size", "int", "context parallel size"),
+    ("--context-parallel-size", "parallel", "context_parallel_size", "int", "context parallel size: the sequence split over `context` (load-balanced chunks)"),
+    ("--cp-comm-type", "parallel", "cp_comm_type", "str", "context-parallel attention: p2p (ring) | allgather | a2a (Ulysses)"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", "int", "expert parallel size"),
     ("--num-experts", "parallel", "num_experts", "int", "MoE experts"),
     ("--sequence-parallel", "parallel", "sequence_parallel", "true", "shard activations on seq over tensor"),
@@ -323,6 +324,7 @@ _CHOICES = {
     ("model", "normalization"): ("LayerNorm", "RMSNorm"),
     ("model", "recompute_granularity"): ("full", "selective"),
     ("parallel", "pipeline_schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("parallel", "cp_comm_type"): ("p2p", "allgather", "a2a"),
     ("optim", "lr_decay_style"): ("constant", "linear", "cosine", "WSD"),
     ("optim", "lr_wsd_decay_style"): ("linear", "cosine", "exponential"),
 }

@@ -78,6 +78,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    cp_comm_type: Literal["p2p", "allgather", "a2a"] = "p2p"  # context-parallel attention (mlm_jax/parallel/)
     expert_model_parallel_size: int = 1
     num_experts: int | None = None
     sequence_parallel: bool = False
@@ -302,11 +303,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     validate_pipeline(cfg, world_size)
     # Parallelism this version cannot serve yet: refuse, never silently run something else.
-    if p.context_parallel_size != 1:
-        raise ConfigError(
-            f"--context-parallel-size {p.context_parallel_size} is not supported yet "
-            "(context parallelism is not implemented); use 1"
-        )
+    validate_context_parallel(cfg)
     if p.expert_model_parallel_size != 1:
         raise ConfigError(
             f"--expert-model-parallel-size {p.expert_model_parallel_size} is not supported yet "
@@ -392,6 +389,36 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_attention_backend(m, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """--context-parallel-size C and --cp-comm-type: the sizes the chunked sequence needs."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if p.cp_comm_type not in ("p2p", "allgather", "a2a"):
+        raise ConfigError(f"--cp-comm-type {p.cp_comm_type!r}: choose one of p2p, allgather, a2a")
+    if cp == 1:
+        return
+    if t.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {t.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+            f"{2 * cp}; the causal load balance cuts the sequence into {2 * cp} equal chunks")
+    if p.sequence_parallel and t.seq_length % (cp * tp):
+        raise ConfigError(
+            f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length "
+            f"{t.seq_length} divisible by {cp} x --tensor-model-parallel-size {tp} = {cp * tp}")
+    if p.cp_comm_type == "a2a":
+        for flag, n in (("--num-attention-heads", m.num_attention_heads),
+                        ("--num-query-groups", m.query_groups)):
+            if n % (tp * cp):
+                raise ConfigError(
+                    f"--cp-comm-type a2a needs {flag} {n} divisible by --context-parallel-size {cp}"
+                    + (f" x --tensor-model-parallel-size {tp} = {tp * cp}" if tp > 1 else "")
+                    + "; use --cp-comm-type p2p or allgather")
+    if m.attention_backend in ("flash", "fused"):
+        raise ConfigError(
+            f"--attention-backend {m.attention_backend} with --context-parallel-size {cp}: the "
+            "context-parallel blocks run XLA attention; use --attention-backend auto or unfused")
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

@@ -37,6 +37,7 @@ from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
 from mlm_jax.optim import lr_at, make_optimizer
+from mlm_jax.parallel.context import use_comm_type
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec, param_rules, use_rules, zero_spec
 from mlm_jax.sharding.specs import batch_spec, replicated
 
@@ -108,10 +109,16 @@ class Parallel:
 
 
 @contextlib.contextmanager
-def tracing(mesh: Mesh, rules: tuple):
-    """The mesh and activation rules in force while a step is traced."""
+def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
+    """The mesh and activation rules in force while a step is traced. `cp_comm_type` (the train
+    and eval steps, whose batches are in the load-balanced chunk order) turns on context-parallel
+    attention where the mesh has a `context` axis; without it attention runs unsplit."""
     with jax.set_mesh(mesh), use_rules(rules):
-        yield
+        if cp_comm_type is None:
+            yield
+        else:
+            with use_comm_type(cp_comm_type):
+                yield
 
 
 def _sum_aux(acc: dict, aux: dict) -> dict:
@@ -260,32 +267,33 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     def eval_step(params, batch):
         return eval_sum(params, batch), jnp.sum(batch["loss_mask"])
 
-    with jax.set_mesh(mesh), use_rules(act_rules):
+    with tracing(mesh, act_rules, cfg.parallel.cp_comm_type):
         train_jit = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding, rep),
                             out_shardings=(state_sharding, rep), donate_argnums=(0,))
         grads_jit = jax.jit(lambda p, b, k: loss_grads_aux(p, b, k)[:2],
                             in_shardings=(sh.storage, batch_sharding, rep), out_shardings=(rep, sh.storage))
         eval_jit = jax.jit(eval_step, in_shardings=(sh.storage, batch_sharding), out_shardings=(rep, rep))
 
+    cp = cfg.parallel.cp_comm_type
     return Parallel(
         cfg=cfg, mesh=mesh, graphdef=graphdef, shapes=sh.shapes, param_sharding=sh.storage,
         compute_sharding=sh.compute, opt_sharding=sh.opt, tx=tx,
-        num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules),
-        eval_step=_traced(eval_jit, mesh, act_rules), rules=act_rules,
-        loss_and_grads=_traced(grads_jit, mesh, act_rules), pipeline=pipeline,
+        num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules, cp),
+        eval_step=_traced(eval_jit, mesh, act_rules, cp), rules=act_rules,
+        loss_and_grads=_traced(grads_jit, mesh, act_rules, cp), pipeline=pipeline,
     )
 
 
 class _traced:
     """A jitted function that is traced (and lowered) inside the mesh and activation rules."""
 
-    def __init__(self, fn, mesh, rules):
-        self.fn, self.mesh, self.rules = fn, mesh, rules
+    def __init__(self, fn, mesh, rules, cp_comm_type=None):
+        self.fn, self.mesh, self.rules, self.cp_comm_type = fn, mesh, rules, cp_comm_type
 
     def __call__(self, *args):
-        with tracing(self.mesh, self.rules):
+        with tracing(self.mesh, self.rules, self.cp_comm_type):
             return self.fn(*args)
 
     def lower(self, *args):
-        with tracing(self.mesh, self.rules):
+        with tracing(self.mesh, self.rules, self.cp_comm_type):
             return self.fn.lower(*args)

@@ -7,7 +7,8 @@ import functools
 import jax
 import numpy as np
 
-from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.parallel.chunks import sharding_seq_order
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 
@@ -16,7 +17,8 @@ SEQ = 32
 GLOBAL_BATCH = 16
 
 
-def tiny_config(parallel: ParallelConfig, micro_batch: int, **model) -> Config:
+def tiny_config(parallel: ParallelConfig, micro_batch: int, data: DataConfig | None = None,
+                **model) -> Config:
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=VOCAB,
                 max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
     return Config(
@@ -25,6 +27,7 @@ def tiny_config(parallel: ParallelConfig, micro_batch: int, **model) -> Config:
         optim=OptimConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_style="constant"),
         train=TrainConfig(micro_batch_size=micro_batch, global_batch_size=GLOBAL_BATCH,
                           seq_length=SEQ, train_iters=5),
+        **({} if data is None else {"data": data}),
     )
 
 
@@ -42,14 +45,19 @@ def fixed_batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def place(pz, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Lay a [global batch, seq] batch out as [microbatch, micro * dp, seq] on the mesh."""
+    """Lay a [global batch, seq] batch out as [microbatch, micro * dp, seq] on the mesh; with
+    context parallelism the sequence in the load-balanced chunk order, as the data loader
+    delivers it (the same function decides)."""
     shape = pz.batch_shape()
-    return {k: jax.device_put(v.reshape(shape), pz.batch_sharding()) for k, v in batch.items()}
+    order = sharding_seq_order(pz.batch_sharding(), shape)
+    return {k: jax.device_put((v if order is None else v[..., order]).reshape(shape), pz.batch_sharding())
+            for k, v in batch.items()}
 
 
-def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=None, **model):
+def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=None, data=None,
+          **model):
     devices = jax.devices() if devices is None else devices
-    cfg = finalize(tiny_config(parallel, micro_batch, **model), len(devices))
+    cfg = finalize(tiny_config(parallel, micro_batch, data, **model), len(devices))
     extra = {} if model_class is None else {"model_class": model_class}
     return parallelize(cfg, make_mesh(cfg.parallel, devices), **extra)
 
@@ -83,3 +91,30 @@ def unpad(tree: dict) -> dict:
     if "lm_head" in tree:
         out["lm_head"] = tree["lm_head"][:, :VOCAB]
     return out
+
+
+# Document masks: every flag of Megatron's get_ltor_masks_and_position_ids at once.
+DOCUMENTS = DataConfig(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+EOD = VOCAB - 1
+
+
+def document_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """A global batch of [GLOBAL_BATCH, SEQ] arrays cut into documents by EOD tokens (about one
+    in six), with segment ids, reset position ids and the EOD loss mask (data/batch.py)."""
+    from mlm_jax.data.batch import make_batch
+
+    rng = np.random.default_rng(seed + 100)
+    samples = rng.integers(0, VOCAB - 1, (GLOBAL_BATCH, SEQ + 1))
+    samples[rng.random(samples.shape) < 0.15] = EOD
+    return make_batch(samples, EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+
+
+@functools.cache
+def document_grads_for(parallel: ParallelConfig, micro_batch: int, single_device: bool = False,
+                       model: tuple = ()):
+    """`grads_for` with document masks (DOCUMENTS flags, `document_batch`)."""
+    pz = build(parallel, micro_batch, jax.devices()[:1] if single_device else None, data=DOCUMENTS,
+               **dict(model))
+    state = pz.init(0)
+    loss, grads = pz.loss_and_grads(state["params"], place(pz, document_batch()), jax.random.key(0))
+    return float(loss), jax.tree.map(np.asarray, grads)

@@ -123,7 +123,8 @@ def _equal_up_to_padding(a, b):
     ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2"],  # tp 4 -> 2, dp 2 -> 4, ZeRO off
     ["--use-distributed-optimizer"],  # tp 4 -> 1, dp 2 -> 8, ZeRO on
     ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],  # pipe 1 -> 2
-], ids=["tp2dp4", "dp8zero", "pp2tp2"])
+    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2"],  # cp 1 -> 2
+], ids=["tp2dp4", "dp8zero", "pp2tp2", "cp2tp2"])
 def test_restore_onto_any_layout_is_exact(straight, tmp, cfg_a, layout):
     """Every parameter and optimizer-state value restored onto another mesh equals the saved one."""
     found = ckpt.find_checkpoint(str(tmp / "S"))

@@ -33,8 +33,10 @@ def test_unknown_dim_is_named():
 
 def test_unsharded_and_the_named_specs():
     assert dict(unsharded(activation_rules(True), "seq"))["seq"] is None
-    assert dict(activation_rules(True))["seq"] == "tensor"
-    assert batch_spec() == P(None, ("data", "expert"), None)  # [microbatch, batch, seq]
+    assert dict(activation_rules(True))["seq"] == ("context", "tensor")  # context-major
+    assert dict(activation_rules(False))["seq"] == "context"
+    assert dict(activation_rules(True))["context_seq"] == "context"
+    assert batch_spec() == P(None, ("data", "expert"), "context")  # [microbatch, batch, seq]
     assert tokens_spec(4, {"data": 2, "expert": 2}) == P(("data", "expert"), None)
     assert tokens_spec(3, {"data": 2, "expert": 1}) == P()
     assert pipe_stored(P(None, "tensor")) == P("pipe", "tensor")

@@ -8,7 +8,10 @@ prints training samples I..J-1 (each seq_length + 1 tokens) and, with a tokenize
 Iteration k of a run with global batch size B consumed samples [k*B, (k+1)*B). With `--json`
 the output is one JSON list of token lists, for comparing with Megatron-LM's order.
 `--train-samples` must be the run's (train_iters * global_batch_size), since the number of
-epochs, and so the order, depends on it.
+epochs, and so the order, depends on it. `--context-parallel-size C` (> 1) adds what each
+context rank holds of every sample's input tokens: its two load-balanced chunks (rank i: chunks i
+and 2C-1-i of 2C), in the order the rank stores them (with `--json`: per sample, a list of C
+token lists).
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def _range(text: str) -> tuple[int, int]:
     return i, j
 
 
+def _context_chunks(sample: list[int], cp: int) -> list[list[int]]:
+    """The input tokens (sample[:-1]) each context rank holds, in its stored order."""
+    from mlm_jax.parallel.chunks import seq_order
+
+    inputs = sample[:-1]
+    order = seq_order(len(inputs), cp).reshape(cp, -1)  # [rank, its tokens' original indices]
+    return [[inputs[k] for k in row] for row in order]
+
+
 @errors.cli
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m mlm_jax.data.inspect", description=__doc__,
@@ -52,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch-size", type=int, default=None)
     p.add_argument("--show", type=_range, required=True, metavar="I:J")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--context-parallel-size", type=int, default=1)
     add_tokenizer_args(p)
     args = p.parse_args(argv)
 
@@ -83,13 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     if j > len(dataset):
         raise DatasetError(f"--show {i}:{j} but the train split has {len(dataset)} samples")
     samples = [dataset[k].tolist() for k in range(i, j)]
+    cp = args.context_parallel_size
+    if cp < 1 or (cp > 1 and args.seq_length % (2 * cp)):
+        raise errors.UsageError(f"--seq-length {args.seq_length} is not divisible by 2 x "
+                                f"--context-parallel-size {cp} = {2 * cp}")
     if args.json:
-        print(json.dumps(samples))
+        print(json.dumps([_context_chunks(t, cp) for t in samples] if cp > 1 else samples))
         return 0
     for k, tokens in zip(range(i, j), samples):
         where = f", iteration {k // args.global_batch_size}" if args.global_batch_size else ""
         print(f"=== sample {k}{where}: {len(tokens)} tokens ===")
         print(" ".join(map(str, tokens)))
+        for rank, chunk in enumerate(_context_chunks(tokens, cp) if cp > 1 else []):
+            print(f"--- context rank {rank} of {cp} ---")
+            print(" ".join(map(str, chunk)))
         if tokenizer is not None:
             print("--- text ---")
             print(tokenizer.detokenize(tokens))

@@ -78,6 +78,11 @@ class BatchLoader:
         self.local_rows = held  # offsets within the batch
         self._pos = np.full(self.gbs, -1, dtype=np.int64)
         self._pos[held] = np.arange(held.size)
+        # Context parallelism: the sequence is stored in the load-balanced chunk order, so the
+        # slice a context rank's devices ask for is exactly its two chunks.
+        from mlm_jax.parallel.chunks import sharding_seq_order
+
+        self._seq_order = sharding_seq_order(sharding, self.shape)
 
         self._prefetch = int(prefetch)
         self._queue: queue.Queue | None = None
@@ -107,6 +112,8 @@ class BatchLoader:
         if self.on_read is not None:
             self.on_read(iteration, ids)
         local = self.make_batch_fn(samples)  # key -> [n, seq]
+        if self._seq_order is not None:
+            local = {k: v[..., self._seq_order] for k, v in local.items()}  # [n, seq], chunk order
         out = {}
         for key, arr in local.items():
             def piece(index, arr=arr):

@@ -176,23 +176,18 @@ class Attention(nnx.Module):
         """q [b, s, h, k], k and v [b, s, g, k] (rotary applied) for the normed input y."""
         cfg, dt = self.cfg, y_bsd.dtype
         qkv = add_bias(jnp.einsum("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt)), cast(self.bqkv, dt))
-        qkv = constrain(qkv, ("batch", None, "kv_heads", None, "head_dim"))  # j: r queries, k, v
+        qkv = constrain(qkv, ("batch", "context_seq", "kv_heads", None, "head_dim"))  # j: r queries, k, v
         b, s, g, j, hd = qkv.shape
         q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
         k, v = qkv[:, :, :, j - 2], qkv[:, :, :, j - 1]  # [b, s, g, k]
         # Pinning each piece (and so its cotangent) keeps the backward head-parallel too.
-        q = constrain(q, ("batch", None, "heads", "head_dim"))
-        k = constrain(k, ("batch", None, "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
+        q = constrain(q, ("batch", "context_seq", "heads", "head_dim"))
+        k = constrain(k, ("batch", "context_seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "context_seq", "kv_heads", "head_dim"))
         if cfg.position_embedding_type == "rope":
             q = rotary(q, positions_bs, cfg.rotary_base)
             k = rotary(k, positions_bs, cfg.rotary_base)
         return q, k, v
-
-    def _out(self, o_bshk):
-        o = constrain(o_bshk, ("batch", None, "heads", "head_dim"))
-        dt = o.dtype
-        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
 
     def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
         """y: the normed input [batch, seq, embed] (whole seq); returns [batch, seq, embed]
@@ -200,12 +195,33 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, y_bsd.dtype
         q, k, v = self._project(y_bsd, positions_bs)
         dropout_on = key is not None and cfg.attention_dropout > 0
+        o = self._context_parallel(q, k, v, segment_ids_bs, key)
+        if o is not None:
+            return self._project_out(o)
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=dropout_on)
         o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
                       dropout_rate=cfg.attention_dropout, dropout_key=key,
                       recompute=cfg.recompute_granularity == "selective")  # [b, s, h, k]
-        return self._out(o)
+        return self._project_out(o)
+
+    def _project_out(self, o_bshk) -> jax.Array:
+        """Row-parallel output projection: [batch, seq, heads, k] -> [batch, seq, embed]."""
+        dt = o_bshk.dtype
+        o = constrain(o_bshk, ("batch", "context_seq", "heads", "head_dim"))
+        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
+
+    def _context_parallel(self, q, k, v, segment_ids_bs, key):
+        """Attention over the sequence split on `context` (None when the context size is 1).
+
+        The stored sequence is in the load-balanced chunk order; rotary has already used the
+        original positions, and the causal order is rebuilt from the chunk layout inside."""
+        from mlm_jax.parallel.context import context_attention, context_size  # parallel imports us
+
+        if context_size() == 1:
+            return None
+        return context_attention(q, k, v, segment_ids_bs, dropout_rate=self.cfg.attention_dropout,
+                                 dropout_key=key)
 
     def cached(self, y_bsd, positions_bs, cache_k_btgk, cache_v_btgk):
         """Attention of s new tokens against a KV cache; returns (out [b, s, d], k cache, v cache).
@@ -228,4 +244,4 @@ class Attention(nnx.Module):
         cache_v_btgk = constrain(cache_v_btgk, ("batch", None, "kv_heads", "head_dim"))
         k_pos = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
         o = attention(q, cache_k_btgk.astype(q.dtype), cache_v_btgk.astype(q.dtype), positions_bs, k_pos)
-        return self._out(o), cache_k_btgk, cache_v_btgk
+        return self._project_out(o), cache_k_btgk, cache_v_btgk

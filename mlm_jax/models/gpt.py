@@ -72,10 +72,10 @@ class Block(nnx.Module):
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         # With sequence parallelism the norms run on [batch, seq/tensor, embed]; their output is
         # gathered to the whole sequence here, before the column-parallel matmul (Megatron's SP).
-        y = constrain(self.norm1(x_bsd), ("batch", None, "embed"))
+        y = constrain(self.norm1(x_bsd), ("batch", "context_seq", "embed"))
         o = self.attention(y, positions_bs, segment_ids_bs, keys[0])
         x_bsd = constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[1]), BLOCK_BOUNDARY)
-        y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
+        y = constrain(self.norm2(x_bsd), ("batch", "context_seq", "embed"))
         o = self.mlp(y)
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY)
 
@@ -192,7 +192,7 @@ class GPT(nnx.Module):
         head_dv = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
         logits = jnp.einsum("bsd,dv->bsv", x, head_dv.astype(self.dtype),
                             preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", None, "vocab"))
+        logits = constrain(logits, ("batch", "context_seq", "vocab"))
         # Padding columns can never be the answer; masking them keeps the softmax (and so the
         # loss and every gradient) independent of how much padding the layout needs.
         real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size

@@ -42,5 +42,5 @@ class MLP(nnx.Module):
         else:
             u = jax.nn.gelu(add_bias(jnp.einsum("bsd,df->bsf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt)),
                             approximate=cfg.openai_gelu)
-        u = constrain(u, ("batch", None, "mlp"))
+        u = constrain(u, ("batch", "context_seq", "mlp"))
         return add_bias(jnp.einsum("bsf,fd->bsd", u, cast(self.w2, dt)), cast(self.b2, dt))

@@ -52,7 +52,7 @@ from mlm_jax.models.layers import compute_dtype
 from mlm_jax.pipeline import schedules
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.sharding.mesh import PIPE
-from mlm_jax.sharding.rules import active_rules, constrain, unsharded, use_rules
+from mlm_jax.sharding.rules import active_rules, constrain, use_rules
 from mlm_jax.sharding.specs import pipe_blocks, pipe_stored, replicated, stage_chunks
 
 KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
@@ -410,8 +410,11 @@ def _embed(model, tokens_bs, positions_bs, key):
     """The embedding, its output whole along seq. With sequence parallelism GSPMD otherwise
     lays the vocab-parallel lookup out with collective-permutes, and a collective-permute inside
     a branch that only some stages take deadlocks (XLA:CPU rendezvouses every device on it).
-    Sharding the result over seq afterwards is a local slice."""
-    with use_rules(unsharded(active_rules(), "seq")):
+    Sharding the result over seq afterwards is a local slice. The split over `context` stays
+    (the tokens arrive split so; the lookup is local along seq)."""
+    rules = active_rules()
+    ctx = dict(rules).get("context_seq")
+    with use_rules(tuple((n, ctx if n == "seq" else a) for n, a in rules)):
         return model.embed_tokens(tokens_bs, positions_bs, key)
 
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from mlm_jax.sharding.mesh import PIPE
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec
 
-MICROBATCHED = (None, "batch", None)  # [microbatch, batch, seq]
+MICROBATCHED = (None, "batch", "context_seq")  # [microbatch, batch, seq]
 TOKENS = ("batch", None)  # [batch, seq]
 
 
@@ -26,7 +26,9 @@ def replicated() -> P:
 
 
 def batch_spec() -> P:
-    """A training batch [microbatch, batch/(data, expert), seq]."""
+    """A training batch [microbatch, batch/(data, expert), seq/context]; the sequence is stored
+    in the load-balanced chunk order (mlm_jax/parallel/chunks.py), so each context rank's
+    slice is its two chunks."""
     return logical_to_spec(MICROBATCHED, activation_rules(False))
 
 
