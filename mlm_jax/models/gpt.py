@@ -146,23 +146,22 @@ class GPT(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
         n = jax.tree.leaves(layer_state)[0].shape[0]
 
-        def body(carry, xs):
-            x, acc = carry
+        stats0 = zero_stats() if self.layer_kinds[0] else {}
+
+        def body(x, xs):
             state_l, index = xs
 
             def layer():
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            y, stats = layer() if count is None else jax.lax.cond(
-                index < count, layer, lambda: (x, jax.tree.map(jnp.zeros_like, acc)))
-            return (y, jax.tree.map(jnp.add, acc, stats)), None
+            y, stats = layer() if count is None else jax.lax.cond(index < count, layer, lambda: (x, stats0))
+            return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
         if self.cfg.recompute_granularity == "full":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        stats0 = zero_stats() if self.layer_kinds[0] else {}
-        (x_bsd, stats), _ = jax.lax.scan(body, (x_bsd, stats0), (layer_state, jnp.arange(n)))
-        return x_bsd, stats
+        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
+        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
 
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
         """Dense and MoE layers in the pattern's order: one scan over the layers whose body
@@ -172,8 +171,7 @@ class GPT(nnx.Module):
         dense_def, dense_state = nnx.split(self.layers)
         moe_def, moe_state = nnx.split(self.moe_layers)
 
-        def body(carry, xs):
-            x, acc = carry
+        def body(x, xs):
             kind, r, index = xs
             layer_key = None if key is None else jax.random.fold_in(key, index)
             pick = lambda st: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), st)  # noqa: E731
@@ -185,14 +183,13 @@ class GPT(nnx.Module):
             def moe():
                 return nnx.merge(moe_def, pick(moe_state))(x, positions_bs, segment_ids_bs, layer_key)
 
-            y, stats = jax.lax.cond(kind == 1, moe, dense)
-            return (y, jax.tree.map(jnp.add, acc, stats)), None
+            return jax.lax.cond(kind == 1, moe, dense)
 
         if self.cfg.recompute_granularity == "full":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         n = len(self.layer_kinds)
-        (x_bsd, stats), _ = jax.lax.scan(body, (x_bsd, zero_stats()), (kinds, row, jnp.arange(n)))
-        return x_bsd, stats
+        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (kinds, row, jnp.arange(n)))
+        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
 
     def logits(self, x_bsd) -> jax.Array:
         """Final norm and LM head: fp32 logits [batch, seq, padded vocab], padding masked."""

@@ -27,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding.mesh import EXPERT, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
@@ -141,18 +143,23 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     tensor; otherwise all experts on all tokens here."""
     b, s, d = y_bsd.shape
     rules = active_rules()
-    if not rules:
-        cap = _row_capacity(cfg, b * s)
-        out = _local(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
-                     weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
-        return out.reshape(b, s, d)
     mesh = jax.sharding.get_abstract_mesh()
+    if not rules:  # outside a mesh: every expert on every token, here
+        return _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
+    if getattr(mesh, "manual_axes", ()):
+        # Nested in the pipeline's shard_map: jax's partial evaluation of a nested shard_map
+        # gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of `data`), and
+        # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
+        # stages take. So the tokens and experts are gathered (all-gathers only) and every
+        # device runs every expert on the microbatch: the same function, without expert
+        # parallelism's savings (see the report on EP x PP).
+        whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
+        out = _everything_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
+                               whole(w1), whole(w2), whole(b1))
+        return jax.lax.with_sharding_constraint(out, logical_to_spec(("batch", None, None), rules))
     sizes = dict(mesh.shape)
     tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
     row_axes = tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)
-    split = 1
-    for a in row_axes:
-        split *= sizes[a] if a else 1
     ep = sizes[EXPERT]
     # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
     # per expert.
@@ -171,10 +178,52 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
             out = _alltoall(*args, ep)
         return jax.lax.psum(out, TENSOR).reshape(bl, s, d)
 
-    in_specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1],
-                None if b1 is None else w_specs[2])
-    fn = jax.shard_map(body, in_specs=in_specs, out_specs=tok_spec, axis_names=manual)
-    return fn(y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
+    specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
+    fn = _recomputing_shard_map(body, specs, tok_spec, manual)
+    # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
+    # manual computation an operand sharded over a free axis ahead of the manual ones.
+    pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
+    return fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
+
+
+def _recomputing_shard_map(body, in_specs, out_spec, manual):
+    """shard_map(body) whose backward is a second shard_map that recomputes the forward
+    (jax.vjp inside it) instead of passing residuals between the two. Nested in the pipeline's
+    shard_map, jax gives residuals a sharding Shardy rejects (the outer manual axis `pipe` as a
+    free axis ahead of `data`); recomputing also keeps the [rows, d] buffers out of memory.
+    Argument 1 (expert ids, integers) gets no cotangent."""
+    fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual)
+
+    def bwd_body(args, g):
+        x, e, w, w1, w2, b1 = args
+        _, vjp = jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
+        return vjp(g)
+
+    diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
+    bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
+                            axis_names=manual)
+
+    @jax.custom_vjp
+    def fn(*args):
+        return fwd_map(*args)
+
+    def fwd(*args):
+        return fwd_map(*args), args
+
+    def bwd(args, g):
+        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(args, g)
+        return d_x, None, d_w, d_w1, d_w2, d_b1
+
+    fn.defvjp(fwd, bwd)
+    return fn
+
+
+def _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
+    b, s, d = y_bsd.shape
+    cap = _row_capacity(cfg, b * s)
+    out = _local(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
+                 weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
+    return out.reshape(b, s, d)
 
 
 def _weight_names(cfg: ModelConfig, w1_ndim: int):
