@@ -57,7 +57,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
-        u = jnp.where(valid.reshape(-1, *[1] * (h.ndim - 1)), _activation(cfg, h), 0)
+        u = jnp.where(valid[:, None], _activation(cfg, h), 0)  # [r, f]
         ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
     else:
         starts = jnp.cumsum(sizes) - sizes
