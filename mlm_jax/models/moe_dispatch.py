@@ -24,6 +24,8 @@ d embed, f expert mlp, g expert-parallel rank.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -146,20 +148,22 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     mesh = jax.sharding.get_abstract_mesh()
     if not rules:  # outside a mesh: every expert on every token, here
         return _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
-    if getattr(mesh, "manual_axes", ()):
+    sizes = dict(mesh.shape)
+    tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
+    row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
+    uneven = b % math.prod(sizes[a] for a in row_axes) != 0
+    if getattr(mesh, "manual_axes", ()) or uneven:
         # Nested in the pipeline's shard_map: jax's partial evaluation of a nested shard_map
         # gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
-        # stages take. So the tokens and experts are gathered (all-gathers only) and every
+        # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
+        # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
         # device runs every expert on the microbatch: the same function, without expert
-        # parallelism's savings (see the report on EP x PP).
+        # parallelism's savings.
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
         out = _everything_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
                                whole(w1), whole(w2), whole(b1))
-        return jax.lax.with_sharding_constraint(out, logical_to_spec(("batch", None, None), rules))
-    sizes = dict(mesh.shape)
-    tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
-    row_axes = tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)
+        return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
     ep = sizes[EXPERT]
     # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
     # per expert.
