@@ -300,3 +300,23 @@ def test_invalid_moe_configs_fail_naming_the_rule(parallel, model, message):
     with pytest.raises(ConfigError, match=None) as e:
         finalize(tiny_config(parallel, 1, **model), 8)
     assert message in str(e.value)
+
+
+def test_flops_count_the_active_experts_only():
+    from mlm_jax.metrics import active_params, flops_per_token
+
+    dense = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=256, swiglu=True)
+    moe = dataclasses.replace(dense, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+                              moe_layer_freq=(0, 1, 0, 1))
+    # Two MoE layers: each token goes through 2 of 8 experts of 128 (= one dense MLP of 256),
+    # plus the router's 64 x 8 weights; the other 6 experts add nothing.
+    router = 2 * 2.0 * 64 * 8 * 3
+    assert flops_per_token(moe, 128) == pytest.approx(flops_per_token(dense, 128) + router)
+    assert flops_per_token(dataclasses.replace(moe, num_experts=64), 128) == pytest.approx(
+        flops_per_token(dense, 128) + router * 8)
+    assert active_params(dense) is None
+    with nnx.use_eager_sharding(False):
+        from mlm_jax.models.gpt import GPT
+
+        total = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: GPT(moe, nnx.Rngs(0))), nnx.Param)))
+    assert active_params(moe) < total
