@@ -11,9 +11,12 @@ The stage API, which the plain step, the pipeline and decoding all call (nothing
 re-implements the forward):
   embed_tokens(tokens, positions, key)                          -> x [batch, seq, embed]
   run_layers(x, positions, segment_ids, key, first, count)      -> x
+  run_layers_aux(...the same...)                                -> (x, MoE layer statistics)
   head(x, labels, loss_mask)                                    -> (loss_sum, aux)
-`aux` is a dict of per-step scalars (empty for this dense model; MoE's load-balancing losses
-go there), summed over microbatches into the train step's metrics.
+`aux` is a dict of per-step scalars, summed over microbatches into the train step's metrics.
+Mixture-of-experts layers (mlm_jax/models/moe.py, per --moe-layer-freq) report statistics that
+`moe.aux_terms` turns into the MoE losses' gradient (a zero-valued loss term) and the metrics
+`moe_*` that join `aux` (in `loss` here and in the pipeline's stage forward).
 
 Shape letters: b batch, s sequence, d embed, v vocab, l layers.
 """
