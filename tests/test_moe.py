@@ -360,3 +360,29 @@ def test_checkpoints_restore_across_expert_parallel_sizes(tmp_path):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         for x, y in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(back["opt_state"])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_aux_metrics_reach_the_train_step_and_format():
+    """metrics["aux"] of a train step on ep2 x pp2 equal the single device's (same microbatches),
+    and format into the log line's MoE part."""
+    from mlm_jax.models.moe import aux_record, format_aux
+    from tests.parallel_util import build, fixed_batch, place
+
+    model = dict(MOE + (("moe_expert_capacity_factor", 1.5), ("moe_token_drop_policy", "position")))
+
+    def metrics(parallel, micro, single):
+        pz = build(parallel, micro, jax.devices()[:1] if single else None, **model)
+        _, m = pz.train_step(pz.init(0), place(pz, fixed_batch()), jax.random.key(0))
+        return jax.tree.map(float, m["aux"])
+
+    ref = metrics(ParallelConfig(), 8, True)
+    got = metrics(ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2, False)
+    assert ref["moe_microbatches"] == got["moe_microbatches"] == 2.0
+    for key in ref:
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    r = aux_record(ref)
+    assert r["moe_load_balancing_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_imbalance"] >= 1.0
+    assert 0 < r["moe_dropped_fraction"] < 1  # capacity 1.5 drops a few
+    line = format_aux(ref)
+    assert "load balancing loss" in line and "dropped tokens" in line
+    assert format_aux({}) == "" and aux_record({"tokens": 3.0}) == {}

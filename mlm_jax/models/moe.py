@@ -186,16 +186,28 @@ class MoE(nnx.Module):
         return constrain(out, ("batch", None, "embed")), r.stats
 
 
-def format_aux(aux: dict) -> str:
-    """The MoE part of a log line from a step's metrics["aux"] (summed over microbatches):
-    load-balancing and z losses summed over MoE layers, imbalance and dropped fraction averaged
-    over them, all averaged over the microbatches. Empty for a dense model."""
+def aux_record(aux: dict) -> dict:
+    """The MoE metrics of a step's metrics["aux"] (summed over microbatches) for the metrics
+    file: load-balancing and z losses summed over MoE layers, the busiest expert's load over the
+    mean and the dropped fraction averaged over them; each averaged over the microbatches.
+    Empty for a dense model."""
     mb = float(aux.get("moe_microbatches", 0.0))
     if not mb:
+        return {}
+    layers = max(float(aux["moe_layers"]), 1.0)  # MoE layer passes, summed like the rest
+    return {"moe_load_balancing_loss": float(aux["moe_load_balancing_loss"]) / mb,
+            "moe_z_loss": float(aux["moe_z_loss"]) / mb,
+            "moe_imbalance": float(aux["moe_imbalance"]) / layers,
+            "moe_dropped_fraction": float(aux["moe_dropped_fraction"]) / layers}
+
+
+def format_aux(aux: dict) -> str:
+    """The MoE part of a console log line ("" for a dense model), from metrics["aux"]."""
+    r = aux_record(aux)
+    if not r:
         return ""
-    parts = [("load balancing loss", "moe_load_balancing_loss", "{:.4g}"), ("z loss", "moe_z_loss", "{:.4g}"),
-             ("expert imbalance", "moe_imbalance", "{:.3f}"), ("dropped", "moe_dropped_fraction", "{:.2%}")]
-    return " | ".join(f"{label}: {fmt.format(float(aux[key]) / mb)}" for label, key, fmt in parts if key in aux)
+    return (f"load balancing loss: {r['moe_load_balancing_loss']:.4E} | z loss: {r['moe_z_loss']:.4E} | "
+            f"expert load max/mean: {r['moe_imbalance']:.3f} | dropped tokens: {100 * r['moe_dropped_fraction']:.2f}% |")
 
 
 def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
@@ -207,13 +219,15 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
     MoE losses (Megatron adds them with the same effect through its aux-loss autoscaler)."""
     if not stats:
         return jnp.zeros((), jnp.float32), {}
-    layers = jnp.maximum(stats["moe_layers"], 1.0)
     w = jnp.sum(loss_mask_bs).astype(jnp.float32) * (stats["load_balancing_loss"] + stats["z_loss"])
+    # Sums (over layers here, over microbatches and pipeline stages by the step); `aux_record`
+    # turns them into means.
     metrics = {
         "moe_load_balancing_loss": jax.lax.stop_gradient(stats["load_balancing_loss"]),
         "moe_z_loss": jax.lax.stop_gradient(stats["z_loss"]),
-        "moe_imbalance": jax.lax.stop_gradient(stats["imbalance"] / layers),
-        "moe_dropped_fraction": jax.lax.stop_gradient(stats["dropped_fraction"] / layers),
+        "moe_imbalance": jax.lax.stop_gradient(stats["imbalance"]),
+        "moe_dropped_fraction": jax.lax.stop_gradient(stats["dropped_fraction"]),
+        "moe_layers": jax.lax.stop_gradient(stats["moe_layers"]),
         "moe_microbatches": jnp.ones((), jnp.float32),
     }
     return w - jax.lax.stop_gradient(w), metrics

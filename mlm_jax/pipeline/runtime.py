@@ -299,7 +299,7 @@ class _Stage:
 
         def head():
             loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-            return loss_sum * self.scale, aux
+            return jax.tree.map(_varying, (loss_sum * self.scale, aux))  # as no_head's
 
         def no_head():
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
