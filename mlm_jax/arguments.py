@@ -10,6 +10,7 @@ command line override.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
 import os
@@ -57,8 +58,24 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", "int", "pipeline parallel size"),
     ("--context-parallel-size", "parallel", "context_parallel_size", "int", "context parallel size: the sequence split over `context` (load-balanced chunks)"),
     ("--cp-comm-type", "parallel", "cp_comm_type", "str", "context-parallel attention: p2p (ring) | allgather | a2a (Ulysses)"),
-    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", "int", "expert parallel size"),
-    ("--num-experts", "parallel", "num_experts", "int", "MoE experts"),
+    # mixture of experts (mlm_jax/models/moe.py)
+    ("--num-experts", "model", "num_experts", "int", "MoE experts per MoE layer"),
+    ("--moe-router-topk", "model", "moe_router_topk", "int", "experts per token"),
+    ("--moe-ffn-hidden-size", "model", "moe_ffn_hidden_size", "int", "each expert's hidden size (default --ffn-hidden-size)"),
+    ("--moe-layer-freq", "model", "moe_layer_freq", "pattern", "N: MoE every Nth layer; or a list such as ([0]*1+[1]*3)"),
+    ("--moe-router-load-balancing-type", "model", "moe_router_load_balancing_type", "str", "aux_loss | seq_aux_loss | none"),
+    ("--moe-aux-loss-coeff", "model", "moe_aux_loss_coeff", "float", "load-balancing loss coefficient"),
+    ("--moe-z-loss-coeff", "model", "moe_z_loss_coeff", "float", "router z-loss coefficient"),
+    ("--moe-router-pre-softmax", "model", "moe_router_pre_softmax", "true", "softmax over all experts before top-k"),
+    ("--moe-router-score-function", "model", "moe_router_score_function", "str", "softmax | sigmoid"),
+    ("--moe-expert-capacity-factor", "model", "moe_expert_capacity_factor", "float", "capacity per expert (default: dropless)"),
+    ("--moe-token-drop-policy", "model", "moe_token_drop_policy", "str", "probs | position: which tokens over capacity drop"),
+    ("--moe-pad-expert-input-to-capacity", "model", "moe_pad_expert_input_to_capacity", "true", "every expert computes exactly its capacity"),
+    ("--moe-shared-expert-intermediate-size", "model", "moe_shared_expert_intermediate_size", "int", "shared expert's hidden size (default: none)"),
+    ("--moe-token-dispatcher-type", "model", "moe_token_dispatcher_type", "str", "alltoall | allgather"),
+    ("--moe-grouped-gemm", "model", "moe_grouped_gemm", "true", "grouped matmul of the experts (always on)"),
+    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", "int", "expert parallel size (carved out of data parallel)"),
+    ("--expert-tensor-parallel-size", "parallel", "expert_tensor_parallel_size", "int", "tensor parallel size of the experts (default and only value: --tensor-model-parallel-size)"),
     ("--sequence-parallel", "parallel", "sequence_parallel", "true", "shard activations on seq over tensor"),
     ("--use-distributed-optimizer", "parallel", "use_distributed_optimizer", "true", "ZeRO-1: master params and Adam moments sharded over data"),
     ("--pipeline-schedule", "parallel", "pipeline_schedule", "str", "gpipe | 1f1b | interleaved"),
@@ -218,6 +235,34 @@ class ArgumentParser(argparse.ArgumentParser):
         return f"unknown flag {name}{hint}"
 
 
+def _pattern_value(node):
+    """A list expression of 0/1 built with [...], + and * (Megatron evaluates it as Python)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("not a list pattern")
+
+
+def layer_pattern(text: str) -> int | tuple[int, ...]:
+    """--moe-layer-freq: an integer N, or a list pattern such as "([0]*1+[1]*3)" (0 dense, 1 MoE)."""
+    try:
+        value = _pattern_value(ast.parse(str(text).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list such as ([0]*1+[1]*3)") from e
+    if isinstance(value, list):
+        if not all(isinstance(v, int) for v in value):
+            raise ValueError(f"--moe-layer-freq {text!r}: the list must hold integers 0 or 1")
+        return tuple(value)
+    return value
+
+
+layer_pattern.__name__ = "layer pattern"  # argparse's "invalid <name> value" wording
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) -> None:
     dest = flag[2:].replace("-", "_")
     help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
@@ -226,7 +271,7 @@ def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) 
     elif kind == "list":
         parser.add_argument(flag, dest=dest, nargs="+", default=None, help=help_text)
     else:
-        typ = {"int": int, "float": float, "str": str}[kind]
+        typ = {"int": int, "float": float, "str": str, "pattern": layer_pattern}[kind]
         parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
 
 
@@ -325,6 +370,10 @@ _CHOICES = {
     ("model", "recompute_granularity"): ("full", "selective"),
     ("parallel", "pipeline_schedule"): ("gpipe", "1f1b", "interleaved"),
     ("parallel", "cp_comm_type"): ("p2p", "allgather", "a2a"),
+    ("model", "moe_router_load_balancing_type"): ("aux_loss", "seq_aux_loss", "none"),
+    ("model", "moe_router_score_function"): ("softmax", "sigmoid"),
+    ("model", "moe_token_drop_policy"): ("probs", "position"),
+    ("model", "moe_token_dispatcher_type"): ("alltoall", "allgather"),
     ("optim", "lr_decay_style"): ("constant", "linear", "cosine", "WSD"),
     ("optim", "lr_wsd_decay_style"): ("linear", "cosine", "exponential"),
 }

@@ -49,6 +49,33 @@ class ModelConfig:
     # Megatron's --attention-backend: flash/fused = cuDNN's fused kernel, unfused/local = XLA's
     # einsums, auto = cuDNN where it applies (mlm_jax/models/attention.py).
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    # Mixture of experts (mlm_jax/models/moe.py), Megatron's --num-experts / --moe-* flags.
+    num_experts: int | None = None  # None: every layer dense
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_size
+    moe_layer_freq: int | tuple[int, ...] = 1  # N: every Nth layer (0, N, 2N, ...); or a 0/1 per layer
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    moe_grouped_gemm: bool = True  # experts always run as one grouped matmul here
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) is a mixture-of-experts layer (--moe-layer-freq)."""
+        if not self.num_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[index]) if isinstance(freq, tuple) else index % freq == 0
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def head_dim(self) -> int:
@@ -80,7 +107,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     cp_comm_type: Literal["p2p", "allgather", "a2a"] = "p2p"  # context-parallel attention (mlm_jax/parallel/)
     expert_model_parallel_size: int = 1
-    num_experts: int | None = None
+    expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size (Megatron)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     # Pipeline schedule (mlm_jax/pipeline/): None picks Megatron's default (1F1B; interleaved
@@ -302,18 +329,8 @@ def validate(cfg: Config, world_size: int) -> None:
         _positive(name, value)
 
     validate_pipeline(cfg, world_size)
-    # Parallelism this version cannot serve yet: refuse, never silently run something else.
     validate_context_parallel(cfg)
-    if p.expert_model_parallel_size != 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {p.expert_model_parallel_size} is not supported yet "
-            "(mixture-of-experts is not implemented); use 1"
-        )
-    if p.num_experts not in (None, 0, 1):
-        raise ConfigError(
-            f"--num-experts {p.num_experts} is not supported yet (mixture-of-experts is not "
-            "implemented); leave it unset"
-        )
+    validate_moe(cfg, world_size)
 
     tp = p.tensor_model_parallel_size
     dp = data_parallel_size(p, world_size)
@@ -509,6 +526,53 @@ def validate_instruments(i: InstrumentsConfig) -> None:
             f"--profile needs 0 <= --profile-step-start ({i.profile_step_start}) < "
             f"--profile-step-end ({i.profile_step_end})"
         )
+
+
+def validate_moe(cfg: Config, world_size: int) -> None:
+    """Mixture-of-experts rules: experts over the expert-parallel ranks, top-k, the layer pattern."""
+    m, p = cfg.model, cfg.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    dp = data_parallel_size(p, world_size)
+    if dp % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
+            "(expert parallelism is carved out of data parallelism)")
+    if not m.num_experts:
+        if ep != 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    if p.context_parallel_size > 1:
+        raise ConfigError(
+            f"--num-experts {m.num_experts} with --context-parallel-size {p.context_parallel_size} is not "
+            "supported yet (the expert dispatch needs the whole sequence); use --context-parallel-size 1")
+    E, K = m.num_experts, m.moe_router_topk
+    if E % ep:
+        raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep}")
+    if not 1 <= K <= E:
+        raise ConfigError(f"--moe-router-topk {K} must be between 1 and --num-experts {E}")
+    etp = p.expert_tensor_parallel_size or tp
+    if etp != tp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size ({tp}) is supported")
+    if m.moe_ffn_size % tp:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by "
+                          f"--expert-tensor-parallel-size {tp}")
+    freq = m.moe_layer_freq
+    if isinstance(freq, tuple):
+        if len(freq) != m.num_layers or any(f not in (0, 1) for f in freq):
+            raise ConfigError(f"--moe-layer-freq {list(freq)}: give one 0 or 1 per layer "
+                              f"({m.num_layers} layers)")
+    elif freq < 1:
+        raise ConfigError(f"--moe-layer-freq {freq} must be a positive integer or a list pattern")
+    mixed = len({m.is_moe_layer(i) for i in range(m.num_layers)}) > 1
+    if mixed and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"--moe-layer-freq {freq} mixes dense and MoE layers, which --pipeline-model-parallel-size "
+            f"{p.pipeline_model_parallel_size} does not support yet; use an all-MoE pattern (1)")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor} must be positive")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
 def validate_pipeline(cfg: Config, world_size: int) -> None:

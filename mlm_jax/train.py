@@ -150,6 +150,7 @@ def build_model(cfg: Config, log):
     """(mesh, parallelized model and steps, parameter count)."""
     import jax
 
+    from mlm_jax.metrics import active_params
     from mlm_jax.parallelize import abstract_model, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
@@ -159,6 +160,10 @@ def build_model(cfg: Config, log):
     log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
         f"{pz.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size} per data-parallel rank")
+    active = active_params(cfg.model)
+    if active is not None:
+        log(f"> MoE: FLOPs and MFU count {active / 1e6:.2f} M active parameters per token (top-"
+            f"{cfg.model.moe_router_topk} of {cfg.model.num_experts} experts in each MoE layer)")
     return mesh, pz, n_params
 
 
@@ -343,18 +348,23 @@ class Loop:
 
     def log_iteration(self, iteration: int, metrics) -> float:
         """The metrics record and console line of a logged iteration; returns the loss."""
+        import jax
+
         from mlm_jax.instruments import iteration_line, iteration_record
         from mlm_jax.metrics import device_memory
+        from mlm_jax.models.moe import aux_record, format_aux
 
         self.check(iteration, metrics)
         host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
         # The first step's window holds no finished iteration: report its own time.
         step_s = ((time.perf_counter() - self.window_start) / self.window_iters if self.window_iters
                   else self.compile_s)
+        aux = jax.device_get(metrics.get("aux", {}))  # MoE's losses and balance ({} when dense)
         record = iteration_record(iteration, self.t.global_batch_size, host, step_s,
                                   self.window_wait / max(self.window_iters, 1), self.throughput,
-                                  device_memory(), self.step_mem, self.inst.window())
-        self.logger.log(record, console=iteration_line(record, self.t.train_iters, self.t.global_batch_size))
+                                  device_memory(), self.step_mem, self.inst.window(), aux_record(aux))
+        line = iteration_line(record, self.t.train_iters, self.t.global_batch_size)
+        self.logger.log(record, console=line + (f" {format_aux(aux)}" if aux_record(aux) else ""))
         self._new_window()
         return host["lm_loss"]
 

@@ -37,7 +37,7 @@ def test_megatron_flags_map_onto_the_config():
 
 def test_every_flag_in_the_table_parses():
     for flag, _, _, kind, _ in FLAGS:
-        argv = [flag] if kind in ("true", "false") else [flag, {"int": "2", "float": "0.5", "list": "x"}.get(kind, "")]
+        argv = [flag] if kind in ("true", "false") else [flag, {"int": "2", "float": "0.5", "list": "x", "pattern": "2"}.get(kind, "")]
         if kind == "str":
             continue  # choices are checked separately
         if flag == "--num-query-groups":
@@ -91,8 +91,8 @@ def test_bad_choice_names_flag_and_choices():
      "--seq-length 30 is not divisible by 2 x --context-parallel-size 2 = 4"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "3", "--hidden-size", "60"],
      "--cp-comm-type a2a needs --num-attention-heads 3 divisible by --context-parallel-size 2"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported yet"),
-    (["--num-experts", "8"], "--num-experts 8 is not supported yet"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
+    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and --num-experts 8"),
     (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1), got 1.5"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "need 0 <= --min-lr (0.001) <= --lr (0.0001)"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127",

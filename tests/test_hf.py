@@ -97,6 +97,9 @@ def llama_reference(w, cfg, ids):
         o = _causal_attention(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, h * hd)
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
         a = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        if "_mlp" in cfg:  # Mixtral's experts (mixtral_reference)
+            x = x + cfg["_mlp"](i, a)
+            continue
         gate, up = a @ w[p + "mlp.gate_proj.weight"].T, a @ w[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
     x = _rms_norm(x, w["model.norm.weight"], eps)
@@ -265,11 +268,11 @@ def test_llama_gqa_untied_sharded_logits_and_round_trip(tmp_path, tokens, tp2_me
 
 
 def test_unsupported_models_and_broken_folders_say_why(tmp_path, gpt2):
-    mixtral = tmp_path / "mixtral"
+    mixtral = tmp_path / "mamba"  # (Mixtral is supported now: an architecture that is not)
     mixtral.mkdir()
-    (mixtral / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"],
-                                                     "model_type": "mixtral"}))
-    with pytest.raises(hfc.HFError, match=r"Mixtral \(MixtralForCausalLM\) is not yet supported"):
+    (mixtral / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"],
+                                                     "model_type": "mamba"}))
+    with pytest.raises(hfc.HFError, match=r"'MambaForCausalLM' is not supported"):
         hfc.import_hf(str(mixtral), str(tmp_path / "out"))
     assert hfc.main(["import-hf", "--hf-dir", str(tmp_path / "nothing"), "--save", str(tmp_path / "o")]) == 2
     with pytest.raises(hfc.HFError, match="no config.json"):
@@ -290,6 +293,99 @@ def test_unsupported_models_and_broken_folders_say_why(tmp_path, gpt2):
 
     with pytest.raises(hfc.HFError, match="no Hugging Face equivalent"):
         hfc.export_kind(ModelConfig(position_embedding_type="rope"))
+
+
+# --------------------------------------------------------------------------- Mixtral
+
+E_MIX, K_MIX = 4, 2
+
+
+def mixtral_reference(w, cfg, ids):
+    """transformers' MixtralForCausalLM.forward in numpy fp64: Llama's attention, and per token
+    softmax over the experts' router logits, the top-k renormalised, sum of SwiGLU experts."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    dense = {k: v for k, v in w.items() if "block_sparse_moe" not in k}
+    b, t = ids.shape
+    E, K = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+
+    def moe(i, a):  # [b, t, d]
+        p = f"model.layers.{i}.block_sparse_moe."
+        out = np.zeros_like(a)
+        for bi in range(b):
+            for ti in range(t):
+                x = a[bi, ti]
+                probs = _softmax(w[p + "gate.weight"] @ x)
+                top = np.argsort(-probs)[:K]
+                for e in top:
+                    gate, up = w[p + f"experts.{e}.w1.weight"] @ x, w[p + f"experts.{e}.w3.weight"] @ x
+                    y = w[p + f"experts.{e}.w2.weight"] @ (gate / (1.0 + np.exp(-gate)) * up)
+                    out[bi, ti] += probs[e] / probs[top].sum() * y
+        return out
+
+    return llama_reference(dense, {**cfg, "_mlp": moe}, ids)
+
+
+def make_mixtral(folder, seed=2):
+    rng = np.random.default_rng(seed)
+    h, g, f = 4, 2, 24
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": D,
+           "intermediate_size": f, "num_hidden_layers": L, "num_attention_heads": h, "num_key_value_heads": g,
+           "head_dim": D // h, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+           "hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": None, "initializer_range": 0.02,
+           "num_local_experts": E_MIX, "num_experts_per_tok": K_MIX, "router_aux_loss_coef": 0.02,
+           "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2}
+    w = {"model.embed_tokens.weight": _rand(rng, V, D, scale=0.5), "lm_head.weight": _rand(rng, V, D),
+         "model.norm.weight": 1 + _rand(rng, D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": 1 + _rand(rng, D),
+                  p + "self_attn.q_proj.weight": _rand(rng, D, D),
+                  p + "self_attn.k_proj.weight": _rand(rng, g * D // h, D),
+                  p + "self_attn.v_proj.weight": _rand(rng, g * D // h, D),
+                  p + "self_attn.o_proj.weight": _rand(rng, D, D),
+                  p + "post_attention_layernorm.weight": 1 + _rand(rng, D),
+                  p + "block_sparse_moe.gate.weight": _rand(rng, E_MIX, D, scale=1.0)})
+        for e in range(E_MIX):
+            q = p + f"block_sparse_moe.experts.{e}."
+            w.update({q + "w1.weight": _rand(rng, f, D), q + "w3.weight": _rand(rng, f, D),
+                      q + "w2.weight": _rand(rng, D, f)})
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file(w, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return cfg, w
+
+
+def test_mixtral_logits_equal_reference_and_round_trip(tmp_path, tokens):
+    cfg, w = make_mixtral(str(tmp_path / "hf"))
+    ref = mixtral_reference(w, cfg, tokens)
+    saved = hfc.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *_: None)
+    m = mlm_jax.load(saved)
+    c = m.config
+    assert (c.num_experts, c.moe_router_topk, c.moe_ffn_size, c.moe_router_pre_softmax) == (E_MIX, K_MIX, 24, False)
+    np.testing.assert_allclose(m.logits(tokens), ref, **TOL)
+    np.testing.assert_allclose(mlm_jax.load(str(tmp_path / "hf")).logits(tokens), ref, **TOL)
+    out = str(tmp_path / "export")
+    assert hfc.main(["export-hf", "--load", saved, "--hf-dir", out]) == 0
+    got = _read_folder(out)
+    assert sorted(got) == sorted(w)
+    for name in w:
+        assert np.array_equal(got[name], w[name]), name
+    exported_cfg = json.load(open(os.path.join(out, "config.json")))
+    assert exported_cfg.pop("torch_dtype") == "float32" and exported_cfg == cfg
+
+
+def test_moe_models_without_a_mixtral_equivalent_are_refused_on_export():
+    from mlm_jax.config import ModelConfig
+
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    assert hfc.export_kind(ModelConfig(**llama, num_experts=4)) == "mixtral"
+    for extra, why in [(dict(moe_layer_freq=2), "every layer MoE"),
+                       (dict(moe_router_pre_softmax=True), "softmax router"),
+                       (dict(moe_expert_capacity_factor=1.0), "dropless"),
+                       (dict(moe_shared_expert_intermediate_size=8), "no shared expert")]:
+        with pytest.raises(hfc.HFError, match=why):
+            hfc.export_kind(ModelConfig(**llama, num_experts=4, **extra))
 
 
 def test_training_continues_from_an_imported_checkpoint(gpt2, tmp_path):

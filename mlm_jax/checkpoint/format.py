@@ -37,6 +37,10 @@ SHAPE_FIELDS = (
     ("swiglu", "--swiglu"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", "--disable-bias-linear (add_bias_linear)"),
+    ("num_experts", "--num-experts"),
+    ("moe_ffn_size", "--moe-ffn-hidden-size"),
+    ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
 )
 # What --use-checkpoint-args takes from the checkpoint: the model's architecture.
 ARCH_FIELDS = (
@@ -44,6 +48,8 @@ ARCH_FIELDS = (
     "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
     "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
     "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
 )
 
 

@@ -11,11 +11,14 @@ The stage API, which the plain step, the pipeline and decoding all call (nothing
 re-implements the forward):
   embed_tokens(tokens, positions, key)                          -> x [batch, seq, embed]
   run_layers(x, positions, segment_ids, key, first, count)      -> x
+  run_layers_aux(...the same...)                                -> (x, MoE layer statistics)
   head(x, labels, loss_mask)                                    -> (loss_sum, aux)
 Decoding uses the same embedding, layer bodies and head, with a KV cache threaded through the
 layer scan (`forward_cached`, `run_layers_cached`, `init_cache`).
-`aux` is a dict of per-step scalars (empty for this dense model; MoE's load-balancing losses
-go there), summed over microbatches into the train step's metrics.
+`aux` is a dict of per-step scalars, summed over microbatches into the train step's metrics.
+Mixture-of-experts layers (mlm_jax/models/moe.py, per --moe-layer-freq) report statistics that
+`moe.aux_terms` turns into the MoE losses' gradient (a zero-valued loss term) and the metrics
+`moe_*` that join `aux` (in `loss` here and in the pipeline's stage forward).
 
 Shape letters: b batch, s sequence, d embed, v vocab, l layers.
 """
@@ -26,10 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlm_jax.config import ModelConfig
+from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import Norm, compute_dtype, dropout, normal, param
 from mlm_jax.models.mlp import MLP
+from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
@@ -58,16 +62,19 @@ def stage_keys(key):
 
 
 class Block(nnx.Module):
-    """One pre-norm transformer layer: x + attention(norm1(x)), then x + mlp(norm2(x))."""
+    """One pre-norm transformer layer: x + attention(norm1(x)), then x + mlp(norm2(x)); the MLP
+    is a mixture of experts (mlm_jax/models/moe.py) when `moe`. Returns (x, MoE statistics:
+    {} for a dense block)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.cfg = cfg
         self.norm1 = Norm(cfg)
         self.attention = Attention(cfg, rngs)
         self.norm2 = Norm(cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        self.moe = moe
 
-    def __call__(self, x_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
+    def __call__(self, x_bsd, positions_bs, segment_ids_bs, key) -> tuple[jax.Array, dict]:
         cfg = self.cfg
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         # With sequence parallelism the norms run on [batch, seq/tensor, embed]; their output is
@@ -76,8 +83,8 @@ class Block(nnx.Module):
         o = self.attention(y, positions_bs, segment_ids_bs, keys[0])
         x_bsd = constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[1]), BLOCK_BOUNDARY)
         y = constrain(self.norm2(x_bsd), ("batch", "context_seq", "embed"))
-        o = self.mlp(y)
-        return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY)
+        o, stats = self.mlp(y) if self.moe else (self.mlp(y), {})
+        return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY), stats
 
     def cached(self, x_bsd, positions_bs, cache_k, cache_v):
         """The layer on new tokens against its KV cache (no dropout): (x, cache_k, cache_v)."""
@@ -85,7 +92,8 @@ class Block(nnx.Module):
         o, cache_k, cache_v = self.attention.cached(y, positions_bs, cache_k, cache_v)
         x_bsd = constrain(x_bsd + o, BLOCK_BOUNDARY)
         y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
-        return constrain(x_bsd + self.mlp(y), BLOCK_BOUNDARY), cache_k, cache_v
+        o = self.mlp(y)[0] if self.moe else self.mlp(y)
+        return constrain(x_bsd + o, BLOCK_BOUNDARY), cache_k, cache_v
 
 
 class GPT(nnx.Module):
@@ -101,12 +109,17 @@ class GPT(nnx.Module):
             else None
         )
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
-
-        self.layers = make_layers(rngs)
+        # One stack per block kind (--moe-layer-freq): `layers` holds the first layer's kind,
+        # `moe_layers` the MoE blocks when the pattern mixes kinds; each compiles one body.
+        kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+        self.layer_kinds = tuple(kinds)
+        self.mixed = len(set(kinds)) > 1
+        if self.mixed:
+            self.layers = _stack(cfg, rngs, kinds.count(False), False)
+            self.moe_layers = _stack(cfg, rngs, kinds.count(True), True)
+        else:
+            self.layers = _stack(cfg, rngs, cfg.num_layers, kinds[0])
+            self.moe_layers = None
         self.final_norm = Norm(cfg)
         self.lm_head = (
             param(rngs, lambda k, shp, dt: _vocab_rows(std, cfg.vocab_size)(k, shp[::-1], dt).T,
@@ -131,7 +144,11 @@ class GPT(nnx.Module):
         return constrain(x, BLOCK_BOUNDARY)
 
     def run_layers(self, x_bsd, positions_bs, segment_ids_bs, key, first=0, count=None) -> jax.Array:
-        """The stacked layers this model holds, in one scan.
+        """The stacked layers this model holds, in one scan (see `run_layers_aux`)."""
+        return self.run_layers_aux(x_bsd, positions_bs, segment_ids_bs, key, first, count)[0]
+
+    def run_layers_aux(self, x_bsd, positions_bs, segment_ids_bs, key, first=0, count=None):
+        """(x, MoE statistics summed over the layers: {} for a dense model).
 
         `first` (int or traced) is the global index of the first of them: per-layer dropout keys
         are folded from it, so a pipeline stage holding layers [first, first + n) draws the
@@ -139,8 +156,12 @@ class GPT(nnx.Module):
         past it are padding (uneven pipeline splits) and pass the activation through (lax.cond:
         no compute spent on them).
         """
+        if self.mixed:
+            return self._run_mixed(x_bsd, positions_bs, segment_ids_bs, key)
         graphdef, layer_state = nnx.split(self.layers)
         n = jax.tree.leaves(layer_state)[0].shape[0]
+
+        stats0 = zero_stats() if self.layer_kinds[0] else {}
 
         def body(x, xs):
             state_l, index = xs
@@ -149,12 +170,41 @@ class GPT(nnx.Module):
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            return (layer() if count is None else jax.lax.cond(index < count, layer, lambda: x)), None
+            y, stats = layer() if count is None else jax.lax.cond(index < count, layer, lambda: (x, stats0))
+            return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
         if self.cfg.recompute_granularity == "full":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
-        return x_bsd
+        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
+        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
+
+    def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
+        """Dense and MoE layers in the pattern's order: one scan over the layers whose body
+        picks the kind with lax.cond and the block's row of that kind's stack."""
+        kinds = jnp.asarray(self.layer_kinds, jnp.int32)
+        row = jnp.asarray(_rows_within_kind(self.layer_kinds), jnp.int32)
+        dense_def, dense_state = nnx.split(self.layers)
+        moe_def, moe_state = nnx.split(self.moe_layers)
+
+        def body(x, xs):
+            kind, r, index = xs
+            layer_key = None if key is None else jax.random.fold_in(key, index)
+            pick = lambda st: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), st)  # noqa: E731
+
+            def dense():
+                y, _ = nnx.merge(dense_def, pick(dense_state))(x, positions_bs, segment_ids_bs, layer_key)
+                return y, zero_stats()
+
+            def moe():
+                return nnx.merge(moe_def, pick(moe_state))(x, positions_bs, segment_ids_bs, layer_key)
+
+            return jax.lax.cond(kind == 1, moe, dense)
+
+        if self.cfg.recompute_granularity == "full":
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        n = len(self.layer_kinds)
+        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (kinds, row, jnp.arange(n)))
+        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
 
     def run_layers_cached(self, x_bsd, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
         """All layers on new tokens against the KV cache, in one scan (decoding; no dropout).
@@ -162,6 +212,9 @@ class GPT(nnx.Module):
         `cache` holds "k" and "v", each [layers, batch, max_len, kv_heads, head_dim]
         (`KV_CACHE` names its dims); returns (x, the updated cache).
         """
+        if self.mixed:
+            raise ConfigError("decoding a model that mixes dense and MoE layers (--moe-layer-freq) is "
+                              "not supported yet; a model of one layer kind decodes")
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(x, xs):
@@ -213,8 +266,10 @@ class GPT(nnx.Module):
         """
         k_embed, k_layers = stage_keys(key)
         x = self.embed_tokens(batch["tokens"], batch["position_ids"], k_embed)
-        x = self.run_layers(x, batch["position_ids"], batch.get("segment_ids"), k_layers)
-        return self.head(x, batch["labels"], batch["loss_mask"])
+        x, stats = self.run_layers_aux(x, batch["position_ids"], batch.get("segment_ids"), k_layers)
+        loss_sum, aux = self.head(x, batch["labels"], batch["loss_mask"])
+        moe_term, moe_metrics = aux_terms(stats, batch["loss_mask"])  # MoE losses' gradient
+        return loss_sum + moe_term, {**aux, **moe_metrics}
 
     def __call__(
         self,
@@ -234,6 +289,27 @@ class GPT(nnx.Module):
         x = self.embed_tokens(tokens_bs, positions_bs, k_embed)
         x = self.run_layers(x, positions_bs, segment_ids_bs, k_layers)
         return self.logits(x)
+
+
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, n: int, moe: bool):
+    """`n` blocks of one kind stacked on a leading `layers` dim."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs, moe)
+
+    return make_layers(rngs)
+
+
+def _rows_within_kind(kinds) -> list[int]:
+    """Each layer's row in its kind's stack: [0, 1, 1, 1] -> [0, 0, 1, 2]."""
+    seen = {False: 0, True: 0}
+    rows = []
+    for k in kinds:
+        rows.append(seen[k])
+        seen[k] += 1
+    return rows
 
 
 def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array) -> jax.Array:

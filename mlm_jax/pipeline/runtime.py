@@ -49,6 +49,7 @@ from flax import nnx
 from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import stage_keys
 from mlm_jax.models.layers import compute_dtype
+from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import schedules
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.sharding.mesh import PIPE
@@ -285,25 +286,31 @@ class _Stage:
         self.zeros_act = _varying(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
 
     def forward(self, layers_c, shared, x_in, mb_in, v, mb):
-        """One virtual stage on one microbatch: (output [b, s, d], its loss share, aux)."""
+        """One virtual stage on one microbatch: (output [b, s, d], its loss share, its layers'
+        MoE loss term (value 0, gradient of the MoE losses: every stage's counts), aux)."""
         model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
         k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
         positions = mb_in["position_ids"]
         x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed), lambda: x_in)
         x = constrain(x, ACT_BUFFER[1:])
-        y = model.run_layers(x, positions, mb_in.get("segment_ids"), k_layers, self.first_layer[v],
-                             self.layer_count[v] if self.padded else None)
+        y, stats = model.run_layers_aux(x, positions, mb_in.get("segment_ids"), k_layers,
+                                        self.first_layer[v], self.layer_count[v] if self.padded else None)
+        moe_term, moe_aux = aux_terms(stats, mb_in["loss_mask"])
 
         def head():
             loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-            return loss_sum * self.scale, aux
+            return jax.tree.map(_varying, (loss_sum * self.scale, aux))  # as no_head's
 
         def no_head():
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
             return jax.tree.map(_varying, zeros)
 
         loss, aux = jax.lax.cond(v == self.last, head, no_head)
-        return y, loss, aux
+        # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
+        # the stages); the microbatch counter only on the last virtual stage.
+        if moe_aux:
+            moe_aux["moe_microbatches"] = jnp.where(v == self.last, 1.0, 0.0)
+        return y, loss, moe_term * self.scale, jax.tree.map(_varying, {**aux, **moe_aux})
 
     # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
     # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
@@ -323,11 +330,10 @@ class _Stage:
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
 
     def aux_zeros(self):
-        """The head's aux dict, zero (its structure, from the model)."""
+        """The forward's aux dict (head's and MoE layers'), zero (its structure, from the model)."""
         layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
-        model = nnx.merge(self.graphdef, {**self.shared, "layers": layers_0})
-        labels, mask = self.batch["labels"][0], self.batch["loss_mask"][0]
-        aux = jax.eval_shape(lambda: model.head(self.zeros_act, labels, mask)[1])
+        mb_0 = jax.tree.map(lambda x: x[0], self.batch)
+        aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0)[3])
         return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
 
     def init_carry(self) -> dict:
@@ -366,16 +372,18 @@ class _Stage:
                     zeros(layers_c), zeros(shared))
 
         def forward():  # aux is counted here, once per microbatch (not in the recompute)
-            y, loss, aux = self.forward(layers_c, shared, x_in, mb_in, v, mb)
+            y, loss, _, aux = self.forward(layers_c, shared, x_in, mb_in, v, mb)
             *_, d_lc, d_sh = idle()
             return y, zeros_act, loss, aux, d_lc, d_sh
 
         def backward():
-            (_, loss), vjp = jax.vjp(
-                lambda lp, sp, x: self.forward(lp, sp, x, mb_in, v, mb)[:2], layers_c, shared, x_in)
+            (_, loss, moe_term), vjp = jax.vjp(
+                lambda lp, sp, x: self.forward(lp, sp, x, mb_in, v, mb)[:3], layers_c, shared, x_in)
             at_loss = v == self.last
             g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
-            d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype)))
+            # The MoE losses of this stage's layers are part of the objective on every stage.
+            d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype),
+                                   jnp.ones_like(moe_term)))
             return zeros_act, d_x, jnp.zeros_like(loss), self.aux_zeros(), d_lc, self.pin_shared(d_sh)
 
         return jax.lax.switch(a["kind"], [idle, forward, backward] if self.train else [idle, forward])

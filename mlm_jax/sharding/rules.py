@@ -31,6 +31,7 @@ _PARAM_RULES: Rules = (
     ("heads", TENSOR),
     ("kv_heads", TENSOR),
     ("mlp", TENSOR),
+    ("experts", EXPERT),  # MoE expert weights: each expert-parallel rank holds E / ep experts
     ("embed", None),
     ("head_dim", None),
     ("layers", None),

@@ -1,4 +1,5 @@
-"""Hugging Face <-> mlm_jax checkpoints: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+"""Hugging Face <-> mlm_jax checkpoints: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and
+Mixtral (MixtralForCausalLM).
 
     python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
     python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
@@ -15,6 +16,9 @@ Weight layouts (all conversions are exact reshapes/transposes in numpy):
   Llama  Linear weights are [out, in]. q [h*k, d], k/v [g*k, d]; query head j uses kv group
          j // (h/g), which is our [d, g, r, k] order. gate/up/down -> w1 [d, 2, f], w2 [f, d].
          RMSNorm, rotate-half RoPE (the same as ours), no biases; untied head [V, d] -> [d, V].
+  Mixtral  Llama's attention; block_sparse_moe.gate [E, d] -> router [d, E]; experts.j.w1 (gate)
+         and w3 (up) [f, d] -> w1[j] [d, 2, f], w2 (down) [d, f] -> w2[j] [f, d]. Its router
+         (softmax over all experts, top-k, renormalised) is ours without pre-softmax, dropless.
 The vocab is padded with zero rows to Megatron's padded size on import; export writes the true
 vocab rows only.
 """
@@ -158,14 +162,13 @@ def hf_kind(hf: dict) -> str:
     arch = (hf.get("architectures") or [None])[0]
     model_type = hf.get("model_type")
     if model_type == "mixtral" or arch == "MixtralForCausalLM":
-        raise HFError("Mixtral (MixtralForCausalLM) is not yet supported: mlm_jax has no mixture-of-experts "
-                      "layers yet; GPT2LMHeadModel and LlamaForCausalLM are")
+        return "mixtral"
     if model_type == "gpt2" or arch in ("GPT2LMHeadModel", "GPT2Model"):
         return "gpt2"
     if model_type == "llama" or arch == "LlamaForCausalLM":
         return "llama"
     raise HFError(f"Hugging Face architecture {arch or model_type!r} is not supported; "
-                  "supported: GPT2LMHeadModel, LlamaForCausalLM (Mixtral once MoE exists)")
+                  "supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM")
 
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
@@ -204,7 +207,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     g = hf.get("num_key_value_heads") or h
     head_dim = hf.get("head_dim") or d // h
-    return ModelConfig(
+    moe = _mixtral_fields(hf) if kind == "mixtral" else {}
+    return ModelConfig(**moe,
         num_layers=hf["num_hidden_layers"], hidden_size=d, ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=h, num_query_groups=None if g == h else g,
         kv_channels=None if head_dim * h == d else head_dim, vocab_size=hf["vocab_size"],
@@ -216,6 +220,16 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         init_method_std=hf.get("initializer_range", 0.02))
 
 
+def _mixtral_fields(hf: dict) -> dict:
+    """The MoE fields of a Mixtral config.json (every layer MoE, dropless, softmax router)."""
+    window = hf.get("sliding_window")
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise HFError(f"Mixtral sliding_window {window} is not supported (full causal attention only)")
+    return dict(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
+                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
 def export_kind(m: ModelConfig) -> str:
     """gpt2 or llama, whichever computes the same function as `m`; else an error naming why."""
     gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
@@ -224,6 +238,8 @@ def export_kind(m: ModelConfig) -> str:
              "add_bias_linear": False}
     for kind, want in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(m, k) == v for k, v in want.items()):
+            if m.num_experts:
+                return _mixtral_export_kind(m, kind)
             if kind == "gpt2" and (m.query_groups != m.num_attention_heads
                                    or m.head_dim * m.num_attention_heads != m.hidden_size):
                 raise HFError("GPT-2 has no grouped-query attention or --kv-channels; this model cannot be "
@@ -233,6 +249,21 @@ def export_kind(m: ModelConfig) -> str:
         "this model has no Hugging Face equivalent: GPT-2 needs learned positions, LayerNorm, GELU and "
         "biases; Llama needs rope, RMSNorm, SwiGLU and no biases (got "
         + ", ".join(f"{k}={getattr(m, k)!r}" for k in gpt2) + ")")
+
+
+def _mixtral_export_kind(m: ModelConfig, kind: str) -> str:
+    """mixtral when the MoE model is one MixtralForCausalLM computes; else an error naming why."""
+    problems = [why for bad, why in [
+        (kind != "llama", "Llama's attention and norms (rope, RMSNorm, SwiGLU, no biases)"),
+        (any(not m.is_moe_layer(i) for i in range(m.num_layers)), "every layer MoE (--moe-layer-freq 1)"),
+        (m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax, "the softmax router without pre-softmax"),
+        (m.moe_expert_capacity_factor is not None, "dropless experts (no --moe-expert-capacity-factor)"),
+        (bool(m.moe_shared_expert_intermediate_size), "no shared expert"),
+    ] if bad]
+    if problems:
+        raise HFError("this MoE model has no Hugging Face equivalent: MixtralForCausalLM needs "
+                      + "; ".join(problems))
+    return "mixtral"
 
 
 def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dtype: str = "float32") -> dict:
@@ -251,13 +282,20 @@ def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dt
         out.setdefault("attn_pdrop", m.attention_dropout)
         out.setdefault("initializer_range", m.init_method_std)
     else:
-        out.update(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=m.vocab_size,
-                   hidden_size=m.hidden_size, intermediate_size=m.ffn_size, num_hidden_layers=m.num_layers,
+        mixtral = kind == "mixtral"
+        out.update(architectures=["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
+                   model_type=kind, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                   intermediate_size=m.moe_ffn_size if mixtral else m.ffn_size, num_hidden_layers=m.num_layers,
                    num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups,
                    head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
                    rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base, hidden_act="silu",
                    tie_word_embeddings=not m.untie_embeddings_and_output_weights,
                    attention_bias=False, mlp_bias=False)
+        if mixtral:
+            out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                       router_aux_loss_coef=m.moe_aux_loss_coeff, sliding_window=None)
+            for key in ("attention_bias", "mlp_bias"):
+                out.pop(key)
         out.setdefault("rope_scaling", None)
         out.setdefault("initializer_range", m.init_method_std)
     out["torch_dtype"] = dtype
@@ -346,7 +384,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
                 "wqkv": stack(qkv_w),
                 "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d))},
             "norm2": {"scale": stack(lambda i: take(f"model.layers.{i}.post_attention_layernorm.weight"))},
-            "mlp": {"w1": stack(w1), "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T)},
+            "mlp": (_mixtral_experts_in(take, m, stack) if kind == "mixtral" else
+                    {"w1": stack(w1), "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T)}),
         }
         params = {"embed": pad_rows(take("model.embed_tokens.weight")), "layers": layers,
                   "final_norm": {"scale": take("model.norm.weight")}}
@@ -359,6 +398,31 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
         raise HFError(f"the safetensors hold tensors this {kind} config does not use: {unused[:8]}"
                       + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
     return params
+
+
+def _mixtral_experts_in(take, m: ModelConfig, stack) -> dict:
+    """block_sparse_moe tensors -> our MoE params: router [L, d, E], w1 [L, E, d, 2, f], w2 [L, E, f, d]."""
+    E = m.num_experts
+
+    def moe(i, name):
+        return f"model.layers.{i}.block_sparse_moe.{name}"
+
+    def w1(i):  # w1 (gate) and w3 (up) [f, d] -> [E, d, 2, f]
+        return np.stack([np.stack([take(moe(i, f"experts.{j}.w1.weight")).T,
+                                   take(moe(i, f"experts.{j}.w3.weight")).T], axis=1) for j in range(E)])
+
+    return {"router": stack(lambda i: take(moe(i, "gate.weight")).T), "w1": stack(w1),
+            "w2": stack(lambda i: np.stack([take(moe(i, f"experts.{j}.w2.weight")).T for j in range(E)]))}
+
+
+def _mixtral_experts_out(P: dict, m: ModelConfig, i: int, put) -> None:
+    """Layer i's MoE params -> its block_sparse_moe tensors (the inverse of _mixtral_experts_in)."""
+    pre = f"model.layers.{i}.block_sparse_moe"
+    put(f"{pre}.gate.weight", P["layers/mlp/router"][i].T)
+    for j in range(m.num_experts):
+        put(f"{pre}.experts.{j}.w1.weight", P["layers/mlp/w1"][i][j][:, 0].T)
+        put(f"{pre}.experts.{j}.w3.weight", P["layers/mlp/w1"][i][j][:, 1].T)
+        put(f"{pre}.experts.{j}.w2.weight", P["layers/mlp/w2"][i][j].T)
 
 
 def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, prefix: str = "transformer.",
@@ -403,6 +467,9 @@ def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, pref
             put(f"model.layers.{i}.self_attn.v_proj.weight", qkv[:, r + 1].reshape(g * k, d))
             put(f"model.layers.{i}.self_attn.o_proj.weight", P["layers/attention/wo"][i].reshape(h * k, d).T)
             put(f"model.layers.{i}.post_attention_layernorm.weight", P["layers/norm2/scale"][i])
+            if kind == "mixtral":
+                _mixtral_experts_out(P, m, i, put)
+                continue
             put(f"model.layers.{i}.mlp.gate_proj.weight", P["layers/mlp/w1"][i][:, 0].T)
             put(f"model.layers.{i}.mlp.up_proj.weight", P["layers/mlp/w1"][i][:, 1].T)
             put(f"model.layers.{i}.mlp.down_proj.weight", P["layers/mlp/w2"][i].T)

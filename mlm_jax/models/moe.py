@@ -1,0 +1,233 @@
+"""Mixture of experts: Megatron's router (softmax or sigmoid scores, top-k, load-balancing and
+z losses, capacity dropping) and grouped experts, optionally with a shared expert.
+
+The router runs on every token of the microbatch (GSPMD: the statistics and the capacity are
+those of the whole microbatch, so every parallel layout computes the same function). The token
+dispatch to the experts, their grouped matmul and the combine live in
+`mlm_jax/models/moe_dispatch.py` (shard_map over `expert`, all-to-all or all-gather).
+
+Formulas (Megatron-LM, megatron/core/transformer/moe/router.py and moe_utils.py), for T tokens,
+E experts, top-k K, router logits z [T, E]:
+  softmax:       probs = softmax(top-k(z))      (pre-softmax: top-k(softmax(z)))
+  sigmoid:       s = sigmoid(z); probs = top-k(s) / sum(top-k(s)) (K > 1)
+  aux_loss:      coeff * E / (K T) * sum_e count_e * mean_t score_te      (Switch)
+  seq_aux_loss:  the same per sequence, averaged over the sequences
+  z-loss:        coeff * mean_t logsumexp(z_t)^2
+  scores for the aux losses: softmax(z) over all experts (sigmoid: s / sum_e s), counts from the
+  top-k choice before any drop.
+  capacity:      C = ceil(T K / E * capacity factor); per expert, the C tokens with the highest
+                 probability (policy probs) or the first C in token order (policy position)
+                 are kept, the rest dropped (their weight 0: the residual carries them).
+
+Shape letters: t token, e expert, k top-k choice, d embed, f expert mlp, b batch, s seq.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.config import ModelConfig
+from mlm_jax.models.layers import cast, normal, param, zeros
+from mlm_jax.models.mlp import MLP
+from mlm_jax.sharding.rules import constrain
+
+# The per-layer statistics a MoE layer reports (summed over layers by the layer scan).
+STAT_KEYS = ("load_balancing_loss", "z_loss", "imbalance", "dropped_fraction", "moe_layers")
+
+
+@dataclasses.dataclass
+class Routing:
+    """The router's decision for T tokens: expert ids [T, K], combine weights [T, K] (0 where
+    dropped), kept [T, K] (bool), and the layer's statistics (scalars, see STAT_KEYS)."""
+
+    experts_tk: jax.Array
+    weights_tk: jax.Array
+    kept_tk: jax.Array
+    stats: dict
+
+
+def capacity(num_tokens: int, cfg: ModelConfig) -> int:
+    """Megatron's per-expert capacity: ceil(tokens x top-k / experts x capacity factor)."""
+    K, E = cfg.moe_router_topk, cfg.num_experts
+    return int(math.ceil(num_tokens * K / E * cfg.moe_expert_capacity_factor))
+
+
+def _scores_and_choice(cfg: ModelConfig, logits_te):
+    """(probs [T, K], experts [T, K], scores for the aux loss [T, E])."""
+    K = cfg.moe_router_topk
+    if cfg.moe_router_score_function == "sigmoid":
+        s = jax.nn.sigmoid(logits_te)
+        top, idx = jax.lax.top_k(s, K)
+        probs = top / (jnp.sum(top, -1, keepdims=True) + 1e-20) if K > 1 else top
+        return probs, idx, s / (jnp.sum(s, -1, keepdims=True) + 1e-20)
+    full = jax.nn.softmax(logits_te, axis=-1)
+    if cfg.moe_router_pre_softmax:
+        probs, idx = jax.lax.top_k(full, K)
+    else:
+        top, idx = jax.lax.top_k(logits_te, K)
+        probs = jax.nn.softmax(top, axis=-1)
+    return probs, idx, full
+
+
+def load_balancing_loss(cfg: ModelConfig, scores_bse, chosen_bse) -> jax.Array:
+    """Megatron's aux_loss (whole microbatch) or seq_aux_loss (per sequence), with its coeff.
+
+    scores [b, s, E] fp32, chosen [b, s, E] 0/1 (the top-k choice before drops)."""
+    kind, E, K = cfg.moe_router_load_balancing_type, cfg.num_experts, cfg.moe_router_topk
+    if kind == "none" or cfg.moe_aux_loss_coeff == 0.0:
+        return jnp.zeros((), jnp.float32)
+    if kind == "seq_aux_loss":
+        s = scores_bse.shape[1]
+        f_be = jnp.sum(chosen_bse, axis=1) * E / (s * K)  # [b, E]
+        return cfg.moe_aux_loss_coeff * jnp.mean(jnp.sum(f_be * jnp.mean(scores_bse, axis=1), -1))
+    T = scores_bse.shape[0] * scores_bse.shape[1]
+    f_e = jnp.sum(chosen_bse, axis=(0, 1)) * E / (T * K)  # [E]
+    p_e = jnp.mean(scores_bse, axis=(0, 1))  # [E]
+    return cfg.moe_aux_loss_coeff * jnp.sum(f_e * p_e)
+
+
+def z_loss(cfg: ModelConfig, logits_te) -> jax.Array:
+    """Router z-loss (ST-MoE): coeff x mean over tokens of logsumexp(logits)^2."""
+    if not cfg.moe_z_loss_coeff:
+        return jnp.zeros((), jnp.float32)
+    return cfg.moe_z_loss_coeff * jnp.mean(jnp.square(jax.nn.logsumexp(logits_te, axis=-1)))
+
+
+def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
+    """[T, K] bool: True where the choice survives the capacity (all True when dropless)."""
+    if cfg.moe_expert_capacity_factor is None:
+        return jnp.ones(experts_tk.shape, bool)
+    T, E = experts_tk.shape[0], cfg.num_experts
+    C = capacity(T, cfg)
+    onehot_tke = jax.nn.one_hot(experts_tk, E, dtype=jnp.int32)  # [T, K, E]
+    chosen_te = jnp.sum(onehot_tke, axis=1)  # [T, E]
+    if cfg.moe_token_drop_policy == "position":
+        rank_te = jnp.cumsum(chosen_te, axis=0)  # 1-based arrival order per expert
+        keep_te = (chosen_te > 0) & (rank_te <= C)
+    else:
+        prob_te = jnp.sum(onehot_tke * probs_tk[..., None], axis=1)  # [T, E]; 0 where not chosen
+        # The C most probable chosen tokens per expert: rank of each token within its column.
+        score_et = jnp.where(chosen_te > 0, prob_te, -1.0).T  # [E, T]
+        _, top_ec = jax.lax.top_k(score_et, min(C, T))  # [E, C]
+        keep_et = jnp.zeros((E, T), bool).at[jnp.arange(E)[:, None], top_ec].set(True)
+        keep_te = keep_et.T & (chosen_te > 0)
+    return jnp.take_along_axis(keep_te, experts_tk, axis=1)  # [T, K]
+
+
+def route(cfg: ModelConfig, logits_bse) -> Routing:
+    """The router's choice for a microbatch's fp32 logits [b, s, E] (tokens flattened b-major)."""
+    b, s, E = logits_bse.shape
+    logits_te = logits_bse.reshape(b * s, E)  # [T, E]
+    probs_tk, experts_tk, scores_te = _scores_and_choice(cfg, logits_te)
+    chosen_te = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32), axis=1)  # [T, E]
+    lb = load_balancing_loss(cfg, scores_te.reshape(b, s, E), chosen_te.reshape(b, s, E))
+    kept_tk = keep_mask(cfg, probs_tk, experts_tk)
+    counts_e = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1))
+    total = float(b * s * cfg.moe_router_topk)
+    stats = {
+        "load_balancing_loss": lb,
+        "z_loss": z_loss(cfg, logits_te),
+        # Busiest expert's tokens over the mean (1.0: perfectly balanced).
+        "imbalance": jnp.max(counts_e) / (total / E),
+        "dropped_fraction": 1.0 - jnp.sum(counts_e) / total,
+        "moe_layers": jnp.ones((), jnp.float32),
+    }
+    weights_tk = jnp.where(kept_tk, probs_tk, 0.0)
+    return Routing(experts_tk, weights_tk, kept_tk, stats)
+
+
+def zero_stats() -> dict:
+    """A dense layer's statistics: the MoE structure, all zero."""
+    return {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS}
+
+
+class MoE(nnx.Module):
+    """[batch, seq, embed] -> [batch, seq, embed] through the top-k of E experts (+ a shared
+    expert); returns (output, statistics). Expert weights: w1 [E, d, (2,) f], w2 [E, f, d], the
+    experts dim over `expert`, f over `tensor` (expert tensor parallelism = tensor size)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, E, std = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * cfg.num_layers)
+        self.cfg = cfg
+        self.router = param(rngs, normal(std), (d, E), ("embed", None))
+        w1_shape, w1_names = (((E, d, 2, f), ("experts", "embed", None, "mlp")) if cfg.swiglu
+                              else ((E, d, f), ("experts", "embed", "mlp")))
+        self.w1 = param(rngs, normal(std), w1_shape, w1_names)
+        self.w2 = param(rngs, normal(out_std), (E, f, d), ("experts", "mlp", "embed"))
+        if cfg.add_bias_linear:
+            self.b1 = param(None, zeros, (E, *w1_shape[2:]), ("experts", *w1_names[2:]))
+            self.b2 = param(None, zeros, (E, d), ("experts", "embed"))
+        else:
+            self.b1 = self.b2 = None
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs) if shared else None
+
+    def __call__(self, y_bsd) -> tuple[jax.Array, dict]:
+        from mlm_jax.models.moe_dispatch import dispatch_and_combine
+
+        cfg, dt = self.cfg, y_bsd.dtype
+        b, s, d = y_bsd.shape
+        logits = jnp.einsum("bsd,de->bse", y_bsd.astype(jnp.float32), self.router[...])  # [b, s, E] fp32
+        r = route(cfg, logits)
+        experts_bsk = r.experts_tk.reshape(b, s, -1)
+        weights_bsk = r.weights_tk.reshape(b, s, -1).astype(dt)
+        out = dispatch_and_combine(cfg, y_bsd, experts_bsk, weights_bsk, cast(self.w1, dt),
+                                   cast(self.w2, dt), cast(self.b1, dt))
+        if self.b2 is not None:  # sum_k weight_k * b2[expert_k]: linear, so outside the dispatch
+            out = out + jnp.einsum("bsk,bskd->bsd", weights_bsk, cast(self.b2, dt)[experts_bsk])
+        if self.shared is not None:
+            out = out + self.shared(y_bsd)
+        return constrain(out, ("batch", None, "embed")), r.stats
+
+
+def aux_record(aux: dict) -> dict:
+    """The MoE metrics of a step's metrics["aux"] (summed over microbatches) for the metrics
+    file: load-balancing and z losses summed over MoE layers, the busiest expert's load over the
+    mean and the dropped fraction averaged over them; each averaged over the microbatches.
+    Empty for a dense model."""
+    mb = float(aux.get("moe_microbatches", 0.0))
+    if not mb:
+        return {}
+    layers = max(float(aux["moe_layers"]), 1.0)  # MoE layer passes, summed like the rest
+    return {"moe_load_balancing_loss": float(aux["moe_load_balancing_loss"]) / mb,
+            "moe_z_loss": float(aux["moe_z_loss"]) / mb,
+            "moe_imbalance": float(aux["moe_imbalance"]) / layers,
+            "moe_dropped_fraction": float(aux["moe_dropped_fraction"]) / layers}
+
+
+def format_aux(aux: dict) -> str:
+    """The MoE part of a console log line ("" for a dense model), from metrics["aux"]."""
+    r = aux_record(aux)
+    if not r:
+        return ""
+    return (f"load balancing loss: {r['moe_load_balancing_loss']:.4E} | z loss: {r['moe_z_loss']:.4E} | "
+            f"expert load max/mean: {r['moe_imbalance']:.3f} | dropped tokens: {100 * r['moe_dropped_fraction']:.2f}% |")
+
+
+def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
+    """(loss term, metrics) of one microbatch's summed layer statistics.
+
+    The loss term is w - stop_gradient(w), w = tokens x (load-balancing + z losses): it adds
+    nothing to the reported loss but its gradient, once the step divides the loss by the
+    global batch's token count, is that of the token-weighted mean over microbatches of the
+    MoE losses (Megatron adds them with the same effect through its aux-loss autoscaler)."""
+    if not stats:
+        return jnp.zeros((), jnp.float32), {}
+    w = jnp.sum(loss_mask_bs).astype(jnp.float32) * (stats["load_balancing_loss"] + stats["z_loss"])
+    # Sums (over layers here, over microbatches and pipeline stages by the step); `aux_record`
+    # turns them into means.
+    metrics = {
+        "moe_load_balancing_loss": jax.lax.stop_gradient(stats["load_balancing_loss"]),
+        "moe_z_loss": jax.lax.stop_gradient(stats["z_loss"]),
+        "moe_imbalance": jax.lax.stop_gradient(stats["imbalance"]),
+        "moe_dropped_fraction": jax.lax.stop_gradient(stats["dropped_fraction"]),
+        "moe_layers": jax.lax.stop_gradient(stats["moe_layers"]),
+        "moe_microbatches": jnp.ones((), jnp.float32),
+    }
+    return w - jax.lax.stop_gradient(w), metrics

@@ -1,0 +1,235 @@
+"""Token dispatch to the experts and combine back, written by hand in shard_map.
+
+Expert parallelism is carved out of data parallelism (Megatron): the batch rows are split over
+(data, expert), the experts over `expert`, each expert's hidden dim over `tensor`. Inside the
+shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/ep experts:
+
+  alltoall   each device sorts its T*K (token, expert) rows by destination rank and sends them
+             with one all_to_all over `expert`, the experts run, a second all_to_all returns
+             the outputs. XLA:CPU has no ragged all-to-all, so every destination's block is
+             padded to its worst case (T*K rows dropless; min(T*K, experts per rank x capacity)
+             with a capacity factor).
+  allgather  every device all-gathers the tokens of its `expert` group, runs its own experts on
+             the rows routed to them, and a reduce-scatter over `expert` returns each device's
+             tokens (Megatron's allgather dispatcher).
+
+The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by expert, or,
+with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
+With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
+
+Outside a mesh (single-device model code, tests) the same functions run on all tokens with
+every expert local. Shape letters: t token, k choice, r row (= token x choice), e expert,
+d embed, f expert mlp, g expert-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax.sharding import PartitionSpec as P
+
+from mlm_jax.config import ModelConfig
+from mlm_jax.sharding.mesh import EXPERT, TENSOR
+from mlm_jax.sharding.rules import active_rules, logical_to_spec
+
+
+def _activation(cfg: ModelConfig, h):
+    if cfg.swiglu:  # [r, 2, f]
+        return jax.nn.silu(h[:, 0]) * h[:, 1]
+    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
+
+
+def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
+    """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
+
+    w1 [n_local, d, (2,) f], w2 [n_local, f, d], b1 [n_local, (2,) f] or None. The partial sum
+    over a tensor-split f is returned unreduced. `cap`: run as [n_local, cap] slots (padded to
+    capacity) instead of the grouped matmul; every expert must have at most `cap` rows."""
+    n_local, R = w1.shape[0], x_rd.shape[0]
+    order = jnp.argsort(ids_r, stable=True)  # rows grouped by expert, empty rows last
+    ids_s = ids_r[order]
+    xs = x_rd[order]  # [R, d]
+    sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
+    valid = ids_s < n_local
+    if cap is None:
+        w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
+        h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
+        if b1 is not None:
+            h = h + b1[jnp.minimum(ids_s, n_local - 1)]
+        u = jnp.where(valid[:, None], _activation(cfg, h), 0)  # [r, f]
+        ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
+    else:
+        starts = jnp.cumsum(sizes) - sizes
+        slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
+        e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
+        buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
+        h = jnp.einsum("ecd,ed...->ec...", buf, w1)  # [e, c, (2,) f]
+        if b1 is not None:
+            h = h + b1[:, None]
+        y_ecd = jnp.einsum("ecf,efd->ecd", _activation_ec(cfg, h), w2)
+        ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
+    return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
+
+
+def _activation_ec(cfg: ModelConfig, h):
+    if cfg.swiglu:  # [e, c, 2, f]
+        return jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
+
+
+def _row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:
+    """Slots per expert with --moe-pad-expert-input-to-capacity (capacity of the microbatch)."""
+    if not cfg.moe_pad_expert_input_to_capacity:
+        return None
+    from mlm_jax.models.moe import capacity
+
+    return capacity(tokens_per_group, cfg)
+
+
+def _local(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
+    """Every expert on this device: [T, d] -> [T, d] (partial over a tensor-split f)."""
+    T, K = e_tk.shape
+    ids = jnp.where(w_tk != 0, e_tk, w1.shape[0]).reshape(T * K)  # dropped rows: empty
+    y_rd = expert_ffn(cfg, jnp.repeat(x_td, K, axis=0), ids, w1, w2, b1, cap)  # [T*K, d]
+    return jnp.einsum("tk,tkd->td", w_tk, y_rd.reshape(T, K, -1))
+
+
+def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
+    """Dispatch rows to the rank owning their expert, run, return, combine: [T, d] -> [T, d]."""
+    T, K = e_tk.shape
+    n_local, R = w1.shape[0], T * K
+    E = n_local * ep
+    per_dest = R if cap is None else min(R, n_local * cap)  # a destination's block, padded
+    ids = jnp.where(w_tk != 0, e_tk, E).reshape(R)  # global expert per row; E: dropped
+    order = jnp.argsort(ids, stable=True)
+    ids_s = ids[order]
+    dest = ids_s // n_local  # [R]; ep for dropped rows
+    per_rank = jnp.bincount(dest, length=ep + 1)
+    starts = jnp.cumsum(per_rank) - per_rank  # first sorted row of each destination
+    pos = jnp.arange(R) - starts[jnp.minimum(dest, ep)]
+    x_rows = jnp.repeat(x_td, K, axis=0)[order]  # [R, d]
+    send = jnp.zeros((ep, per_dest, x_td.shape[1]), x_td.dtype).at[dest, pos].set(x_rows, mode="drop")
+    send_ids = jnp.full((ep, per_dest), n_local, jnp.int32).at[dest, pos].set(
+        (ids_s - dest * n_local).astype(jnp.int32), mode="drop")
+    # [ep (destination), per_dest, d] -> [ep (source), per_dest, d]
+    recv = jax.lax.all_to_all(send, EXPERT, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True)
+    # Drops are decided over the whole microbatch, so an expert receives at most `cap` rows.
+    y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1, cap)
+    back = jax.lax.all_to_all(y.reshape(ep, per_dest, -1), EXPERT, 0, 0, tiled=True)  # [dest, per_dest, d]
+    y_s = back.at[dest, pos].get(mode="fill", fill_value=0)  # [R, d] in sorted order
+    y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
+    return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1))
+
+
+def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
+    """All-gather the expert group's tokens, run the local experts, reduce-scatter back."""
+    n_local = w1.shape[0]
+    me = jax.lax.axis_index(EXPERT)
+    x_all = jax.lax.all_gather(x_td, EXPERT, axis=0, tiled=True)  # [ep*T, d]
+    e_all = jax.lax.all_gather(e_tk, EXPERT, axis=0, tiled=True)  # [ep*T, K]
+    w_all = jax.lax.all_gather(w_tk, EXPERT, axis=0, tiled=True)
+    mine = (e_all // n_local == me) & (w_all != 0)
+    local_e = jnp.where(mine, e_all - me * n_local, 0)
+    y_all = _local(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1, cap)  # [ep*T, d]
+    return jax.lax.psum_scatter(y_all, EXPERT, scatter_dimension=0, tiled=True)  # [T, d]
+
+
+def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
+    """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> [b, s, d].
+
+    Inside parallelize's step (activation rules active): a shard_map over data, expert and
+    tensor; otherwise all experts on all tokens here."""
+    b, s, d = y_bsd.shape
+    rules = active_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules:  # outside a mesh: every expert on every token, here
+        return _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
+    sizes = dict(mesh.shape)
+    tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
+    row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
+    uneven = b % math.prod(sizes[a] for a in row_axes) != 0
+    if getattr(mesh, "manual_axes", ()) or uneven:
+        # Nested in the pipeline's shard_map: jax's partial evaluation of a nested shard_map
+        # gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of `data`), and
+        # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
+        # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
+        # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
+        # device runs every expert on the microbatch: the same function, without expert
+        # parallelism's savings.
+        whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
+        out = _everything_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
+                               whole(w1), whole(w2), whole(b1))
+        return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
+    ep = sizes[EXPERT]
+    # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
+    # per expert.
+    cap = _row_capacity(cfg, b * s)
+    w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
+    manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a)
+
+    def body(x, e, w, w1_, w2_, b1_):
+        bl = x.shape[0]
+        args = (cfg, x.reshape(bl * s, d), e.reshape(bl * s, -1), w.reshape(bl * s, -1), w1_, w2_, b1_, cap)
+        if ep == 1:
+            out = _local(*args)
+        elif cfg.moe_token_dispatcher_type == "allgather":
+            out = _allgather(*args, ep)
+        else:
+            out = _alltoall(*args, ep)
+        return jax.lax.psum(out, TENSOR).reshape(bl, s, d)
+
+    specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
+    fn = _recomputing_shard_map(body, specs, tok_spec, manual)
+    # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
+    # manual computation an operand sharded over a free axis ahead of the manual ones.
+    pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
+    return fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
+
+
+def _recomputing_shard_map(body, in_specs, out_spec, manual):
+    """shard_map(body) whose backward is a second shard_map that recomputes the forward
+    (jax.vjp inside it) instead of passing residuals between the two. Nested in the pipeline's
+    shard_map, jax gives residuals a sharding Shardy rejects (the outer manual axis `pipe` as a
+    free axis ahead of `data`); recomputing also keeps the [rows, d] buffers out of memory.
+    Argument 1 (expert ids, integers) gets no cotangent."""
+    fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual)
+
+    def bwd_body(args, g):
+        x, e, w, w1, w2, b1 = args
+        _, vjp = jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
+        return vjp(g)
+
+    diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
+    bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
+                            axis_names=manual)
+
+    @jax.custom_vjp
+    def fn(*args):
+        return fwd_map(*args)
+
+    def fwd(*args):
+        return fwd_map(*args), args
+
+    def bwd(args, g):
+        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(args, g)
+        return d_x, None, d_w, d_w1, d_w2, d_b1
+
+    fn.defvjp(fwd, bwd)
+    return fn
+
+
+def _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
+    b, s, d = y_bsd.shape
+    cap = _row_capacity(cfg, b * s)
+    out = _local(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
+                 weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
+    return out.reshape(b, s, d)
+
+
+def _weight_names(cfg: ModelConfig, w1_ndim: int):
+    w1 = ("experts", "embed", None, "mlp") if w1_ndim == 4 else ("experts", "embed", "mlp")
+    return w1, ("experts", "mlp", "embed"), ("experts", *w1[2:])
