@@ -31,13 +31,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
 from mlm_jax.optim import lr_at, make_optimizer
-from mlm_jax.sharding.rules import activation_rules, logical_to_spec, param_rules, use_rules, zero_spec
+from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
+from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
+                                    zero_spec)
 from mlm_jax.sharding.specs import batch_spec, replicated
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # + segment_ids with reset mask
@@ -197,6 +199,78 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
     return run, eval_sum
 
 
+def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
+    """Whether the step accumulates per-rank gradients and reduces them once (see
+    `_reduce_once_loss_and_grads`): data parallel without dropout, expert or context parallelism.
+
+    Dropout keeps the per-microbatch reduction: its masks are drawn for the whole microbatch, so
+    they (and the loss) stay independent of the layout, as the cross-layout resume tests require;
+    a per-rank body would draw per-rank masks. Expert and context parallelism run hand-written
+    shard_map pieces and batch-wide aux losses, which a per-rank body would change.
+    """
+    sizes, m = dict(mesh.shape), cfg.model
+    return (sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
+            and m.hidden_dropout == 0 and m.attention_dropout == 0)
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, dp: int, fallback):
+    """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
+
+    The microbatch [dp * b, s] is seen as [dp, b, s] and the loss is vmapped over the dp dim
+    with `spmd_axis_name=data`, so every rank computes the gradient of its own rows and nothing
+    ties them together inside the loop: the accumulator is [dp/data, ...] (one unreduced
+    gradient per rank, Megatron's local gradient buffer), summed over dp once after the loop
+    (an all-reduce, or a reduce-scatter into ZeRO's storage sharding). Parameters are gathered
+    to the compute sharding once, before the loop (ZeRO's all-gather once per step). A model
+    whose head reports aux scalars (batch-wide, not a sum over rows) takes `fallback`.
+    """
+    grad_sharding = jax.tree.map(lambda s: NamedSharding(s.mesh, P(DATA, *s.spec)), sh.compute)
+
+    def run(params, batch, key):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
+
+        def loss_fn(prm, mb, mb_key):
+            loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
+            return loss_sum / total_tokens, aux
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key)[1]):
+            return fallback(params, batch, key)
+        # [m, dp * b, s] -> [m, dp, b, s]: dim 1 carries the data split.
+        split = jax.tree.map(lambda x: x.reshape(x.shape[0], dp, x.shape[1] // dp, *x.shape[2:]), batch)
+        split = jax.lax.with_sharding_constraint(split, P(None, DATA))
+        per_rank = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0, None),
+                            spmd_axis_name=DATA)
+        inner = tuple((n, _without_data(a)) for n, a in active_rules())
+
+        def micro(carry, xs):
+            grads_acc, loss_acc = carry
+            mb, index = xs
+            with use_rules(inner):  # batch rows are per rank here; vmap adds `data` to dim 0
+                (loss, _), grads = per_rank(compute, mb, jax.random.fold_in(key, index))
+            grads = jax.lax.with_sharding_constraint(grads, grad_sharding)  # [dp/data, ...]
+            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+
+        zeros = jax.tree.map(lambda x: jnp.zeros((dp, *x.shape), jnp.float32), compute)
+        zeros = jax.lax.with_sharding_constraint(zeros, grad_sharding)
+        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((dp,), jnp.float32)),
+                                        (split, jnp.arange(num_micro)))
+        grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)  # the one data-parallel reduction
+        return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, sh.storage), {}
+
+    return run
+
+
+def _without_data(axes):
+    if axes == DATA:
+        return None
+    if isinstance(axes, tuple):
+        rest = tuple(a for a in axes if a != DATA)
+        return rest[0] if len(rest) == 1 else (rest or None)
+    return axes
+
+
 def _train_step(cfg: Config, tx, loss_grads_aux):
     """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
     (the head's aux scalars, summed over the microbatches, under "aux")."""
@@ -247,6 +321,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
             return jax.jit(make, out_shardings=state_sharding)()
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
+    if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, mesh.shape[DATA], loss_grads_aux)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811
