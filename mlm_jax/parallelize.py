@@ -216,46 +216,46 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
 def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, dp: int, fallback):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
-    The microbatch [dp * b, s] is seen as [dp, b, s] and the loss is vmapped over the dp dim
-    with `spmd_axis_name=data`, so every rank computes the gradient of its own rows and nothing
-    ties them together inside the loop: the accumulator is [dp/data, ...] (one unreduced
-    gradient per rank, Megatron's local gradient buffer), summed over dp once after the loop
-    (an all-reduce, or a reduce-scatter into ZeRO's storage sharding). Parameters are gathered
+    The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
+    stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
+    ranks together inside the loop: the accumulator is one unreduced gradient per rank
+    (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding). Parameters are gathered
     to the compute sharding once, before the loop (ZeRO's all-gather once per step). A model
     whose head reports aux scalars (batch-wide, not a sum over rows) takes `fallback`.
     """
-    grad_sharding = jax.tree.map(lambda s: NamedSharding(s.mesh, P(DATA, *s.spec)), sh.compute)
-
     def run(params, batch, key):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
 
-        def loss_fn(prm, mb, mb_key):
+        def loss_fn(prm, mb, mb_key, tokens):
             loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
-            return loss_sum / total_tokens, aux
+            return loss_sum / tokens, aux
 
         first = jax.tree.map(lambda x: x[0], batch)
-        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key)[1]):
+        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key, total_tokens)[1]):
             return fallback(params, batch, key)
-        # [m, dp * b, s] -> [m, dp, b, s]: dim 1 carries the data split.
-        split = jax.tree.map(lambda x: x.reshape(x.shape[0], dp, x.shape[1] // dp, *x.shape[2:]), batch)
-        split = jax.lax.with_sharding_constraint(split, P(None, DATA))
-        per_rank = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0, None),
-                            spmd_axis_name=DATA)
         inner = tuple((n, _without_data(a)) for n, a in active_rules())
 
-        def micro(carry, xs):
-            grads_acc, loss_acc = carry
-            mb, index = xs
-            with use_rules(inner):  # batch rows are per rank here; vmap adds `data` to dim 0
-                (loss, _), grads = per_rank(compute, mb, jax.random.fold_in(key, index))
-            grads = jax.lax.with_sharding_constraint(grads, grad_sharding)  # [dp/data, ...]
-            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+        def per_rank(prm, mbs, key, tokens):
+            # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
+            def micro(carry, xs):
+                grads_acc, loss_acc = carry
+                mb, index = xs
+                (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    prm, mb, jax.random.fold_in(key, index), tokens)
+                return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros((dp, *x.shape), jnp.float32), compute)
-        zeros = jax.lax.with_sharding_constraint(zeros, grad_sharding)
-        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((dp,), jnp.float32)),
-                                        (split, jnp.arange(num_micro)))
+            zeros = jax.tree.map(jnp.zeros_like, prm)
+            with use_rules(inner):
+                (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
+                                                (mbs, jnp.arange(num_micro)))
+            # [1, ...] per rank: stacked over data outside, summed there once.
+            return jax.tree.map(lambda g: g[None], grads), loss[None]
+
+        stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
+                                out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
+        grads, loss = stacked(compute, batch, key, total_tokens)
         grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)  # the one data-parallel reduction
         return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, sh.storage), {}
 
