@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
+from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import lr_at, make_optimizer
 from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
@@ -300,6 +301,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     `model_class` (default GPT) is any model offering GPT's constructor and stage API."""
     check_platform(cfg.model)  # --attention-backend flash off an NVIDIA GPU: refused before compiling
+    check_offload_platform(cfg.model)  # --recompute-granularity offload needs host memory spaces
     act_rules = activation_rules(cfg.parallel.sequence_parallel)  # 2. rules
     graphdef, shapes, names = abstract_model(cfg, model_class)  # 3. params
     sh = _shardings(cfg, mesh, graphdef, shapes, names)

@@ -28,6 +28,7 @@ from mlm_jax.config import ModelConfig
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import Norm, compute_dtype, dropout, normal, param
 from mlm_jax.models.mlp import MLP
+from mlm_jax.models.recompute import scan_layers
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
@@ -142,10 +143,8 @@ class GPT(nnx.Module):
 
             return (layer() if count is None else jax.lax.cond(index < count, layer, lambda: x)), None
 
-        if self.cfg.recompute_granularity == "full":
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        x_bsd, _ = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
-        return x_bsd
+        # --recompute-granularity / -method / -num-layers (mlm_jax/models/recompute.py)
+        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n)), n, self.cfg)
 
     def logits(self, x_bsd) -> jax.Array:
         """Final norm and LM head: fp32 logits [batch, seq, padded vocab], padding masked."""
