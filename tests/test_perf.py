@@ -170,3 +170,25 @@ def test_recompute_flag_errors_name_the_flag(argv, message):
     with pytest.raises(ConfigError) as err:
         finalize(parse_args(["--mock-data"] + argv), 1)
     assert message in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------ benchmarks/gpu.py, smoke mode
+
+
+def test_gpu_benchmark_smoke_configuration_runs_and_reports_every_figure():
+    """`benchmarks/gpu.py --smoke` on this CPU: one configuration in process (the script runs each
+    in a subprocess the same way), every figure of the table present and sane."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    row = gpu.run_one("tiny", "full", smoke=True, micro=2, steps=1)
+    assert row["attention_backend"] == "xla" and row["recompute"] == "full"
+    assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] < row["mfu_megatron_full_attention"] <= 1
+    assert row["peak_memory_gib"] > 0 and row["attention_ms_per_step"] > 0 and np.isfinite(row["lm_loss"])
+    assert "| tiny | full |" in gpu.table([row])
+    assert gpu.flags("1.3b", "off", smoke=False, micro=8)[:6] == [
+        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
