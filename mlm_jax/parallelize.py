@@ -6,7 +6,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
   3. params     the abstract model's logical dim names -> compute shardings -> storage
                 shardings (the distributed optimizer adds `data` to storage: ZeRO);
   4. optimizer  AdamW state sharded exactly like the stored parameters;
-  5. remat      the model applies `--recompute-granularity` itself (jax.checkpoint policies);
+  5. remat      the model applies `--recompute-granularity/-method/-num-layers` itself
+                (mlm_jax/models/recompute.py: jax.checkpoint policies in the layer scan);
   6. pipeline   with pipeline size > 1 (mlm_jax/pipeline/runtime.py): the stacked layers are
                 stored [P*V*Lmax, ...] sharded over `pipe` (their spec's first dim becomes
                 `pipe`; ZeRO still adds `data`), and loss_and_grads / eval_step run the schedule
@@ -15,7 +16,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
                 partitionable), train/eval steps with explicit in/out shardings and donation.
 
 The train step takes a global batch shaped [microbatches, micro * dp, seq], accumulates
-gradients over the microbatches with `lax.scan`, and averages the loss over every unmasked
+gradients over the microbatches with `lax.scan` (per data-parallel rank, reduced once after the
+loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
 the pipeline run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the
 head's `aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).

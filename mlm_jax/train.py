@@ -277,6 +277,13 @@ class Loop:
             yield
         self.window_excluded += time.perf_counter() - t0
 
+    def window_step_s(self) -> float:
+        """Mean step time of the log window, evaluation and checkpoint time excluded; the first
+        step's window holds no finished iteration: its own (compile + run) time."""
+        if not self.window_iters:
+            return self.compile_s
+        return (time.perf_counter() - self.window_start - self.window_excluded) / self.window_iters
+
     def consumed(self, iteration: int) -> int:
         return self.start.consumed_samples + (iteration - self.start.iteration) * self.t.global_batch_size
 
@@ -358,9 +365,7 @@ class Loop:
 
         self.check(iteration, metrics)
         host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
-        # The first step's window holds no finished iteration: report its own time.
-        step_s = ((time.perf_counter() - self.window_start - self.window_excluded) / self.window_iters
-                  if self.window_iters else self.compile_s)
+        step_s = self.window_step_s()
         record = iteration_record(iteration, self.t.global_batch_size, host, step_s,
                                   self.window_wait / max(self.window_iters, 1), self.throughput,
                                   device_memory(), self.step_mem, self.inst.window())

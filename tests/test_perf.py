@@ -192,3 +192,29 @@ def test_gpu_benchmark_smoke_configuration_runs_and_reports_every_figure():
     assert "| tiny | full |" in gpu.table([row])
     assert gpu.flags("1.3b", "off", smoke=False, micro=8)[:6] == [
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+
+
+# ------------------------------------------------------------------ the throughput window
+
+
+def test_evaluation_and_checkpoint_time_stay_out_of_the_throughput_window():
+    """Tokens/s and MFU come from the window's step time less what evaluation and saving took
+    (Megatron's timers); the eval and checkpoint timers still record it."""
+    import time as _time
+
+    from mlm_jax.config import InstrumentsConfig
+    from mlm_jax.instruments import Instruments
+    from mlm_jax.train import Loop
+
+    loop = Loop.__new__(Loop)  # only the window bookkeeping: no model, data or saver
+    loop.inst = Instruments(InstrumentsConfig())
+    loop._new_window()
+    loop.window_start -= 1.0  # two iterations took 1 s of training ...
+    loop.window_iters = 2
+    with loop.excluded("eval"):  # ... then an evaluation and a save took 0.3 s more
+        _time.sleep(0.2)
+    with loop.excluded("checkpoint"):
+        _time.sleep(0.1)
+    assert loop.window_excluded >= 0.3
+    assert 0.5 <= loop.window_step_s() < 0.5 + 0.1  # not (1 + 0.3) / 2
+    assert loop.inst.current["eval"] >= 0.2 and loop.inst.current["checkpoint"] >= 0.1
