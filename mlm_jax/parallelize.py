@@ -216,16 +216,17 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
             and m.hidden_dropout == 0 and m.attention_dropout == 0)
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, dp: int, fallback):
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
     stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
     ranks together inside the loop: the accumulator is one unreduced gradient per rank
     (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
-    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding). Parameters are gathered
-    to the compute sharding once, before the loop (ZeRO's all-gather once per step). A model
-    whose head reports aux scalars (batch-wide, not a sum over rows) takes `fallback`.
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
+    Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
+    once per step). A model whose head reports aux scalars (batch-wide, not a sum over rows)
+    takes `fallback`.
     """
     def run(params, batch, key):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -266,6 +267,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, dp: in
 
 
 def _without_data(axes):
+    """A rule's mesh axes without `data` (manual inside the per-rank shard_map)."""
     if axes == DATA:
         return None
     if isinstance(axes, tuple):
@@ -326,7 +328,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, mesh.shape[DATA], loss_grads_aux)
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811
