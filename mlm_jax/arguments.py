@@ -50,7 +50,10 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--hidden-dropout", "model", "hidden_dropout", "float", "dropout on the residual stream"),
     ("--attention-dropout", "model", "attention_dropout", "float", "dropout on attention probabilities"),
     ("--init-method-std", "model", "init_method_std", "float", "init std (output layers / sqrt(2 L))"),
-    ("--recompute-granularity", "model", "recompute_granularity", "str", "full | selective"),
+    ("--recompute-granularity", "model", "recompute_granularity", "str",
+     "full | selective | dots (mlm_jax: keep matmul outputs, recompute the rest) | offload (mlm_jax: dots, kept on the host; GPU)"),
+    ("--recompute-method", "model", "recompute_method", "str", "uniform | block (with full granularity)"),
+    ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # parallel
@@ -367,7 +370,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 _CHOICES = {
     ("model", "position_embedding_type"): ("learned_absolute", "rope"),
     ("model", "normalization"): ("LayerNorm", "RMSNorm"),
-    ("model", "recompute_granularity"): ("full", "selective"),
+    ("model", "recompute_granularity"): ("full", "selective", "dots", "offload"),
+    ("model", "recompute_method"): ("uniform", "block"),
     ("parallel", "pipeline_schedule"): ("gpipe", "1f1b", "interleaved"),
     ("parallel", "cp_comm_type"): ("p2p", "allgather", "a2a"),
     ("model", "moe_router_load_balancing_type"): ("aux_loss", "seq_aux_loss", "none"),

@@ -44,7 +44,10 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    recompute_granularity: Literal["full", "selective"] | None = None
+    # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
+    recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None  # with full only
+    recompute_num_layers: int | None = None  # uniform: group size; block: checkpointed layers
     bf16: bool = False
     # Megatron's --attention-backend: flash/fused = cuDNN's fused kernel, unfused/local = XLA's
     # einsums, auto = cuDNN where it applies (mlm_jax/models/attention.py).
@@ -379,6 +382,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"padded vocab {m.vocab} is not divisible by --tensor-model-parallel-size {tp}"
         )
+    _check_recompute(m)
     for name, rate in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
         if not 0.0 <= rate < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {rate}")
@@ -605,3 +609,17 @@ def pipeline_plan(cfg: Config, world_size: int | None = None):
         )
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_recompute(m: ModelConfig) -> None:
+    """Megatron's rules: --recompute-method needs full granularity, and its layer count >= 1."""
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-method {m.recompute_method} needs --recompute-granularity full "
+                          f"(got {m.recompute_granularity})")
+    if m.recompute_num_layers is not None:
+        if m.recompute_method is None:
+            raise ConfigError("--recompute-num-layers needs --recompute-method uniform | block")
+        if m.recompute_num_layers < 1 and m.recompute_method == "uniform":
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers}: must be 1 or more")
+        if m.recompute_num_layers < 0:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers}: must be 0 or more")

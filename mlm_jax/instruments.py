@@ -153,7 +153,7 @@ class Throughput:
     flops_full: float
     devices: int
     peak: float  # FLOP/s per device
-    peak_source: str  # "given" or "measured"
+    peak_source: str  # "given", "datasheet <device kind>" or "measured"
 
     def figures(self, step_s: float) -> dict[str, float | str]:
         tps = self.tokens_per_iter / step_s

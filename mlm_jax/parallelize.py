@@ -6,7 +6,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
   3. params     the abstract model's logical dim names -> compute shardings -> storage
                 shardings (the distributed optimizer adds `data` to storage: ZeRO);
   4. optimizer  AdamW state sharded exactly like the stored parameters;
-  5. remat      the model applies `--recompute-granularity` itself (jax.checkpoint policies);
+  5. remat      the model applies `--recompute-granularity/-method/-num-layers` itself
+                (mlm_jax/models/recompute.py: jax.checkpoint policies in the layer scan);
   6. pipeline   with pipeline size > 1 (mlm_jax/pipeline/runtime.py): the stacked layers are
                 stored [P*V*Lmax, ...] sharded over `pipe` (their spec's first dim becomes
                 `pipe`; ZeRO still adds `data`), and loss_and_grads / eval_step run the schedule
@@ -15,7 +16,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
                 partitionable), train/eval steps with explicit in/out shardings and donation.
 
 The train step takes a global batch shaped [microbatches, micro * dp, seq], accumulates
-gradients over the microbatches with `lax.scan`, and averages the loss over every unmasked
+gradients over the microbatches with `lax.scan` (per data-parallel rank, reduced once after the
+loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
 the pipeline run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the
 head's `aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).
@@ -31,14 +33,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
+from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import lr_at, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
-from mlm_jax.sharding.rules import activation_rules, logical_to_spec, param_rules, use_rules, zero_spec
+from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
+from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
+                                    zero_spec)
 from mlm_jax.sharding.specs import batch_spec, replicated
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # + segment_ids with reset mask
@@ -204,6 +209,80 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
     return run, eval_sum
 
 
+def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
+    """Whether the step accumulates per-rank gradients and reduces them once (see
+    `_reduce_once_loss_and_grads`): data parallel without dropout, expert or context parallelism.
+
+    Dropout keeps the per-microbatch reduction: its masks are drawn for the whole microbatch, so
+    they (and the loss) stay independent of the layout, as the cross-layout resume tests require;
+    a per-rank body would draw per-rank masks. Expert and context parallelism run hand-written
+    shard_map pieces and batch-wide aux losses, which a per-rank body would change.
+    """
+    sizes, m = dict(mesh.shape), cfg.model
+    return (sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
+            and m.hidden_dropout == 0 and m.attention_dropout == 0)
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback):
+    """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
+
+    The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
+    stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
+    ranks together inside the loop: the accumulator is one unreduced gradient per rank
+    (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
+    Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
+    once per step). A model whose head reports aux scalars (batch-wide, not a sum over rows)
+    takes `fallback`.
+    """
+    def run(params, batch, key):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
+
+        def loss_fn(prm, mb, mb_key, tokens):
+            loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
+            return loss_sum / tokens, aux
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key, total_tokens)[1]):
+            return fallback(params, batch, key)
+        inner = tuple((n, _without_data(a)) for n, a in active_rules())
+
+        def per_rank(prm, mbs, key, tokens):
+            # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
+            def micro(carry, xs):
+                grads_acc, loss_acc = carry
+                mb, index = xs
+                (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    prm, mb, jax.random.fold_in(key, index), tokens)
+                return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+
+            zeros = jax.tree.map(jnp.zeros_like, prm)
+            with use_rules(inner):
+                (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
+                                                (mbs, jnp.arange(num_micro)))
+            # [1, ...] per rank: stacked over data outside, summed there once.
+            return jax.tree.map(lambda g: g[None], grads), loss[None]
+
+        stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
+                                out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
+        grads, loss = stacked(compute, batch, key, total_tokens)
+        grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)  # the one data-parallel reduction
+        return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, sh.storage), {}
+
+    return run
+
+
+def _without_data(axes):
+    """A rule's mesh axes without `data` (manual inside the per-rank shard_map)."""
+    if axes == DATA:
+        return None
+    if isinstance(axes, tuple):
+        rest = tuple(a for a in axes if a != DATA)
+        return rest[0] if len(rest) == 1 else (rest or None)
+    return axes
+
+
 def _train_step(cfg: Config, tx, loss_grads_aux):
     """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
     (the head's aux scalars, summed over the microbatches, under "aux")."""
@@ -233,6 +312,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     `model_class` (default GPT) is any model offering GPT's constructor and stage API."""
     check_platform(cfg.model)  # --attention-backend flash off an NVIDIA GPU: refused before compiling
+    check_offload_platform(cfg.model)  # --recompute-granularity offload needs host memory spaces
     act_rules = activation_rules(cfg.parallel.sequence_parallel)  # 2. rules
     graphdef, shapes, names = abstract_model(cfg, model_class)  # 3. params
     sh = _shardings(cfg, mesh, graphdef, shapes, names)
@@ -254,6 +334,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
             return jax.jit(make, out_shardings=state_sharding)()
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
+    if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811

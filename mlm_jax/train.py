@@ -9,6 +9,7 @@ model and its state, the loaders and the saver; run the loop (`Loop`); sample; w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -218,12 +219,12 @@ def build_throughput(cfg: Config, mesh, log):
     import jax.numpy as jnp
 
     from mlm_jax.instruments import Throughput
-    from mlm_jax.metrics import flops_per_token, measure_matmul_peak
+    from mlm_jax.metrics import device_peak, flops_per_token
 
     t = cfg.train
     peak, source = t.peak_flops, "given"
     if peak is None:
-        peak, source = measure_matmul_peak(mesh, jnp.bfloat16 if cfg.model.bf16 else jnp.float32), "measured"
+        peak, source = device_peak(mesh, jnp.bfloat16 if cfg.model.bf16 else jnp.float32)
     log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({source} "
         f"{'bf16' if cfg.model.bf16 else 'fp32'} matmul peak)")
     return Throughput(t.global_batch_size * t.seq_length, flops_per_token(cfg.model, t.seq_length, causal=True),
@@ -271,6 +272,23 @@ class Loop:
 
     def _new_window(self) -> None:
         self.window_start, self.window_iters, self.window_wait = time.perf_counter(), 0, 0.0
+        self.window_excluded = 0.0  # evaluation and checkpoint seconds: not training throughput
+
+    @contextlib.contextmanager
+    def excluded(self, timer: str):
+        """Time `timer` (eval, checkpoint) and keep it out of the tokens/s and MFU window, as
+        Megatron's timers do."""
+        t0 = time.perf_counter()
+        with self.inst.timed(timer):
+            yield
+        self.window_excluded += time.perf_counter() - t0
+
+    def window_step_s(self) -> float:
+        """Mean step time of the log window, evaluation and checkpoint time excluded; the first
+        step's window holds no finished iteration: its own (compile + run) time."""
+        if not self.window_iters:
+            return self.compile_s
+        return (time.perf_counter() - self.window_start - self.window_excluded) / self.window_iters
 
     def consumed(self, iteration: int) -> int:
         return self.start.consumed_samples + (iteration - self.start.iteration) * self.t.global_batch_size
@@ -356,9 +374,7 @@ class Loop:
 
         self.check(iteration, metrics)
         host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
-        # The first step's window holds no finished iteration: report its own time.
-        step_s = ((time.perf_counter() - self.window_start) / self.window_iters if self.window_iters
-                  else self.compile_s)
+        step_s = self.window_step_s()
         aux = jax.device_get(metrics.get("aux", {}))  # MoE's losses and balance ({} when dense)
         record = iteration_record(iteration, self.t.global_batch_size, host, step_s,
                                   self.window_wait / max(self.window_iters, 1), self.throughput,
@@ -380,9 +396,9 @@ class Loop:
             self.last_train_loss = self.log_iteration(iteration, metrics)
             bar.set_postfix(loss=f"{self.last_train_loss:.3f}")
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
-            with self.inst.timed("eval"):
+            with self.excluded("eval"):
                 self.last_valid = self.evaluate(iteration)
-        with self.inst.timed("checkpoint"):
+        with self.excluded("checkpoint"):
             self.exit_reason = self.saver.step_done(iteration, self.state, self.consumed(iteration),
                                                     jax.random.key_data(self.seed_key))
         self.inst.after_step(iteration, metrics, last=bool(self.exit_reason) or iteration == t.train_iters)

@@ -8,29 +8,42 @@ one. XLA:CPU spells a reduce-scatter as an all-reduce whose every use keeps only
 slice (see mlm_jax/sharding/hlo.py); it is counted as `scattered`.
 """
 
+import re
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mlm_jax.config import ParallelConfig
 from mlm_jax.sharding.hlo import collectives, count
+from mlm_jax.sharding.mesh import DATA
 from tests.parallel_util import SEQ, build, fixed_batch, place
 
 MICRO = 2
 ACT = (MICRO, SEQ, 64)  # one microbatch's [batch, seq, embed] on a data-parallel rank (dp = 2)
+LAYOUTS = {
+    "tp4": (ParallelConfig(tensor_model_parallel_size=4), MICRO),  # dp2 x tp4
+    "tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), MICRO),
+    "dp8": (ParallelConfig(), 1),  # 2 microbatches
+    "dp8_zero": (ParallelConfig(use_distributed_optimizer=True), 1),
+}
 
 
 @pytest.fixture(scope="module")
-def compiled_hlo():
+def compiled_text():
     out = {}
-    for name, par in {
-        "tp4": ParallelConfig(tensor_model_parallel_size=4),
-        "tp4_sp": ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True),
-    }.items():
-        pz = build(par, MICRO)
+    for name, (par, micro) in LAYOUTS.items():
+        pz = build(par, micro)
         state = pz.init(0)
         lowered = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0))
-        out[name] = (pz, collectives(lowered.compile().as_text()))
+        out[name] = (pz, lowered.compile().as_text())
     return out
+
+
+@pytest.fixture(scope="module")
+def compiled_hlo(compiled_text):
+    return {name: (pz, collectives(text)) for name, (pz, text) in compiled_text.items()}
 
 
 def test_tensor_parallel_has_megatrons_all_reduces(compiled_hlo):
@@ -123,3 +136,96 @@ def test_ring_message_is_one_kv_block(long_context):
         shapes = {s for c in permutes for s in c.shapes}
         assert shapes == {block}, (cp, shapes)
         assert not [c for c in found if c.kind == "all-gather" and any(LONG in s for s in c.shapes)]
+
+
+# ------------------------------------------------------------------ gradients reduced once per step
+
+_COLLECTIVE = re.compile(r"\s(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _groups(line: str, n: int) -> list[list[int]]:
+    """The device groups of one collective instruction, from either spelling XLA prints:
+    explicit `{{0,1},{2,3}}`, iota `[groups,size]<=[dims]T(perm)`, or `mesh['axis_0'=a,...] {'axis_k',...}` with optional
+    `device_ids=([dims]T(perm))` (an iota device list, reshaped and transposed)."""
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if m:
+        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:  # iota groups: arange(n) reshaped to dims, transposed, cut into [groups, size]
+        ids = np.arange(n).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                  r"\{([^}]*)\}", line)
+    if not m:
+        m2 = re.search(r"source_target_pairs=\{(.*?)\}\}?", line)
+        if m2:  # collective-permute: each pair is a group
+            return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", line)]
+        return [list(range(n))]  # no groups printed: every device
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+    ids = np.arange(n)
+    if m.group(2):
+        dims = [int(d) for d in m.group(2).split(",")]
+        ids = ids.reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+    ids = ids.reshape(sizes)
+    reduced = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+    kept = [i for i in range(len(sizes)) if i not in reduced]
+    moved = np.moveaxis(ids, kept + reduced, list(range(len(sizes))))
+    return moved.reshape(-1, int(np.prod([sizes[i] for i in reduced]))).tolist()
+
+
+def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
+    """Collectives inside a while loop (microbatch scan or layer scan) whose groups span
+    devices at different `data` coordinates."""
+    data_dim = pz.mesh.axis_names.index(DATA)
+    coord = {d.id: idx[data_dim] for idx, d in np.ndenumerate(pz.mesh.devices)}
+    bad = []
+    for line in text.splitlines():
+        if not _COLLECTIVE.search(line) or "/while/body/" not in line:
+            continue
+        groups = _groups(line, pz.mesh.devices.size)
+        if any(len({coord[i] for i in g}) > 1 for g in groups):
+            bad.append(line.strip()[:200])
+    return bad
+
+
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4"])
+def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
+    """Megatron reduces gradients once per step: no collective over `data` may run inside the
+    microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside."""
+    pz, text = compiled_text[name]
+    assert pz.num_microbatches >= 2 and pz.mesh.shape[DATA] >= 2
+    assert _data_parallel_collectives_in_loops(pz, text) == []
+    outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line
+               and any(len({i // 1 for i in g}) > 1 for g in _groups(line, pz.mesh.devices.size))]
+    assert outside, "the gradient reduction must still happen, once, after the loop"
+    if name == "dp8_zero":  # ZeRO: the parameters are gathered once, before the loop
+        assert any(" all-gather" in line for line in outside)
+
+
+def test_group_parser_flags_the_per_microbatch_reduction():
+    """The checker is not vacuous: the data-parallel all-reduce of a gradient computed inside a
+    scan (what the step did before) is found."""
+    mesh = jax.make_mesh((8,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    w = jax.device_put(np.ones((4, 4), np.float32), NamedSharding(mesh, P()))
+    xs = jax.device_put(np.ones((2, 8, 4), np.float32), NamedSharding(mesh, P(None, DATA)))
+
+    def step(w, xs):
+        def body(acc, x):
+            g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+            return acc + jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P())), None
+        return jax.lax.scan(body, jnp.zeros_like(w), xs)[0]
+
+    text = jax.jit(step).lower(w, xs).compile().as_text()
+
+    class Stub:
+        pass
+    stub = Stub()
+    stub.mesh = mesh
+    assert _data_parallel_collectives_in_loops(stub, text)

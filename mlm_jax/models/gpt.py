@@ -34,6 +34,7 @@ from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import Norm, compute_dtype, dropout, normal, param
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
+from mlm_jax.models.recompute import scan_layers
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
@@ -137,9 +138,11 @@ class GPT(nnx.Module):
     def embed_tokens(self, tokens_bs, positions_bs, key) -> jax.Array:
         """Token (+ learned position) embedding with dropout: [batch, seq, embed]."""
         dt = self.dtype
-        x = self.embed[...].astype(dt)[tokens_bs]  # [b, s, d], vocab-parallel lookup
+        # Look up in the fp32 table, then cast: the gradient scatter-adds into an fp32 table
+        # (casting the table first would accumulate the embedding gradient in bf16).
+        x = self.embed[...][tokens_bs].astype(dt)  # [b, s, d], vocab-parallel lookup
         if self.pos_embed is not None:
-            x = x + self.pos_embed[...].astype(dt)[positions_bs]
+            x = x + self.pos_embed[...][positions_bs].astype(dt)
         x = dropout(x, self.cfg.hidden_dropout, key)
         return constrain(x, BLOCK_BOUNDARY)
 
@@ -173,10 +176,8 @@ class GPT(nnx.Module):
             y, stats = layer() if count is None else jax.lax.cond(index < count, layer, lambda: (x, stats0))
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
-        if self.cfg.recompute_granularity == "full":
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (layer_state, jnp.arange(n)))
-        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
+        # --recompute-granularity / -method / -num-layers (mlm_jax/models/recompute.py)
+        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n)), n, self.cfg)
 
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
         """Dense and MoE layers in the pattern's order: one scan over the layers whose body
@@ -243,8 +244,7 @@ class GPT(nnx.Module):
         """Final norm and LM head: fp32 logits [batch, seq, padded vocab], padding masked."""
         x = self.final_norm(x_bsd)
         head_dv = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
-        logits = jnp.einsum("bsd,dv->bsv", x, head_dv.astype(self.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = head_matmul(x, head_dv.astype(self.dtype))
         logits = constrain(logits, ("batch", "context_seq", "vocab"))
         # Padding columns can never be the answer; masking them keeps the softmax (and so the
         # loss and every gradient) independent of how much padding the layout needs.
@@ -310,6 +310,35 @@ def _rows_within_kind(kinds) -> list[int]:
         rows.append(seen[k])
         seen[k] += 1
     return rows
+
+
+def head_matmul(x_bsd: jax.Array, w_dv: jax.Array) -> jax.Array:
+    """x @ w -> fp32 logits [b, s, v]; under bf16 the backward matmuls run in bf16 too."""
+    if x_bsd.dtype == jnp.float32:
+        return jnp.einsum("bsd,dv->bsv", x_bsd, w_dv, preferred_element_type=jnp.float32)
+    return _head_low(x_bsd, w_dv)
+
+
+@jax.custom_vjp
+def _head_low(x_bsd, w_dv):
+    return jnp.einsum("bsd,dv->bsv", x_bsd, w_dv, preferred_element_type=jnp.float32)
+
+
+def _head_low_fwd(x, w):
+    return _head_low(x, w), (x, w)
+
+
+def _head_low_bwd(res, ct_bsv):
+    # The logits' cotangent is fp32 (the loss is); left alone both backward matmuls would run
+    # fp32 x fp32 (TF32 on a GPU, half rate). Cast it to the compute dtype, accumulate in fp32.
+    x, w = res
+    ct = ct_bsv.astype(x.dtype)
+    dx = jnp.einsum("bsv,dv->bsd", ct, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("bsd,bsv->dv", x, ct, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_head_low.defvjp(_head_low_fwd, _head_low_bwd)
 
 
 def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array) -> jax.Array:

@@ -1,0 +1,180 @@
+"""GPT 125M / 350M / 1.3B in bf16 at seq 2048 on one GPU: tokens/s, MFU, peak memory, the
+attention backend and its time, recompute off and on. One command, no installs:
+
+    python benchmarks/gpu.py                       # all three, recompute off and full (< 10 min, one H200)
+    python benchmarks/gpu.py --models 1.3b --recompute off,dots --steps 20
+    python benchmarks/gpu.py --smoke               # tiny sizes on any backend (CPU): checks the script
+
+Each configuration runs in its own process (a clean peak-memory counter, and one that runs out of
+memory does not end the rest), the step exactly as `python -m mlm_jax.train` compiles it
+(`parallelize` on a one-device mesh, synthetic tokens like `--mock-data`, no dropout). MFU is
+model FLOPs (causal attention halved; Megatron's full-attention count beside it) over the
+datasheet dense bf16 peak of the device (`mlm_jax.metrics.DATASHEET_PEAKS`), or a measured
+sustained matmul peak where the device is not in that table. The attention time is the
+attention call alone (forward + backward at the model's shape, backend as the model picks it),
+times the layers. Writes benchmarks/results/gpu-<time>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# (layers, hidden, heads): GPT-3 paper sizes.
+MODELS = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}
+SMOKE = {"tiny": (2, 64, 4)}
+
+
+def flags(name: str, recompute: str, smoke: bool, micro: int) -> list[str]:
+    layers, hidden, heads = (SMOKE if smoke else MODELS)[name]
+    seq, vocab = (128, 512) if smoke else (2048, 50257)
+    out = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+           "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--vocab-size", str(vocab),
+           "--micro-batch-size", str(micro), "--global-batch-size", str(micro), "--bf16", "--mock-data",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "0"]
+    return out + ([] if recompute == "off" else ["--recompute-granularity", recompute])
+
+
+def attention_ms(cfg, micro: int) -> tuple[str, float]:
+    """(backend, ms) of one layer's attention call, forward + backward, at the model's shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlm_jax.models.attention import attention, choose_backend
+
+    m, dt = cfg.model, jnp.bfloat16
+    backend = choose_backend(m, dt, documents=False, aligned=True, dropout_on=False)
+    shape = (micro, cfg.train.seq_length, m.num_attention_heads, m.head_dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, dt) for i in range(3))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, backend=backend).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+    jax.block_until_ready(f(q, k, v))
+    reps = 10
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = f(q, k, v)
+    jax.block_until_ready(out)
+    return backend, 1000 * (time.perf_counter() - t) / reps
+
+
+def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> dict:
+    """One configuration, in this process: compile, warm up, time `steps` steps."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.config import finalize
+    from mlm_jax.instruments import step_memory
+    from mlm_jax.metrics import device_memory, device_peak, flops_per_token
+    from mlm_jax.parallelize import count_params, parallelize
+    from mlm_jax.sharding import make_mesh
+
+    cfg = finalize(parse_args(flags(name, recompute, smoke, micro) + ["--train-iters", str(steps + 2)]), 1)
+    mesh = make_mesh(cfg.parallel, jax.devices()[:1])
+    pz = parallelize(cfg, mesh)
+    state = pz.init(0)
+    shape = pz.batch_shape()
+    toks = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (shape[0], shape[1], shape[2] + 1))
+    host = {"tokens": toks[..., :-1].astype(np.int32), "labels": toks[..., 1:].astype(np.int32),
+            "loss_mask": np.ones(shape, np.float32),
+            "position_ids": np.broadcast_to(np.arange(shape[2], dtype=np.int32), shape).copy()}
+    batch = {k: jax.device_put(v, pz.batch_sharding()) for k, v in host.items()}
+    key = jax.random.key(0)
+    t = time.perf_counter()
+    compiled = pz.train_step.lower(state, batch, key).compile()
+    compile_s = time.perf_counter() - t
+    for _ in range(2):  # warm-up
+        state, metrics = compiled(state, batch, key)
+    jax.block_until_ready(metrics)
+    t = time.perf_counter()
+    for _ in range(steps):  # one step in flight, as the training loop keeps it
+        state, metrics = compiled(state, batch, key)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - t) / steps
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    peak, source = device_peak(mesh, jnp.bfloat16)
+    tps = tokens / step_s
+    mem = device_memory() or step_memory(pz.train_step, state, batch, key)
+    backend, attn_ms = attention_ms(cfg, micro)
+    return {
+        "model": name, "recompute": recompute, "params": count_params(pz.shapes), "seq": cfg.train.seq_length,
+        "micro_batch": micro, "steps": steps, "step_ms": 1000 * step_s, "tokens_per_sec": tps,
+        "mfu": tps * flops_per_token(cfg.model, cfg.train.seq_length, causal=True) / peak,
+        "mfu_megatron_full_attention": tps * flops_per_token(cfg.model, cfg.train.seq_length, causal=False) / peak,
+        "peak_flops": peak, "peak_source": source, "compile_s": compile_s,
+        "peak_memory_gib": (mem.get("peak_bytes_in_use") or mem.get("compiled_total_bytes", 0)) / 2**30,
+        "memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in mem else "compiled memory analysis",
+        "attention_backend": backend, "attention_ms_per_layer": attn_ms,
+        "attention_ms_per_step": attn_ms * cfg.model.num_layers * pz.num_microbatches,
+        "lm_loss": float(metrics["lm_loss"]), "device": jax.devices()[0].device_kind,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | recompute | params | step ms | tokens/s | MFU | MFU (Megatron) | peak GiB | attention | attn ms/step | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['recompute']} | {r['error']} |||||||||")
+            continue
+        out.append(f"| {r['model']} | {r['recompute']} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | "
+                   f"{r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_megatron_full_attention']:.1f}% | "
+                   f"{r['peak_memory_gib']:.2f} | {r['attention_backend']} | {r['attention_ms_per_step']:.1f} | "
+                   f"{r['compile_s']:.1f} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="GPT 125M/350M/1.3B bf16 throughput and MFU on one GPU")
+    ap.add_argument("--models", default=None, help="comma list of " + ", ".join(MODELS))
+    ap.add_argument("--recompute", default="off,full", help="comma list: off, full, selective, dots, offload")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=560, help="skip what would start after this")
+    ap.add_argument("--timeout-s", type=float, default=240, help="per configuration")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, any backend: checks the script")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "RECOMPUTE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    micro = 2 if args.smoke else args.micro_batch_size
+    steps = 2 if args.smoke else args.steps
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args.one[0], args.one[1], args.smoke, micro, steps)), flush=True)
+        return 0
+    models = (args.models or ("tiny" if args.smoke else ",".join(MODELS))).split(",")
+    start, rows = time.time(), []
+    for name in models:
+        for recompute in args.recompute.split(","):
+            if time.time() - start > args.budget_s:
+                rows.append({"model": name, "recompute": recompute, "error": "skipped: over --budget-s"})
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", name, recompute,
+                   "--micro-batch-size", str(micro), "--steps", str(steps)] + (["--smoke"] if args.smoke else [])
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            except subprocess.TimeoutExpired:
+                rows.append({"model": name, "recompute": recompute, "error": f"over {args.timeout_s:.0f} s"})
+                continue
+            result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not result:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+                rows.append({"model": name, "recompute": recompute, "error": f"failed: {last}"})
+            else:
+                rows.append(json.loads(result[-1][len("RESULT "):]))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{'-smoke' if args.smoke else ''}.json")
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "wall_s": time.time() - start}, f, indent=2)
+    print(table(rows))
+    print(f"wrote {path} ({time.time() - start:.0f} s)")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

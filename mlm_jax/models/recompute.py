@@ -1,0 +1,98 @@
+"""Activation recomputation of the layer scan: which layers and which of their values are
+recomputed in the backward pass instead of kept from the forward.
+
+`--recompute-granularity` (Megatron's two plus two of mlm_jax's):
+  full       each checkpointed layer keeps only its input; the rest is recomputed;
+  selective  attention's [b, h, s, t] scores are recomputed (applied in attention.py);
+  dots       (mlm_jax) every matmul output with no batch dims (the q/k/v, output, MLP and
+             head projections) is kept; everything else (norms, GELU, attention scores and
+             softmax, dropout) is recomputed: most of full's saving for a fraction of its cost;
+  offload    (mlm_jax) as `dots`, with the kept matmul outputs moved to host memory (pinned)
+             and brought back for the backward: needs a GPU or TPU backend.
+`--recompute-method` with `full` (Megatron's):
+  uniform    layers in groups of `--recompute-num-layers` (default 1); only each group's input
+             is kept and the whole group recomputed;
+  block      only the first `--recompute-num-layers` layers (of each pipeline stage) are
+             checkpointed; the rest keep everything.
+
+Inside the scan `prevent_cse=False`: the scan already keeps XLA from merging the recomputation
+with the forward (the reason for jax.checkpoint's default), and the barrier would only cost.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mlm_jax.config import ConfigError, ModelConfig
+
+HOST_OFFLOAD_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def check_offload_platform(cfg: ModelConfig, platform: str | None = None) -> None:
+    """`--recompute-granularity offload` needs host memory spaces (GPU/TPU): refused elsewhere."""
+    if cfg.recompute_granularity != "offload":
+        return
+    platform = platform or jax.devices()[0].platform
+    if platform not in HOST_OFFLOAD_PLATFORMS:
+        raise ConfigError(
+            f"--recompute-granularity offload moves saved activations to pinned host memory, which "
+            f"the {platform} backend does not support; use it on a GPU, or choose dots | full | selective")
+
+
+def _policy(granularity: str):
+    cp = jax.checkpoint_policies
+    if granularity == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    if granularity == "offload":
+        return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return cp.nothing_saveable
+
+
+def _remat(fn: Callable, granularity: str) -> Callable:
+    return jax.checkpoint(fn, policy=_policy(granularity), prevent_cse=False)
+
+
+def _rows(xs, start: int, stop: int):
+    return jax.tree.map(lambda a: a[start:stop], xs)
+
+
+def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig):
+    """Run `body` ((x, xs_l) -> (x, stats_l)) over the `n` stacked rows of `xs` with the
+    recompute policy of `cfg`; returns (the final x, the per-layer stats summed over layers)."""
+    g = cfg.recompute_granularity
+    if g in (None, "selective"):
+        return _scan_sum(body, x, xs)
+    if g in ("dots", "offload"):
+        return _scan_sum(_remat(body, g), x, xs)
+    k = cfg.recompute_num_layers or 1
+    if cfg.recompute_method == "block":
+        k = min(k, n)
+        x, stats = _scan_sum(_remat(body, "full"), x, _rows(xs, 0, k))
+        if k < n:
+            x, rest = _scan_sum(body, x, _rows(xs, k, n))
+            stats = jax.tree.map(jnp.add, stats, rest)
+        return x, stats
+    if k == 1:
+        return _scan_sum(_remat(body, "full"), x, xs)
+    groups = n // k
+
+    def group(x, xs_group):  # k layers; only the group's input is kept
+        return _scan_sum(body, x, xs_group)
+
+    stats = None
+    if groups:
+        grouped = jax.tree.map(lambda a: a[: groups * k].reshape(groups, k, *a.shape[1:]), xs)  # [G, k, ...]
+        x, stats = _scan_sum(_remat(group, "full"), x, grouped)
+    if groups * k < n:  # an uneven pipeline stage: the remainder as one more group
+        x, rest = _remat(group, "full")(x, _rows(xs, groups * k, n))
+        stats = rest if stats is None else jax.tree.map(jnp.add, stats, rest)
+    return x, stats
+
+
+def _scan_sum(body: Callable, x, xs):
+    """lax.scan of `body`, its per-row outputs summed over the rows: (x, summed stats)."""
+    x, ys = jax.lax.scan(body, x, xs)
+    return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), ys)
