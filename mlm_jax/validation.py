@@ -1,0 +1,376 @@
+"""The cross-field rules of a `Config`, checked before anything is compiled.
+
+`validate` runs the rule groups below in a fixed order; each error names the flags, the values
+and the rule. Import these names from `mlm_jax.config` (which re-exports them) or from here.
+Kept free of jax so that `mlm_jax.config` stays light to import.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mlm_jax.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    InstrumentsConfig,
+    ModelConfig,
+    data_parallel_size,
+    num_microbatches,
+)
+from mlm_jax.errors import UsageError
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every rule that would otherwise fail deep inside compilation (or silently).
+
+    The groups run in this order, so a config breaking several rules is refused for the first.
+    """
+    validate_sizes(cfg)
+    validate_pipeline(cfg, world_size)
+    validate_context_parallel(cfg)
+    validate_moe(cfg, world_size)
+    validate_tensor_parallel(cfg, world_size)
+    validate_lengths(cfg)
+    validate_training(cfg, world_size)
+    validate_numbers(cfg)
+    validate_optimizer(cfg)
+    validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
+    validate_checkpoint(cfg.checkpoint)
+    validate_instruments(cfg.instruments)
+
+
+def validate_sizes(cfg: Config) -> None:
+    """The sizes and counts that must be positive before any other rule can be computed."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name, value in [
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--vocab-size", m.vocab_size),
+        ("--seq-length", t.seq_length),
+        ("--max-position-embeddings", m.max_position_embeddings),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--train-iters", t.train_iters),
+        ("--log-interval", t.log_interval),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+        ("--ffn-hidden-size", m.ffn_size),
+        ("--eval-iters", t.eval_iters),
+        ("--eval-interval", t.eval_interval),
+    ]:
+        _positive(name, value)
+
+
+def validate_tensor_parallel(cfg: Config, world_size: int) -> None:
+    """The device count and the head, key/value group and MLP widths over the tensor-parallel ranks."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    dp = data_parallel_size(p, world_size)
+    if world_size != dp * tp * p.pipeline_model_parallel_size * p.context_parallel_size:
+        raise ConfigError(f"device count {world_size} != product of parallel sizes")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}; set --kv-channels or change one of them"
+        )
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole heads"
+        )
+    groups = m.query_groups
+    if groups <= 0 or m.num_attention_heads % groups:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {groups}"
+        )
+    if groups % tp:
+        raise ConfigError(
+            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+            "each tensor-parallel rank needs whole key/value groups"
+        )
+    if m.ffn_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+
+
+def validate_lengths(cfg: Config) -> None:
+    """Positions (rotary head dim, learned-position length), the sequence split and the vocab."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp = p.tensor_model_parallel_size
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rotary embeddings need an even head dim, got {m.head_dim}")
+    if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {t.seq_length} exceeds --max-position-embeddings "
+            f"{m.max_position_embeddings}; learned positions exist only up to that length"
+        )
+    if p.sequence_parallel and t.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length {t.seq_length} divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if m.vocab_size > m.vocab:
+        raise ConfigError(f"padded vocab {m.vocab} is smaller than the vocab {m.vocab_size}")
+    if m.vocab % tp:
+        raise ConfigError(
+            f"padded vocab {m.vocab} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+
+
+def validate_training(cfg: Config, world_size: int) -> None:
+    """Recompute flags, dropout rates, and the global batch over micro batch x data parallel."""
+    m, t = cfg.model, cfg.train
+    _check_recompute(m)
+    for name, rate in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
+        if not 0.0 <= rate < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {rate}")
+    dp = data_parallel_size(cfg.parallel, world_size)
+    gbs = t.global_batch_size
+    per_step = t.micro_batch_size * dp
+    if gbs is None or gbs <= 0 or gbs % per_step:
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}"
+        )
+
+
+def validate_optimizer(cfg: Config) -> None:
+    """The learning-rate schedule's bounds and Adam's betas."""
+    o, t = cfg.optim, cfg.train
+    if o.min_lr > o.lr:
+        raise ConfigError(
+            f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr}): the schedule decays from --lr to --min-lr"
+        )
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+    if o.lr_warmup_iters < 0 or (o.lr_decay_style != "constant" and o.lr_warmup_iters > decay):
+        raise ConfigError(
+            f"--lr-warmup-iters {o.lr_warmup_iters} must be between 0 and --lr-decay-iters {decay}"
+        )
+    if not (0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0):
+        raise ConfigError(
+            f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
+        )
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """--context-parallel-size C and --cp-comm-type: the sizes the chunked sequence needs."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if p.cp_comm_type not in ("p2p", "allgather", "a2a"):
+        raise ConfigError(f"--cp-comm-type {p.cp_comm_type!r}: choose one of p2p, allgather, a2a")
+    if cp == 1:
+        return
+    if t.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {t.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+            f"{2 * cp}; the causal load balance cuts the sequence into {2 * cp} equal chunks")
+    if p.sequence_parallel and t.seq_length % (cp * tp):
+        raise ConfigError(
+            f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length "
+            f"{t.seq_length} divisible by {cp} x --tensor-model-parallel-size {tp} = {cp * tp}")
+    if p.cp_comm_type == "a2a":
+        for flag, n in (("--num-attention-heads", m.num_attention_heads),
+                        ("--num-query-groups", m.query_groups)):
+            if n % (tp * cp):
+                raise ConfigError(
+                    f"--cp-comm-type a2a needs {flag} {n} divisible by --context-parallel-size {cp}"
+                    + (f" x --tensor-model-parallel-size {tp} = {tp * cp}" if tp > 1 else "")
+                    + "; use --cp-comm-type p2p or allgather")
+    if m.attention_backend in ("flash", "fused"):
+        raise ConfigError(
+            f"--attention-backend {m.attention_backend} with --context-parallel-size {cp}: the "
+            "context-parallel blocks run XLA attention; use --attention-backend auto or unfused")
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
+    """Why cuDNN's fused attention cannot run this model (None: it can, on an NVIDIA GPU)."""
+    if not m.bf16:
+        return "cuDNN fused attention needs bf16 compute (add --bf16)"
+    if m.attention_dropout > 0:
+        return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
+    if documents:
+        return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
+    if m.head_dim % 8 or m.head_dim > 128:
+        return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
+    return None
+
+
+def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
+    """--attention-backend flash/fused where cuDNN cannot run is refused here, before compiling
+    (the platform is checked when the model is placed on devices)."""
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend {m.attention_backend!r} is unknown; choose one of "
+                          f"{', '.join(ATTENTION_BACKENDS)}")
+    if m.attention_backend in ("flash", "fused"):
+        why = fused_attention_obstacle(m, documents)
+        if why:
+            raise ConfigError(f"--attention-backend {m.attention_backend}: {why}; or use "
+                              "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
+
+
+def _bounded(flag: str, value, rule: str) -> None:
+    """`rule` is '> 0' or '>= 0'; None means unset. NaN and infinities are refused too."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > 0 if rule == "> 0" else value >= 0)
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")
+
+
+def validate_numbers(cfg: Config) -> None:
+    """Sign and finiteness of the numeric flags that `validate`'s other rules do not cover
+    (Megatron's scheduler asserts 0 <= min_lr <= lr; NumPy seeds are 32-bit unsigned), and
+    the --split syntax, so a bad value stops the run before any data or compile work."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    for flag, value, rule in [
+        ("--lr", o.lr, ">= 0"), ("--min-lr", o.min_lr, ">= 0"),
+        ("--weight-decay", o.weight_decay, ">= 0"), ("--clip-grad", o.clip_grad, ">= 0"),
+        ("--adam-eps", o.adam_eps, "> 0"), ("--lr-decay-iters", o.lr_decay_iters, "> 0"),
+        ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, ">= 0"),
+        ("--norm-epsilon", m.norm_epsilon, "> 0"), ("--init-method-std", m.init_method_std, ">= 0"),
+        ("--rotary-base", m.rotary_base, "> 0"), ("--kv-channels", m.kv_channels, "> 0"),
+        ("--num-query-groups", m.num_query_groups, "> 0"), ("--sample-tokens", t.sample_tokens, ">= 0"),
+        ("--peak-flops-per-device", t.peak_flops, "> 0"), ("--seed", t.seed, ">= 0"),
+    ]:
+        _bounded(flag, value, rule)
+    if t.seed >= 2**32:
+        raise ConfigError(f"--seed must be below 2**32 (a NumPy seed), got {t.seed}")
+    try:
+        from mlm_jax.data.gpt_dataset import parse_split
+
+        parse_split(cfg.data.split)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate_checkpoint(c: CheckpointConfig) -> None:
+    """The checkpoint flags' own rules (the folders themselves are checked when used)."""
+    for name, value in [("--save-interval", c.save_interval), ("--keep-last-checkpoints", c.keep_last),
+                        ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {value}")
+    if c.ckpt_step is not None and c.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {c.ckpt_step}")
+    for name, given in [("--finetune", c.finetune), ("--ckpt-step", c.ckpt_step is not None),
+                        ("--use-checkpoint-args", c.use_checkpoint_args),
+                        ("--exit-on-missing-checkpoint", c.exit_on_missing_checkpoint)]:
+        if given and not c.load:
+            raise ConfigError(f"{name} needs --load DIR")
+
+
+def validate_instruments(i: InstrumentsConfig) -> None:
+    if i.slow_iteration_factor < 0:
+        raise ConfigError(f"--slow-iteration-factor must be >= 0, got {i.slow_iteration_factor}")
+    if i.profile and not 0 <= i.profile_step_start < i.profile_step_end:
+        raise ConfigError(
+            f"--profile needs 0 <= --profile-step-start ({i.profile_step_start}) < "
+            f"--profile-step-end ({i.profile_step_end})"
+        )
+
+
+def validate_moe(cfg: Config, world_size: int) -> None:
+    """Mixture-of-experts rules: experts over the expert-parallel ranks, top-k, the layer pattern."""
+    m, p = cfg.model, cfg.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    dp = data_parallel_size(p, world_size)
+    if dp % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
+            "(expert parallelism is carved out of data parallelism)")
+    if not m.num_experts:
+        if ep != 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    if p.context_parallel_size > 1:
+        raise ConfigError(
+            f"--num-experts {m.num_experts} with --context-parallel-size {p.context_parallel_size} is not "
+            "supported yet (the expert dispatch needs the whole sequence); use --context-parallel-size 1")
+    E, K = m.num_experts, m.moe_router_topk
+    if E % ep:
+        raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep}")
+    if not 1 <= K <= E:
+        raise ConfigError(f"--moe-router-topk {K} must be between 1 and --num-experts {E}")
+    etp = p.expert_tensor_parallel_size or tp
+    if etp != tp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size ({tp}) is supported")
+    if m.moe_ffn_size % tp:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by "
+                          f"--expert-tensor-parallel-size {tp}")
+    freq = m.moe_layer_freq
+    if isinstance(freq, tuple):
+        if len(freq) != m.num_layers or any(f not in (0, 1) for f in freq):
+            raise ConfigError(f"--moe-layer-freq {list(freq)}: give one 0 or 1 per layer "
+                              f"({m.num_layers} layers)")
+    elif freq < 1:
+        raise ConfigError(f"--moe-layer-freq {freq} must be a positive integer or a list pattern")
+    mixed = len({m.is_moe_layer(i) for i in range(m.num_layers)}) > 1
+    if mixed and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"--moe-layer-freq {freq} mixes dense and MoE layers, which --pipeline-model-parallel-size "
+            f"{p.pipeline_model_parallel_size} does not support yet; use an all-MoE pattern (1)")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor} must be positive")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+
+
+def validate_pipeline(cfg: Config, world_size: int) -> None:
+    """The pipeline rules (layer split, schedule, microbatch count); see mlm_jax/pipeline/layout.py.
+
+    Refused with the numbers named: layers not divisible over the stages (or virtual stages),
+    an uneven split that does not add up, virtual stages or an uneven split with pipeline size
+    1, both virtual-stage flags at once, a schedule that does not match the virtual stages, and
+    too few microbatches (or not a multiple of the pipeline size) for the interleaved schedule.
+    """
+    pipeline_plan(cfg, world_size)
+
+
+def pipeline_plan(cfg: Config, world_size: int | None = None):
+    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
+    from mlm_jax.pipeline.layout import PipelinePlanError, plan_pipeline
+
+    p = cfg.parallel
+    m = None if world_size is None else num_microbatches(cfg, world_size)
+    try:
+        return plan_pipeline(
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline_model_parallel_size,
+            schedule=p.pipeline_schedule,
+            virtual_stages=p.virtual_pipeline_model_parallel_size,
+            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            num_microbatches=m,
+        )
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_recompute(m: ModelConfig) -> None:
+    """Megatron's rules: --recompute-method needs full granularity, and its layer count >= 1."""
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-method {m.recompute_method} needs --recompute-granularity full "
+                          f"(got {m.recompute_granularity})")
+    if m.recompute_num_layers is not None:
+        if m.recompute_method is None:
+            raise ConfigError("--recompute-num-layers needs --recompute-method uniform | block")
+        if m.recompute_num_layers < 1 and m.recompute_method == "uniform":
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers}: must be 1 or more")
+        if m.recompute_num_layers < 0:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers}: must be 0 or more")
