@@ -9,7 +9,7 @@ with `model.safetensors.index.json`. Tokenizer files found next to them are carr
 ways. Import writes a weights-only mlm_jax checkpoint at iteration 0 (`--load OUT --finetune`
 continues training from it; add `--use-checkpoint-args` to take the model sizes from it).
 
-Weight layouts (all conversions are exact reshapes/transposes in numpy):
+Weight layouts (mlm_jax/tools/hf_mapping.py; all conversions are exact reshapes/transposes in numpy):
   GPT-2  Conv1D weights are [in, out]. `c_attn` is [d, 3d] = q | k | v blocks of h heads each;
          ours is [d, groups=h, r + 2 = 3, k] (per head: its q, k, v), Megatron's interleave.
          tanh GELU (gelu_new) = --openai-gelu; learned positions; LayerNorm; tied head.
@@ -34,15 +34,11 @@ import shutil
 import numpy as np
 
 from mlm_jax import errors
-from mlm_jax.config import Config, ConfigError, ModelConfig, padded_vocab_size
+from mlm_jax.config import Config, ModelConfig, padded_vocab_size
+from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
-
-
-class HFError(ConfigError):
-    """A Hugging Face folder or model that cannot be converted; the message says why."""
 
 
 # --------------------------------------------------------------------------- files
@@ -299,196 +295,6 @@ def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dt
         out.setdefault("rope_scaling", None)
         out.setdefault("initializer_range", m.init_method_std)
     out["torch_dtype"] = dtype
-    return out
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-def _gpt2_prefix(tensors: dict) -> str:
-    return "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
-
-
-def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padded_vocab: int) -> dict:
-    """Hugging Face tensors -> mlm_jax params (plain layout, fp32 numpy, vocab padded)."""
-    t = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    used = set()
-
-    def take(name):
-        if name not in t:
-            raise HFError(f"the safetensors have no tensor {name!r} (needed by a {kind} model of this config)")
-        used.add(name)
-        return np.asarray(t[name], dtype=np.float32)
-
-    d, L, V = m.hidden_size, m.num_layers, m.vocab_size
-    h, g, k, f = m.num_attention_heads, m.query_groups, m.head_dim, m.ffn_size
-    r = h // g
-
-    def pad_rows(x):  # [V, ...] -> [padded, ...], zero rows
-        if x.shape[0] != V:
-            raise HFError(f"vocab tensor has {x.shape[0]} rows, config.json says vocab_size {V}")
-        return np.concatenate([x, np.zeros((padded_vocab - V, *x.shape[1:]), np.float32)])
-
-    def stack(fn):
-        return np.stack([fn(i) for i in range(L)])
-
-    if kind == "gpt2":
-        p = _gpt2_prefix(t)
-        ln = lambda name: {"scale": take(f"{name}.weight"), "bias": take(f"{name}.bias")}  # noqa: E731
-
-        def qkv_w(i):  # [d, 3*h*k] (q | k | v) -> [d, h, 3, k]
-            w = take(f"{p}h.{i}.attn.c_attn.weight").reshape(d, 3, h, k)
-            return w.transpose(0, 2, 1, 3)
-
-        def qkv_b(i):
-            return take(f"{p}h.{i}.attn.c_attn.bias").reshape(3, h, k).transpose(1, 0, 2)
-
-        layers = {
-            "norm1": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_1.weight")),
-                      "bias": stack(lambda i: take(f"{p}h.{i}.ln_1.bias"))},
-            "attention": {
-                "wqkv": stack(qkv_w), "bqkv": stack(qkv_b),
-                "wo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.weight").reshape(h, k, d)),
-                "bo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.bias"))},
-            "norm2": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_2.weight")),
-                      "bias": stack(lambda i: take(f"{p}h.{i}.ln_2.bias"))},
-            "mlp": {
-                "w1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.weight")),
-                "b1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.bias")),
-                "w2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.weight")),
-                "b2": stack(lambda i: take(f"{p}h.{i}.mlp.c_proj.bias"))},
-        }
-        params = {"embed": pad_rows(take(f"{p}wte.weight")), "pos_embed": take(f"{p}wpe.weight"),
-                  "layers": layers, "final_norm": ln(f"{p}ln_f")}
-        head = "lm_head.weight"
-        if m.untie_embeddings_and_output_weights:
-            params["lm_head"] = pad_rows(take(head)).T
-        elif head in t:
-            if not np.array_equal(t[head], t[f"{p}wte.weight"]):
-                raise HFError("tie_word_embeddings is true but lm_head.weight differs from wte.weight")
-            used.add(head)
-    else:
-        def qkv_w(i):  # q [h*k, d], k/v [g*k, d] -> [d, g, r + 2, k]
-            q = take(f"model.layers.{i}.self_attn.q_proj.weight").reshape(g, r, k, d)
-            kk = take(f"model.layers.{i}.self_attn.k_proj.weight").reshape(g, 1, k, d)
-            v = take(f"model.layers.{i}.self_attn.v_proj.weight").reshape(g, 1, k, d)
-            return np.concatenate([q, kk, v], axis=1).transpose(3, 0, 1, 2)
-
-        def w1(i):  # gate/up [f, d] -> [d, 2, f]
-            return np.stack([take(f"model.layers.{i}.mlp.gate_proj.weight").T,
-                             take(f"model.layers.{i}.mlp.up_proj.weight").T], axis=1)
-
-        layers = {
-            "norm1": {"scale": stack(lambda i: take(f"model.layers.{i}.input_layernorm.weight"))},
-            "attention": {
-                "wqkv": stack(qkv_w),
-                "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d))},
-            "norm2": {"scale": stack(lambda i: take(f"model.layers.{i}.post_attention_layernorm.weight"))},
-            "mlp": (_mixtral_experts_in(take, m, stack) if kind == "mixtral" else
-                    {"w1": stack(w1), "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T)}),
-        }
-        params = {"embed": pad_rows(take("model.embed_tokens.weight")), "layers": layers,
-                  "final_norm": {"scale": take("model.norm.weight")}}
-        if m.untie_embeddings_and_output_weights:
-            params["lm_head"] = pad_rows(take("lm_head.weight")).T
-        elif "lm_head.weight" in t:
-            used.add("lm_head.weight")
-    unused = sorted(set(t) - used)
-    if unused:
-        raise HFError(f"the safetensors hold tensors this {kind} config does not use: {unused[:8]}"
-                      + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-    return params
-
-
-def _mixtral_experts_in(take, m: ModelConfig, stack) -> dict:
-    """block_sparse_moe tensors -> our MoE params: router [L, d, E], w1 [L, E, d, 2, f], w2 [L, E, f, d]."""
-    E = m.num_experts
-
-    def moe(i, name):
-        return f"model.layers.{i}.block_sparse_moe.{name}"
-
-    def w1(i):  # w1 (gate) and w3 (up) [f, d] -> [E, d, 2, f]
-        return np.stack([np.stack([take(moe(i, f"experts.{j}.w1.weight")).T,
-                                   take(moe(i, f"experts.{j}.w3.weight")).T], axis=1) for j in range(E)])
-
-    return {"router": stack(lambda i: take(moe(i, "gate.weight")).T), "w1": stack(w1),
-            "w2": stack(lambda i: np.stack([take(moe(i, f"experts.{j}.w2.weight")).T for j in range(E)]))}
-
-
-def _mixtral_experts_out(P: dict, m: ModelConfig, i: int, put) -> None:
-    """Layer i's MoE params -> its block_sparse_moe tensors (the inverse of _mixtral_experts_in)."""
-    pre = f"model.layers.{i}.block_sparse_moe"
-    put(f"{pre}.gate.weight", P["layers/mlp/router"][i].T)
-    for j in range(m.num_experts):
-        put(f"{pre}.experts.{j}.w1.weight", P["layers/mlp/w1"][i][j][:, 0].T)
-        put(f"{pre}.experts.{j}.w3.weight", P["layers/mlp/w1"][i][j][:, 1].T)
-        put(f"{pre}.experts.{j}.w2.weight", P["layers/mlp/w2"][i][j].T)
-
-
-def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, prefix: str = "transformer.",
-                 write_tied_head: bool = False) -> dict[str, np.ndarray]:
-    """mlm_jax params (plain layout) -> Hugging Face tensors, true vocab rows only."""
-    d, L, V = m.hidden_size, m.num_layers, m.vocab_size
-    h, g, k = m.num_attention_heads, m.query_groups, m.head_dim
-    r = h // g
-    P = {kk: np.asarray(v) for kk, v in _flatten(params).items()}
-    out: dict[str, np.ndarray] = {}
-
-    def put(name, x):
-        out[name] = np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
-
-    embed = P["embed"][:V]
-    if kind == "gpt2":
-        p = prefix
-        put(f"{p}wte.weight", embed)
-        put(f"{p}wpe.weight", P["pos_embed"])
-        for i in range(L):
-            put(f"{p}h.{i}.ln_1.weight", P["layers/norm1/scale"][i])
-            put(f"{p}h.{i}.ln_1.bias", P["layers/norm1/bias"][i])
-            put(f"{p}h.{i}.attn.c_attn.weight", P["layers/attention/wqkv"][i].transpose(0, 2, 1, 3).reshape(d, 3 * h * k))
-            put(f"{p}h.{i}.attn.c_attn.bias", P["layers/attention/bqkv"][i].transpose(1, 0, 2).reshape(3 * h * k))
-            put(f"{p}h.{i}.attn.c_proj.weight", P["layers/attention/wo"][i].reshape(h * k, d))
-            put(f"{p}h.{i}.attn.c_proj.bias", P["layers/attention/bo"][i])
-            put(f"{p}h.{i}.ln_2.weight", P["layers/norm2/scale"][i])
-            put(f"{p}h.{i}.ln_2.bias", P["layers/norm2/bias"][i])
-            put(f"{p}h.{i}.mlp.c_fc.weight", P["layers/mlp/w1"][i])
-            put(f"{p}h.{i}.mlp.c_fc.bias", P["layers/mlp/b1"][i])
-            put(f"{p}h.{i}.mlp.c_proj.weight", P["layers/mlp/w2"][i])
-            put(f"{p}h.{i}.mlp.c_proj.bias", P["layers/mlp/b2"][i])
-        put(f"{p}ln_f.weight", P["final_norm/scale"])
-        put(f"{p}ln_f.bias", P["final_norm/bias"])
-    else:
-        put("model.embed_tokens.weight", embed)
-        for i in range(L):
-            qkv = P["layers/attention/wqkv"][i].transpose(1, 2, 3, 0)  # [g, r + 2, k, d]
-            put(f"model.layers.{i}.input_layernorm.weight", P["layers/norm1/scale"][i])
-            put(f"model.layers.{i}.self_attn.q_proj.weight", qkv[:, :r].reshape(h * k, d))
-            put(f"model.layers.{i}.self_attn.k_proj.weight", qkv[:, r].reshape(g * k, d))
-            put(f"model.layers.{i}.self_attn.v_proj.weight", qkv[:, r + 1].reshape(g * k, d))
-            put(f"model.layers.{i}.self_attn.o_proj.weight", P["layers/attention/wo"][i].reshape(h * k, d).T)
-            put(f"model.layers.{i}.post_attention_layernorm.weight", P["layers/norm2/scale"][i])
-            if kind == "mixtral":
-                _mixtral_experts_out(P, m, i, put)
-                continue
-            put(f"model.layers.{i}.mlp.gate_proj.weight", P["layers/mlp/w1"][i][:, 0].T)
-            put(f"model.layers.{i}.mlp.up_proj.weight", P["layers/mlp/w1"][i][:, 1].T)
-            put(f"model.layers.{i}.mlp.down_proj.weight", P["layers/mlp/w2"][i].T)
-        put("model.norm.weight", P["final_norm/scale"])
-    if m.untie_embeddings_and_output_weights:
-        put("lm_head.weight", P["lm_head"][:, :V].T)
-    elif write_tied_head:
-        put("lm_head.weight", embed)
-    return out
-
-
-def _flatten(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "/"))
-        elif value is not None:
-            out[name] = value
     return out
 
 
