@@ -128,6 +128,27 @@ def build_default_corpus(
     """
     cache_dir = cache_dir or _cache.default_cache_dir()
     docs = gather_stdlib_sources(max_bytes)
+    root = _corpus_root(cache_dir, docs, max_bytes, vocab_size)
+    nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
+    if tokenizer is None:
+        tokenizer = _own_tokenizer(root, docs, nbytes, vocab_size)
+        tok_key = "own"
+    else:
+        _, tok_key = _cache.describe(
+            {"type": tokenizer.tokenizer_type, "files": _files_md5(tokenizer.files()),
+             "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+        )
+    data_dir = os.path.join(root, f"data-{tok_key}")
+    prefix = os.path.join(data_dir, DATASET_NAME)
+    if exists(prefix):
+        _drop_if_damaged(data_dir, lambda: IndexedDataset(prefix))
+    if not exists(prefix):
+        _write_dataset(root, data_dir, docs, nbytes, tokenizer)
+    return prefix, tokenizer
+
+
+def _corpus_root(cache_dir: str, docs, max_bytes: int, vocab_size: int) -> str:
+    """The cache folder of this corpus: keyed by the sources' content and every build setting."""
     content = hashlib.md5()
     for rel, text in docs:
         content.update(rel.encode() + b"\0" + text.encode("utf-8") + b"\0")
@@ -135,65 +156,65 @@ def build_default_corpus(
         {"corpus": content.hexdigest(), "max_bytes": max_bytes, "vocab_size": vocab_size,
          "doc_min_bytes": DOC_MIN_BYTES, "cut_before": _CUT_BEFORE, "format": 2}
     )
-    root = os.path.join(cache_dir, "default_corpus", corpus_key)
-    nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
+    return os.path.join(cache_dir, "default_corpus", corpus_key)
 
-    if tokenizer is None:
-        model = os.path.join(root, "tokenizer.model")
-        if _drop_if_damaged(model, lambda: GPTSentencePieceTokenizer(model)):
-            # Data tokenized by the old model must not outlive it.
-            shutil.rmtree(os.path.join(root, "data-own"), ignore_errors=True)
-        if not os.path.isfile(model):
-            _log(f"{len(docs)} stdlib files, {nbytes / 1e6:.1f} MB, from {sysconfig.get_paths()['stdlib']}")
-            _log(f"training a lossless SentencePiece BPE tokenizer (vocab {vocab_size})...")
-            t0 = time.perf_counter()
-            os.makedirs(root, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                lines = (line for _, text in docs for line in text.split("\n"))
-                trained = train_sentencepiece(None, os.path.join(tmp, "tokenizer"), vocab_size, sentences=lines)
-                os.replace(trained, model)
-            _log(f"tokenizer trained in {time.perf_counter() - t0:.1f} s -> {model}")
-        tokenizer = GPTSentencePieceTokenizer(model)
-        tok_key = "own"
-    else:
-        _, tok_key = _cache.describe(
-            {"type": tokenizer.tokenizer_type, "files": _files_md5(tokenizer.files()),
-             "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
-        )
 
-    data_dir = os.path.join(root, f"data-{tok_key}")
-    prefix = os.path.join(data_dir, DATASET_NAME)
-    if exists(prefix):
-        _drop_if_damaged(data_dir, lambda: IndexedDataset(prefix))
-    if not exists(prefix):
-        texts = [piece for _, text in docs for piece in split_source(text)]
-        _log(f"tokenizing {len(texts)} documents from {len(docs)} files ({nbytes / 1e6:.1f} MB)...")
+def _own_tokenizer(root: str, docs, nbytes: int, vocab_size: int):
+    """The corpus's own SentencePiece tokenizer, trained into `root` unless a sound one is there."""
+    model = os.path.join(root, "tokenizer.model")
+    if _drop_if_damaged(model, lambda: GPTSentencePieceTokenizer(model)):
+        # Data tokenized by the old model must not outlive it.
+        shutil.rmtree(os.path.join(root, "data-own"), ignore_errors=True)
+    if not os.path.isfile(model):
+        _log(f"{len(docs)} stdlib files, {nbytes / 1e6:.1f} MB, from {sysconfig.get_paths()['stdlib']}")
+        _log(f"training a lossless SentencePiece BPE tokenizer (vocab {vocab_size})...")
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-data-")
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            lines = (line for _, text in docs for line in text.split("\n"))
+            trained = train_sentencepiece(None, os.path.join(tmp, "tokenizer"), vocab_size, sentences=lines)
+            os.replace(trained, model)
+        _log(f"tokenizer trained in {time.perf_counter() - t0:.1f} s -> {model}")
+    return GPTSentencePieceTokenizer(model)
+
+
+def _write_dataset(root: str, data_dir: str, docs, nbytes: int, tokenizer) -> None:
+    """Tokenize the documents into a temporary folder, then rename it to `data_dir` in one step
+    (a reader never sees a half-written dataset)."""
+    prefix = os.path.join(data_dir, DATASET_NAME)
+    texts = [piece for _, text in docs for piece in split_source(text)]
+    _log(f"tokenizing {len(texts)} documents from {len(docs)} files ({nbytes / 1e6:.1f} MB)...")
+    t0 = time.perf_counter()
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-data-")
+    try:
+        tmp_prefix = os.path.join(tmp, DATASET_NAME)
+        n_tokens = _tokenize_into(tmp_prefix, texts, tokenizer)
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"files": [rel for rel, _ in docs], "tokens": n_tokens,
+                       "tokenizer_type": tokenizer.tokenizer_type, "python": sys.version}, f, indent=1)
         try:
-            tmp_prefix = os.path.join(tmp, DATASET_NAME)
-            builder = IndexedDatasetBuilder(bin_path(tmp_prefix), optimal_dtype(tokenizer.vocab_size))
-            n_tokens = 0
-            step = 64
-            for beg in range(0, len(texts), step):
-                ids = tokenizer.tokenize_batch(texts[beg : beg + step])
-                lengths = [len(x) + 1 for x in ids]
-                flat = np.fromiter(
-                    (t for x in ids for t in (*x, tokenizer.eod)), dtype=np.int64, count=sum(lengths)
-                )
-                builder.add_documents(flat, lengths)
-                n_tokens += int(flat.size)
-            builder.finalize(idx_path(tmp_prefix))
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump({"files": [rel for rel, _ in docs], "tokens": n_tokens,
-                           "tokenizer_type": tokenizer.tokenizer_type, "python": sys.version}, f, indent=1)
-            try:
-                os.replace(tmp, data_dir)
-            except OSError:  # another process finished first; its copy is identical
-                if not exists(prefix):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _log(f"{n_tokens} tokens written in {time.perf_counter() - t0:.1f} s -> {prefix}.bin/.idx")
-    return prefix, tokenizer
+            os.replace(tmp, data_dir)
+        except OSError:  # another process finished first; its copy is identical
+            if not exists(prefix):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"{n_tokens} tokens written in {time.perf_counter() - t0:.1f} s -> {prefix}.bin/.idx")
+
+
+def _tokenize_into(prefix: str, texts: list[str], tokenizer) -> int:
+    """Write `texts` as documents (each ended by EOD) to prefix.bin/.idx; returns the token count."""
+    builder = IndexedDatasetBuilder(bin_path(prefix), optimal_dtype(tokenizer.vocab_size))
+    n_tokens = 0
+    step = 64
+    for beg in range(0, len(texts), step):
+        ids = tokenizer.tokenize_batch(texts[beg : beg + step])
+        lengths = [len(x) + 1 for x in ids]
+        flat = np.fromiter(
+            (t for x in ids for t in (*x, tokenizer.eod)), dtype=np.int64, count=sum(lengths)
+        )
+        builder.add_documents(flat, lengths)
+        n_tokens += int(flat.size)
+    builder.finalize(idx_path(prefix))
+    return n_tokens
