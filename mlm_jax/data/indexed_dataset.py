@@ -104,6 +104,49 @@ def encode_index(sequence_lengths, document_indices, dtype) -> bytes:
     )
 
 
+def _read_index_header(ipath: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, sequence count, document-index count) from an .idx header, after checking the
+    magic, version, dtype code and that the file size matches those counts exactly."""
+    try:
+        idx_size = os.path.getsize(ipath)
+        with open(ipath, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise IndexedDatasetError(f"{ipath}: cannot read ({e.strerror or e})") from None
+    if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
+        raise IndexedDatasetError(
+            f"{ipath}: bad magic {head[: len(MAGIC)]!r}, expected {MAGIC!r}; "
+            "this is not a Megatron MMIDIDX index file"
+        )
+    if len(head) < HEADER_BYTES:
+        raise IndexedDatasetError(
+            f"{ipath}: truncated header ({len(head)} bytes, need {HEADER_BYTES})"
+        )
+    (version,) = struct.unpack("<Q", head[9:17])
+    if version != VERSION:
+        raise IndexedDatasetError(f"{ipath}: unsupported version {version}, expected {VERSION}")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise IndexedDatasetError(
+            f"{ipath}: bad dtype code {code}; valid codes are "
+            + ", ".join(f"{c} ({np.dtype(t).name})" for c, t in DTYPE_CODES.items())
+        )
+    dtype = np.dtype(DTYPE_CODES[code])
+    seq_count, doc_count = struct.unpack("<QQ", head[18:34])
+    expected = HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
+    if idx_size < expected:
+        raise IndexedDatasetError(
+            f"{ipath}: truncated index: {idx_size} bytes, but the header's {seq_count} sequences "
+            f"and {doc_count} document indices need {expected} bytes"
+        )
+    if idx_size not in (expected, expected + seq_count):  # + seq_count: multimodal modes
+        raise IndexedDatasetError(
+            f"{ipath}: {idx_size - expected} unexpected trailing bytes after the document indices "
+            f"(expected {expected} bytes for {seq_count} sequences and {doc_count} document indices)"
+        )
+    return dtype, seq_count, doc_count
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a Megatron indexed dataset.
 
@@ -121,43 +164,12 @@ class IndexedDataset:
                 f"indexed dataset {prefix!r}: missing {' and '.join(missing)} "
                 "(a dataset is a .bin/.idx pair; pass the path without the extension)"
             )
-        try:
-            idx_size = os.path.getsize(ipath)
-            with open(ipath, "rb") as f:
-                head = f.read(HEADER_BYTES)
-        except OSError as e:
-            raise IndexedDatasetError(f"{ipath}: cannot read ({e.strerror or e})") from None
-        if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
-            raise IndexedDatasetError(
-                f"{ipath}: bad magic {head[: len(MAGIC)]!r}, expected {MAGIC!r}; "
-                "this is not a Megatron MMIDIDX index file"
-            )
-        if len(head) < HEADER_BYTES:
-            raise IndexedDatasetError(
-                f"{ipath}: truncated header ({len(head)} bytes, need {HEADER_BYTES})"
-            )
-        (version,) = struct.unpack("<Q", head[9:17])
-        if version != VERSION:
-            raise IndexedDatasetError(f"{ipath}: unsupported version {version}, expected {VERSION}")
-        code = head[17]
-        if code not in DTYPE_CODES:
-            raise IndexedDatasetError(
-                f"{ipath}: bad dtype code {code}; valid codes are "
-                + ", ".join(f"{c} ({np.dtype(t).name})" for c, t in DTYPE_CODES.items())
-            )
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        seq_count, doc_count = struct.unpack("<QQ", head[18:34])
-        expected = HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
-        if idx_size < expected:
-            raise IndexedDatasetError(
-                f"{ipath}: truncated index: {idx_size} bytes, but the header's {seq_count} sequences "
-                f"and {doc_count} document indices need {expected} bytes"
-            )
-        if idx_size not in (expected, expected + seq_count):  # + seq_count: multimodal modes
-            raise IndexedDatasetError(
-                f"{ipath}: {idx_size - expected} unexpected trailing bytes after the document indices "
-                f"(expected {expected} bytes for {seq_count} sequences and {doc_count} document indices)"
-            )
+        self.dtype, seq_count, doc_count = _read_index_header(ipath)
+        self._map_index(ipath, seq_count, doc_count)
+        self._map_bin(bpath, ipath)
+
+    def _map_index(self, ipath: str, seq_count: int, doc_count: int) -> None:
+        """Map the index's three arrays (after the header) and check them against each other."""
         self._idx_mmap = np.memmap(ipath, mode="r", dtype=np.uint8)
         off = HEADER_BYTES
         self.sequence_lengths = np.frombuffer(self._idx_mmap, np.dtype("<i4"), seq_count, off)
@@ -167,6 +179,8 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(self._idx_mmap, np.dtype("<i8"), doc_count, off)
         self._check_index(ipath, seq_count, doc_count)
 
+    def _map_bin(self, bpath: str, ipath: str) -> None:
+        """Map the token file once its size matches exactly what the index describes."""
         bin_size = os.path.getsize(bpath)
         needed = self._data_bytes()
         if bin_size != needed:
