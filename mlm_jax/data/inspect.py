@@ -50,6 +50,29 @@ def _context_chunks(sample: list[int], cp: int) -> list[list[int]]:
 
 @errors.cli
 def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    train_samples = _train_samples(p, args)
+    dataset, tokenizer = build_split(_data_config(args), "train", args.seq_length, args.seed, train_samples,
+                                     vocab_size=args.vocab_size, tokenizer_optional=True)
+    if dataset is None:
+        raise DatasetError(f"--split {args.split}: the train split is empty")
+    i, j = args.show
+    if j > len(dataset):
+        raise DatasetError(f"--show {i}:{j} but the train split has {len(dataset)} samples")
+    samples = [dataset[k].tolist() for k in range(i, j)]
+    cp = args.context_parallel_size
+    if cp < 1 or (cp > 1 and args.seq_length % (2 * cp)):
+        raise errors.UsageError(f"--seq-length {args.seq_length} is not divisible by 2 x "
+                                f"--context-parallel-size {cp} = {2 * cp}")
+    if args.json:
+        print(json.dumps([_context_chunks(t, cp) for t in samples] if cp > 1 else samples))
+        return 0
+    _print_samples(args, range(i, j), samples, tokenizer)
+    return 0
+
+
+def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m mlm_jax.data.inspect", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", nargs="+", default=[])
@@ -66,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--context-parallel-size", type=int, default=1)
     add_tokenizer_args(p)
-    args = p.parse_args(argv)
+    return p
 
+
+def _train_samples(p: ArgumentParser, args) -> int:
+    """--train-samples, or --train-iters x --global-batch-size; usage errors for sizes too small."""
     train_samples = args.train_samples
     if train_samples is None:
         if args.train_iters is None or args.global_batch_size is None:
@@ -77,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                              ("--global-batch-size", args.global_batch_size, 1)]:
         if value is not None and value < low:
             p.error(f"{flag} must be at least {low}, got {value}")
-    cfg = DataConfig(
+    return train_samples
+
+
+def _data_config(args) -> DataConfig:
+    return DataConfig(
         data_path=tuple(args.data_path),
         train_data_path=tuple(args.train_data_path),
         split=args.split,
@@ -88,22 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
     )
-    dataset, tokenizer = build_split(cfg, "train", args.seq_length, args.seed, train_samples,
-                                     vocab_size=args.vocab_size, tokenizer_optional=True)
-    if dataset is None:
-        raise DatasetError(f"--split {args.split}: the train split is empty")
-    i, j = args.show
-    if j > len(dataset):
-        raise DatasetError(f"--show {i}:{j} but the train split has {len(dataset)} samples")
-    samples = [dataset[k].tolist() for k in range(i, j)]
+
+
+def _print_samples(args, indices, samples: list[list[int]], tokenizer) -> None:
+    """Each sample's tokens, its per-context-rank chunks, and its text when a tokenizer is known."""
     cp = args.context_parallel_size
-    if cp < 1 or (cp > 1 and args.seq_length % (2 * cp)):
-        raise errors.UsageError(f"--seq-length {args.seq_length} is not divisible by 2 x "
-                                f"--context-parallel-size {cp} = {2 * cp}")
-    if args.json:
-        print(json.dumps([_context_chunks(t, cp) for t in samples] if cp > 1 else samples))
-        return 0
-    for k, tokens in zip(range(i, j), samples):
+    for k, tokens in zip(indices, samples):
         where = f", iteration {k // args.global_batch_size}" if args.global_batch_size else ""
         print(f"=== sample {k}{where}: {len(tokens)} tokens ===")
         print(" ".join(map(str, tokens)))
@@ -113,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is not None:
             print("--- text ---")
             print(tokenizer.detokenize(tokens))
-    return 0
 
 
 if __name__ == "__main__":
