@@ -217,21 +217,47 @@ def plan_pipeline(
             f"--pipeline-schedule {schedule!r} is unknown; choose gpipe, 1f1b or interleaved"
         )
     if P == 1:
-        if virtual_given:
-            raise PipelinePlanError(
-                "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage "
-                "need --pipeline-model-parallel-size > 1, got 1"
-            )
-        if uneven:
-            raise PipelinePlanError(
-                "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1, got 1"
-            )
-        if schedule == "interleaved":
-            raise PipelinePlanError(
-                "--pipeline-schedule interleaved needs --pipeline-model-parallel-size > 1, got 1"
-            )
+        _check_no_pipeline_flags(schedule, virtual_given, uneven)
         return schedule or SCHEDULE_DEFAULT_FLAT, PipelineLayout(1, 1, (num_layers,))
 
+    V = _virtual_stage_count(num_layers, P, virtual_stages, layers_per_virtual_stage)
+    name = schedule or (SCHEDULE_DEFAULT_VIRTUAL if V > 1 else SCHEDULE_DEFAULT_FLAT)
+    _check_schedule_fits(name, V, uneven)
+    if V > 1:
+        if num_layers % (P * V):
+            raise PipelinePlanError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {P} "
+                f"x {V} virtual stages per rank = {P * V}"
+            )
+        per_stage = [num_layers // (P * V)] * (P * V)
+    else:
+        per_stage = split_layers(num_layers, P, first_stage_layers, last_stage_layers)
+    if num_microbatches is not None:
+        _check_microbatches(name, num_microbatches, P)
+    return name, PipelineLayout(P, V, tuple(per_stage))
+
+
+def _check_no_pipeline_flags(schedule: str | None, virtual_given: bool, uneven: bool) -> None:
+    """Pipeline size 1: virtual stages, an uneven split and the interleaved schedule are refused."""
+    if virtual_given:
+        raise PipelinePlanError(
+            "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage "
+            "need --pipeline-model-parallel-size > 1, got 1"
+        )
+    if uneven:
+        raise PipelinePlanError(
+            "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1, got 1"
+        )
+    if schedule == "interleaved":
+        raise PipelinePlanError(
+            "--pipeline-schedule interleaved needs --pipeline-model-parallel-size > 1, got 1"
+        )
+
+
+def _virtual_stage_count(
+    num_layers: int, P: int, virtual_stages: int | None, layers_per_virtual_stage: int | None
+) -> int:
+    """V, the model chunks per pipeline rank, from whichever one of the two flags is given."""
     if virtual_stages is not None and layers_per_virtual_stage is not None:
         raise PipelinePlanError(
             f"set only one of --num-virtual-stages-per-pipeline-rank ({virtual_stages}) and "
@@ -252,7 +278,11 @@ def plan_pipeline(
                 f"x --num-layers-per-virtual-pipeline-stage {n} = {P * n}"
             )
         V = num_layers // (P * n)
-    name = schedule or (SCHEDULE_DEFAULT_VIRTUAL if V > 1 else SCHEDULE_DEFAULT_FLAT)
+    return V
+
+
+def _check_schedule_fits(name: str, V: int, uneven: bool) -> None:
+    """Interleaved exactly when there are virtual stages; no uneven split with virtual stages."""
     if name == "interleaved" and V < 2:
         raise PipelinePlanError(
             f"--pipeline-schedule interleaved needs at least 2 virtual stages per pipeline rank, "
@@ -269,28 +299,20 @@ def plan_pipeline(
             "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is not "
             f"supported (V={V}); use an even split or --pipeline-schedule 1f1b/gpipe"
         )
-    if V > 1:
-        if num_layers % (P * V):
-            raise PipelinePlanError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {P} "
-                f"x {V} virtual stages per rank = {P * V}"
-            )
-        per_stage = [num_layers // (P * V)] * (P * V)
-    else:
-        per_stage = split_layers(num_layers, P, first_stage_layers, last_stage_layers)
-    if num_microbatches is not None:
-        m = num_microbatches
-        if m < 1:
-            raise PipelinePlanError(f"the pipeline needs at least one microbatch, got {m}")
-        if name == "interleaved" and m < P:
-            raise PipelinePlanError(
-                f"too few microbatches for the interleaved schedule: {m} (= global batch / "
-                f"(micro batch x data-parallel size)) < --pipeline-model-parallel-size {P}"
-            )
-        if name == "interleaved" and m % P:
-            raise PipelinePlanError(
-                f"the interleaved schedule needs the number of microbatches ({m} = global batch / "
-                f"(micro batch x data-parallel size)) to be a multiple of "
-                f"--pipeline-model-parallel-size {P}"
-            )
-    return name, PipelineLayout(P, V, tuple(per_stage))
+
+
+def _check_microbatches(name: str, m: int, P: int) -> None:
+    """At least one microbatch; the interleaved schedule needs a multiple of P, at least P."""
+    if m < 1:
+        raise PipelinePlanError(f"the pipeline needs at least one microbatch, got {m}")
+    if name == "interleaved" and m < P:
+        raise PipelinePlanError(
+            f"too few microbatches for the interleaved schedule: {m} (= global batch / "
+            f"(micro batch x data-parallel size)) < --pipeline-model-parallel-size {P}"
+        )
+    if name == "interleaved" and m % P:
+        raise PipelinePlanError(
+            f"the interleaved schedule needs the number of microbatches ({m} = global batch / "
+            f"(micro batch x data-parallel size)) to be a multiple of "
+            f"--pipeline-model-parallel-size {P}"
+        )
