@@ -45,56 +45,8 @@ def _shapes(type_text: str) -> tuple[tuple[int, ...], ...]:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective instruction of an optimized HLO module (`compiled.as_text()`)."""
-    computations: dict[str, list[str]] = {}
-    current = None
-    instrs: dict[str, tuple[str, str, str, str, str]] = {}  # name -> (type, opcode, rest, comp)
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0]:
-            current = m.group(1)
-            computations[current] = []
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            name, type_text, opcode, rest = m.groups()
-            computations[current].append(line)
-            instrs[name] = (type_text, opcode, rest, current)
-
-    users: dict[str, list[str]] = {}
-    for name, (_, _, rest, _) in instrs.items():
-        operand_text = rest.split("), ")[0]
-        for ref in re.findall(r"%([\w.\-]+)", operand_text):
-            users.setdefault(ref, []).append(name)
-
-    def size(type_text: str) -> int:
-        total = 0
-        for shape in _shapes(type_text):
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
-
-    def slices(name: str, whole: int) -> bool:
-        """Does every use of `name` keep only part of it?"""
-        uses = users.get(name, [])
-        return bool(uses) and all(
-            instrs[u][1] in ("dynamic-slice", "slice", "fusion") and size(instrs[u][0]) < whole
-            for u in uses
-        )
-
-    def scattered(name: str, type_text: str) -> tuple[bool, ...]:
-        shapes = _shapes(type_text)
-        if len(shapes) == 1:
-            return (slices(name, size(type_text)),)
-        out = [False] * len(shapes)
-        for use in users.get(name, []):
-            use_type, opcode, rest, _ = instrs[use]
-            index = re.search(r"index=(\d+)", rest)
-            if opcode == "get-tuple-element" and index:
-                out[int(index.group(1))] = slices(use, size(use_type))
-        return tuple(out)
-
+    instrs = _instructions(hlo_text)
+    users = _users(instrs)
     found = []
     for name, (type_text, opcode, rest, _) in instrs.items():
         kind = opcode.removesuffix("-start")
@@ -105,9 +57,74 @@ def collectives(hlo_text: str) -> list[Collective]:
             kind=kind,
             shapes=_shapes(type_text),
             op_name=op_name.group(1) if op_name else "",
-            scattered=scattered(name, type_text) if kind == "all-reduce" else (False,) * len(_shapes(type_text)),
+            scattered=(_scattered(name, type_text, instrs, users) if kind == "all-reduce"
+                       else (False,) * len(_shapes(type_text))),
         ))
     return found
+
+
+# name -> (result type, opcode, the text after "opcode(", computation)
+_Instructions = dict[str, tuple[str, str, str, str]]
+
+
+def _instructions(hlo_text: str) -> _Instructions:
+    """Every instruction inside a computation, by name."""
+    current = None
+    instrs: _Instructions = {}
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            current = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            name, type_text, opcode, rest = m.groups()
+            instrs[name] = (type_text, opcode, rest, current)
+    return instrs
+
+
+def _users(instrs: _Instructions) -> dict[str, list[str]]:
+    """name -> the instructions that take it as an operand."""
+    users: dict[str, list[str]] = {}
+    for name, (_, _, rest, _) in instrs.items():
+        operand_text = rest.split("), ")[0]
+        for ref in re.findall(r"%([\w.\-]+)", operand_text):
+            users.setdefault(ref, []).append(name)
+    return users
+
+
+def _size(type_text: str) -> int:
+    """Elements in all the shapes of an HLO type."""
+    total = 0
+    for shape in _shapes(type_text):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def _slices(name: str, whole: int, instrs: _Instructions, users: dict[str, list[str]]) -> bool:
+    """Does every use of `name` keep only part of it?"""
+    uses = users.get(name, [])
+    return bool(uses) and all(
+        instrs[u][1] in ("dynamic-slice", "slice", "fusion") and _size(instrs[u][0]) < whole
+        for u in uses
+    )
+
+
+def _scattered(name: str, type_text: str, instrs: _Instructions, users: dict[str, list[str]]) -> tuple[bool, ...]:
+    """Per operand of an all-reduce: is only a slice of its result used (CPU's reduce-scatter)?"""
+    shapes = _shapes(type_text)
+    if len(shapes) == 1:
+        return (_slices(name, _size(type_text), instrs, users),)
+    out = [False] * len(shapes)
+    for use in users.get(name, []):
+        use_type, opcode, rest, _ = instrs[use]
+        index = re.search(r"index=(\d+)", rest)
+        if opcode == "get-tuple-element" and index:
+            out[int(index.group(1))] = _slices(use, _size(use_type), instrs, users)
+    return tuple(out)
 
 
 def count(found: list[Collective], kind: str, shape: tuple[int, ...], *, backward: bool,
