@@ -1,6 +1,6 @@
 """Which layers live on which pipeline stage, and how the stacked layer params are stored.
 
-Pure Python and numpy (no devices); `mlm_jax.config.validate_pipeline` calls `plan_pipeline`
+Pure Python and numpy (no devices); `mlm_jax.validation.validate_pipeline` calls `plan_pipeline`
 so that every invalid combination fails before anything is compiled, with the numbers named.
 
 Stage and chunk vocabulary (the same as `schedules`): P stages, V model chunks per stage; chunk
