@@ -122,7 +122,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--seed", "train", "seed", "int", "seed of init, dropout and data order"),
     ("--log-interval", "train", "log_interval", "int", "iterations between log lines"),
     ("--eval-interval", "train", "eval_interval", "int", "iterations between evaluations"),
-    ("--eval-iters", "train", "eval_iters", "int", "batches per evaluation"),
+    ("--eval-iters", "train", "eval_iters", "int", "batches per evaluation (0: no validation, as in Megatron-LM)"),
     ("--no-check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", "false", "do not stop on NaN/Inf"),
     ("--tensorboard-dir", "train", "tensorboard_dir", "str", "TensorBoard event files"),
     ("--metrics-file", "train", "metrics_file", "str", "JSON lines, one per logged iteration"),
@@ -165,9 +165,48 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--slow-iteration-factor", "instruments", "slow_iteration_factor", "float", "(mlm_jax) warn when an iteration takes this many times the running median (0: never; default 3)"),
 ]
 
+# Megatron flags that are irrelevant on XLA or already how mlm_jax works: accepted so that
+# Megatron's scripts run unchanged, each help text saying what it maps to. None has a config
+# field; `_map_accepted` applies the few that carry a value or a rule. (flag, kind, help)
+ACCEPTED: list[tuple[str, str, str]] = [
+    ("--overlap-grad-reduce", "true", "accepted, no effect: XLA's scheduler overlaps the gradient reduction with compute"),
+    ("--overlap-param-gather", "true", "accepted, no effect: XLA's scheduler overlaps the parameter all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
+    ("--distributed-backend", "str", "nccl | gloo; accepted, no effect: XLA picks the collectives"),
+    ("--distributed-timeout-minutes", "int", "the jax.distributed coordinator timeout: --coordinator-timeout = minutes x 60 (unless --coordinator-timeout is given)"),
+    ("--use-mcore-models", "true", "accepted, no effect: mlm_jax has one model implementation"),
+    ("--transformer-impl", "str", "local | transformer_engine; accepted, no effect: XLA compiles the layers (--attention-backend picks the attention kernel)"),
+    ("--no-masked-softmax-fusion", "true", "accepted, no effect: XLA fuses (or not) the masked softmax"),
+    ("--attention-softmax-in-fp32", "true", "always: the attention softmax runs in fp32"),
+    ("--cross-entropy-loss-fusion", "true", "accepted, no effect: XLA fuses the cross entropy (computed in fp32)"),
+    ("--no-create-attention-mask-in-dataloader", "true", "always: the causal mask is built in the model, never by the data loader"),
+    ("--log-throughput", "true", "always: tokens/s, step time and MFU are logged"),
+    ("--calculate-per-token-loss", "true", "always: the loss is the sum over every unmasked token of the global batch divided by their count, whatever the microbatch and data-parallel split"),
+    ("--ckpt-format", "str", "torch_dist | zarr | torch; accepted: checkpoints are written with Orbax (layout-free)"),
+    ("--manual-gc", "true", "accepted, no effect: Python's garbage collector is left automatic"),
+    ("--num-workers", "int", "accepted, no effect: mlm_jax's loader builds batches ahead in a background thread"),
+    ("--no-mmap-bin-files", "true", "accepted, no effect: .bin files are always memory-mapped"),
+    ("--empty-unused-memory-level", "int", "0 | 1 | 2; accepted, no effect: XLA manages device memory"),
+    ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
+    ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
+    ("--rotary-percent", "float", "1.0 only (rotary on the whole head; partial rotary is not implemented)"),
+]
+
+_ACCEPTED_CHOICES = {
+    "--distributed-backend": ("nccl", "gloo"),
+    "--transformer-impl": ("local", "transformer_engine"),
+    "--ckpt-format": ("torch_dist", "zarr", "torch"),
+    "--empty-unused-memory-level": (0, 1, 2),
+}
+
+_FP8 = "fp8 is not supported: use --bf16 (bf16 compute, fp32 master params and optimizer state)"
+# Refused flags that take a value (the others are switches).
+_REFUSED_WITH_VALUE = ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+                       "--fp8-recipe")
+
 # Accepted with exactly one meaning; anything else is refused with the reason.
 REFUSED = {
     "--fp16": "fp16 is not supported: use --bf16 (bf16 compute with fp32 master params needs no loss scaling)",
+    **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
 }
 
 
@@ -288,9 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="grouped-query attention with --num-query-groups")
     for flag, _, _, kind, help_text in FLAGS:
         _add(parser, flag, kind, help_text)
+    for flag, kind, help_text in ACCEPTED:
+        _add(parser, flag, kind, help_text)
     for flag, why in REFUSED.items():
-        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true",
-                            default=None, help=f"refused: {why}")
+        dest = flag[2:].replace("-", "_")
+        if flag in _REFUSED_WITH_VALUE:
+            parser.add_argument(flag, dest=dest, default=None, metavar="VALUE", help=f"refused: {why}")
+        else:
+            parser.add_argument(flag, dest=dest, action="store_true", default=None, help=f"refused: {why}")
     return parser
 
 
@@ -346,7 +390,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         parser.set_defaults(**_yaml_values(first.config, parser))
     args = vars(parser.parse_args(argv))
     for flag, why in REFUSED.items():
-        if args.get(flag[2:].replace("-", "_")):
+        if args.get(flag[2:].replace("-", "_")) is not None:
             raise ConfigError(f"{flag}: {why}")
 
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -363,6 +407,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
     if args["group_query_attention"] and sections["model"].get("num_query_groups") is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
+    _map_accepted(args, sections)
     _check_choices(sections)
     return Config(**{name: dataclasses.replace(cls(), **sections[name]) for name, cls in SECTIONS.items()})
 
@@ -389,3 +434,32 @@ def _check_choices(sections: dict[str, dict[str, Any]]) -> None:
         value = sections[section].get(field)
         if value is not None and value not in choices:
             raise ConfigError(f"{flag_of[(section, field)]} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
+    """The ACCEPTED flags: their choices, Megatron's rules on them, and the few that set a field."""
+    given = {flag: args[flag[2:].replace("-", "_")] for flag, _, _ in ACCEPTED}
+    for flag, choices in _ACCEPTED_CHOICES.items():
+        if given[flag] is not None and given[flag] not in choices:
+            raise ConfigError(f"{flag} {given[flag]!r}: choose one of {', '.join(map(str, choices))}")
+    if given["--overlap-param-gather"] and not sections["parallel"].get("use_distributed_optimizer"):
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")
+    minutes = given["--distributed-timeout-minutes"]
+    if minutes is not None:
+        if minutes <= 0:
+            raise ConfigError(f"--distributed-timeout-minutes must be a positive number, got {minutes}")
+        sections["distributed"].setdefault("coordinator_timeout", minutes * 60.0)
+    if given["--num-workers"] is not None and given["--num-workers"] < 0:
+        raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
+    if given["--rotary-percent"] is not None and given["--rotary-percent"] != 1.0:
+        raise ConfigError(f"--rotary-percent {given['--rotary-percent']}: partial rotary embeddings are "
+                          "not implemented; only 1.0 (rotary on the whole head)")
+    model = sections["model"]
+    if given["--use-rotary-position-embeddings"]:
+        if model.get("position_embedding_type", "rope") != "rope":
+            raise ConfigError("--use-rotary-position-embeddings contradicts --position-embedding-type "
+                              f"{model['position_embedding_type']}")
+        model["position_embedding_type"] = "rope"
+    if given["--no-position-embedding"] and model.get("position_embedding_type") != "rope":
+        raise ConfigError("--no-position-embedding needs rope positions (--position-embedding-type rope): "
+                          "learned_absolute positions have no other position information")

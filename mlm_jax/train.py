@@ -209,7 +209,7 @@ def build_loaders(cfg: Config, pz, data, start):
                          prefetch=cfg.data.prefetch)
     valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, batch_fn,
                          start_iteration=start.valid_batches, prefetch=0)
-             if data.valid is not None else None)
+             if data.valid is not None and t.eval_iters > 0 else None)  # --eval-iters 0: no validation
     return loader, valid
 
 
@@ -508,7 +508,9 @@ def train(cfg: Config, log=print) -> dict:
         log(f"> stopped by Ctrl-C at iteration {loop.iteration}"
             + (f"; checkpoint saved to {saver.saved_paths[-1]}" if saver.saved_paths else ""))
         raise KeyboardInterrupt
-    log(f"> done: validation loss {loop.first_valid} -> {loop.last_valid}; run folder {run_dir}")
+    valid = ("no validation" if loop.first_valid is None and loop.last_valid is None
+             else f"validation loss {loop.first_valid} -> {loop.last_valid}")
+    log(f"> done: {valid}; run folder {run_dir}")
     return summary
 
 

@@ -64,10 +64,11 @@ def validate_sizes(cfg: Config) -> None:
         ("--expert-model-parallel-size", p.expert_model_parallel_size),
         ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
         ("--ffn-hidden-size", m.ffn_size),
-        ("--eval-iters", t.eval_iters),
         ("--eval-interval", t.eval_interval),
     ]:
         _positive(name, value)
+    if t.eval_iters is None or t.eval_iters < 0:  # 0: no validation at all, as in Megatron-LM
+        raise ConfigError(f"--eval-iters must be 0 (no validation) or more, got {t.eval_iters}")
 
 
 def validate_tensor_parallel(cfg: Config, world_size: int) -> None:

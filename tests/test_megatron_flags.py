@@ -1,0 +1,142 @@
+"""Megatron flags that are irrelevant on XLA (accepted, mapped as their help says), fp8
+(refused by name), and --eval-iters 0 (no validation, as in Megatron-LM)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlm_jax.arguments import ACCEPTED, REFUSED, parse_args
+from mlm_jax.config import ConfigError, finalize
+from mlm_jax.distributed import resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Flags with no effect at all: the config must be exactly the one without them.
+NO_EFFECT = [
+    ["--overlap-grad-reduce"], ["--distributed-backend", "nccl"], ["--distributed-backend", "gloo"],
+    ["--use-mcore-models"], ["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine"],
+    ["--no-masked-softmax-fusion"], ["--attention-softmax-in-fp32"], ["--cross-entropy-loss-fusion"],
+    ["--no-create-attention-mask-in-dataloader"], ["--log-throughput"], ["--calculate-per-token-loss"],
+    ["--ckpt-format", "torch_dist"], ["--ckpt-format", "zarr"], ["--ckpt-format", "torch"], ["--manual-gc"],
+    ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
+    ["--empty-unused-memory-level", "2"], ["--rotary-percent", "1.0"],
+]
+
+FP8 = [["--fp8-format", "hybrid"], ["--fp8-margin", "0"], ["--fp8-amax-history-len", "1024"],
+       ["--fp8-amax-compute-algo", "max"], ["--fp8-recipe", "delayed"], ["--fp8-param-gather"]]
+
+
+@pytest.mark.parametrize("flag", NO_EFFECT, ids=lambda f: " ".join(f))
+def test_accepted_flag_changes_nothing(flag):
+    assert parse_args(flag) == parse_args([])
+
+
+def test_every_accepted_flag_is_tested_and_in_help(capsys):
+    tested = {f[0] for f in NO_EFFECT} | {"--overlap-param-gather", "--distributed-timeout-minutes",
+                                          "--use-rotary-position-embeddings", "--no-position-embedding"}
+    assert tested == {flag for flag, _, _ in ACCEPTED}
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert all(flag in out for flag, _, _ in ACCEPTED) and "--fp8-format" in out
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--overlap-param-gather", "--overlap-grad-reduce"])
+    assert str(e.value) == "--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)"
+    cfg = parse_args(["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"])
+    assert cfg == parse_args(["--use-distributed-optimizer"])
+
+
+def test_distributed_timeout_minutes_is_the_coordinator_timeout():
+    cfg = parse_args(["--distributed-timeout-minutes", "3"])
+    assert cfg.distributed.coordinator_timeout == 180.0
+    assert resolve(cfg.distributed, env={}).timeout == 180.0
+    given = parse_args(["--distributed-timeout-minutes", "3", "--coordinator-timeout", "45"])
+    assert resolve(given.distributed, env={}).timeout == 45.0
+    with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be a positive number, got 0"):
+        parse_args(["--distributed-timeout-minutes", "0"])
+
+
+def test_rotary_flags():
+    rope = parse_args(["--position-embedding-type", "rope"])
+    assert parse_args(["--use-rotary-position-embeddings"]) == rope
+    assert parse_args(["--use-rotary-position-embeddings", "--no-position-embedding"]) == rope
+    assert parse_args(["--position-embedding-type", "rope", "--no-position-embedding"]) == rope
+    with pytest.raises(ConfigError, match="--no-position-embedding needs rope positions"):
+        parse_args(["--no-position-embedding"])
+    with pytest.raises(ConfigError, match="--use-rotary-position-embeddings contradicts --position-embedding-type"
+                                          " learned_absolute"):
+        parse_args(["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"])
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--position-embedding-type", "rope", "--rotary-percent", "0.5"])
+    assert str(e.value) == ("--rotary-percent 0.5: partial rotary embeddings are not implemented; "
+                            "only 1.0 (rotary on the whole head)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--distributed-backend", "mpi"], "--distributed-backend 'mpi': choose one of nccl, gloo"),
+    (["--transformer-impl", "te"], "--transformer-impl 'te': choose one of local, transformer_engine"),
+    (["--ckpt-format", "hdf5"], "--ckpt-format 'hdf5': choose one of torch_dist, zarr, torch"),
+    (["--empty-unused-memory-level", "3"], "--empty-unused-memory-level 3: choose one of 0, 1, 2"),
+    (["--num-workers", "-1"], "--num-workers must be 0 or more, got -1"),
+])
+def test_bad_values_of_accepted_flags(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("flag", FP8, ids=lambda f: f[0])
+def test_fp8_is_refused_by_name(flag):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--bf16"] + flag)
+    assert str(e.value) == f"{flag[0]}: fp8 is not supported: use --bf16 " \
+                           "(bf16 compute, fp32 master params and optimizer state)"
+    assert REFUSED[flag[0]] in str(e.value)
+
+
+def test_eval_iters_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"--eval-iters must be 0 \(no validation\) or more, got -1"):
+        finalize(parse_args(["--eval-iters", "-1"]), 8)
+    assert finalize(parse_args(["--eval-iters", "0"]), 8).train.eval_iters == 0
+
+
+def cli(args, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MLM_JAX_DEBUG", "XLA_FLAGS")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MLM_JAX_CPU_DEVICES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", MLM_JAX_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "mlm_jax.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_fp8_through_the_command_line(tmp_path):
+    p = cli(["--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"], tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --fp8-format: fp8 is not supported: use --bf16"), p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_eval_iters_0_runs_without_validation(tmp_path):
+    """Megatron's --eval-iters 0: no evaluation at all (not at the start, interval or end), with
+    Megatron's other accepted flags on the same command line."""
+    run_dir = tmp_path / "run"
+    p = cli(["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--log-interval", "1",
+             "--eval-interval", "1", "--eval-iters", "0", "--no-progress-bar", "--sample-tokens", "0",
+             "--no-final-checkpoint", "--run-dir", str(run_dir), "--overlap-grad-reduce", "--use-mcore-models",
+             "--transformer-impl", "transformer_engine", "--ckpt-format", "torch_dist", "--log-throughput",
+             "--distributed-timeout-minutes", "10"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["iteration"] for r in records if "lm_loss" in r] == [1, 2]
+    assert not [r for r in records if "valid_lm_loss" in r], records
+    out = p.stdout + p.stderr
+    assert "validation loss" not in out and "> done: no validation;" in out, out
