@@ -197,3 +197,15 @@ def test_flag_errors_are_one_line_naming_the_flag(argv, message, capsys):
         parse_args(argv)
     assert str(e.value) == message
     assert capsys.readouterr().err == ""  # no usage screen
+
+
+def test_yaml_takes_megatrons_accepted_and_refused_flags(tmp_path):
+    """The flags mlm_jax accepts for Megatron's scripts map the same from --config YAML."""
+    path = tmp_path / "megatron.yaml"
+    path.write_text("overlap-grad-reduce: true\ndistributed-timeout-minutes: 2\n"
+                    "use-rotary-position-embeddings: true\nckpt-format: torch_dist\n")
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.distributed.coordinator_timeout == 120.0 and cfg.model.position_embedding_type == "rope"
+    path.write_text("fp8-format: hybrid\n")
+    with pytest.raises(ConfigError, match="^--fp8-format: fp8 is not supported: use --bf16"):
+        parse_args(["--config", str(path)])
