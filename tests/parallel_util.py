@@ -65,11 +65,12 @@ def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=
 @functools.cache
 def grads_for(parallel: ParallelConfig, micro_batch: int, single_device: bool = False,
               model: tuple = ()):
-    """(loss, grads as numpy) of the fixed batch at the seed-0 init, for one layout (cached)."""
+    """(loss, grads as numpy, in the plain layer order) of the fixed batch at the seed-0 init, for
+    one layout (cached). An interleaved pipeline stores its layers permuted: `plain` undoes it."""
     pz = build(parallel, micro_batch, jax.devices()[:1] if single_device else None, **dict(model))
     state = pz.init(0)
     loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
-    return float(loss), jax.tree.map(np.asarray, grads)
+    return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
 
 
 @functools.cache
@@ -117,4 +118,4 @@ def document_grads_for(parallel: ParallelConfig, micro_batch: int, single_device
                **dict(model))
     state = pz.init(0)
     loss, grads = pz.loss_and_grads(state["params"], place(pz, document_batch()), jax.random.key(0))
-    return float(loss), jax.tree.map(np.asarray, grads)
+    return float(loss), jax.tree.map(np.asarray, pz.plain(grads))

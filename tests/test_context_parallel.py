@@ -41,6 +41,9 @@ LAYOUTS = {
     "cp2_pp2_1f1b_p2p": (cp(2, "p2p", pipeline_model_parallel_size=2), 2, False, ()),
     "cp2_pp2_gpipe_allgather_docs": (cp(2, "allgather", pipeline_model_parallel_size=2,
                                         pipeline_schedule="gpipe"), 2, True, ()),
+    # Interleaved: 4 layers, 2 chunks of 1 layer per stage (the third schedule).
+    "cp2_pp2_interleaved_a2a": (cp(2, "a2a", pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=2), 2, False, (("num_layers", 4),)),
 }
 
 
