@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
-from mlm_jax.models.layers import add_bias, cast, dropout, normal, param, rotary, zeros
+from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, rotary, zeros
 from mlm_jax.sharding.rules import constrain
 
 XLA, CUDNN = "xla", "cudnn"
@@ -88,27 +88,8 @@ def causal_mask(q_pos_bs, k_pos_bt, q_seg_bs=None, k_seg_bt=None) -> jax.Array:
     return mask
 
 
-@jax.custom_vjp
-def _scores(q_bsgrk, k_btgk):
-    """q k^T [b, g, r, s, t] in fp32 from compute-dtype operands."""
-    return jnp.einsum("bsgrk,btgk->bgrst", q_bsgrk, k_btgk, preferred_element_type=jnp.float32)
-
-
-def _scores_fwd(q, k):
-    return _scores(q, k), (q, k)
-
-
-def _scores_bwd(res, ct_bgrst):
-    # The cotangent arrives in fp32 (the softmax's dtype); left alone, both backward matmuls
-    # would run fp32 x fp32 under --bf16. Cast it to the compute dtype, accumulate in fp32.
-    q, k = res
-    ct = ct_bgrst.astype(q.dtype)
-    dq = jnp.einsum("bgrst,btgk->bsgrk", ct, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bgrst,bsgrk->btgk", ct, q, preferred_element_type=jnp.float32)
-    return dq.astype(q.dtype), dk.astype(k.dtype)
-
-
-_scores.defvjp(_scores_fwd, _scores_bwd)
+# q k^T [b, g, r, s, t] in fp32 from compute-dtype q [b, s, g, r, k] and k [b, t, g, k].
+_scores = fp32_einsum("bsgrk,btgk->bgrst", "bgrst,btgk->bsgrk", "bgrst,bsgrk->btgk")
 
 
 def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key) -> jax.Array:

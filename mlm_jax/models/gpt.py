@@ -31,7 +31,7 @@ from flax import nnx
 
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.attention import Attention
-from mlm_jax.models.layers import Norm, compute_dtype, dropout, normal, param
+from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, normal, param
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
@@ -319,26 +319,8 @@ def head_matmul(x_bsd: jax.Array, w_dv: jax.Array) -> jax.Array:
     return _head_low(x_bsd, w_dv)
 
 
-@jax.custom_vjp
-def _head_low(x_bsd, w_dv):
-    return jnp.einsum("bsd,dv->bsv", x_bsd, w_dv, preferred_element_type=jnp.float32)
-
-
-def _head_low_fwd(x, w):
-    return _head_low(x, w), (x, w)
-
-
-def _head_low_bwd(res, ct_bsv):
-    # The logits' cotangent is fp32 (the loss is); left alone both backward matmuls would run
-    # fp32 x fp32 (TF32 on a GPU, half rate). Cast it to the compute dtype, accumulate in fp32.
-    x, w = res
-    ct = ct_bsv.astype(x.dtype)
-    dx = jnp.einsum("bsv,dv->bsd", ct, w, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("bsd,bsv->dv", x, ct, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_head_low.defvjp(_head_low_fwd, _head_low_bwd)
+# [b, s, d] x [d, v] -> fp32 logits, the backward in the compute dtype (the loss's cotangent is fp32).
+_head_low = fp32_einsum("bsd,dv->bsv", "bsv,dv->bsd", "bsv,bsd->dv")
 
 
 def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array) -> jax.Array:

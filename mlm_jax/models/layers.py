@@ -86,3 +86,30 @@ def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float) -> jax.Array
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bshk.dtype)
+
+
+def fp32_einsum(spec: str, grad_a: str, grad_b: str):
+    """`einsum(spec, a, b)` with an fp32 result from compute-dtype operands, whose backward
+    matmuls run in the compute dtype too, accumulating in fp32.
+
+    Left to autodiff, the fp32 cotangent (softmax, loss) would make both backward matmuls
+    fp32 x fp32 under --bf16 (TF32 on a GPU, half rate); here it is cast to the operands' dtype
+    first. `grad_a` and `grad_b` are the einsums (cotangent, b) -> da and (cotangent, a) -> db.
+    """
+
+    @jax.custom_vjp
+    def product(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    def forward(a, b):
+        return product(a, b), (a, b)
+
+    def backward(residuals, ct):
+        a, b = residuals
+        ct = ct.astype(a.dtype)
+        da = jnp.einsum(grad_a, ct, b, preferred_element_type=jnp.float32)
+        db = jnp.einsum(grad_b, ct, a, preferred_element_type=jnp.float32)
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    product.defvjp(forward, backward)
+    return product
