@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
-from mlm_jax.metrics import active_params, flops_per_token
+from mlm_jax.metrics import active_params, flops_per_token, time_train_steps
 from mlm_jax.models.moe_dispatch import dispatch_and_combine, expert_ffn
 from mlm_jax.parallelize import parallelize, tracing
 from mlm_jax.sharding import make_mesh
@@ -51,14 +51,7 @@ def step_time(cfg: Config, steps: int) -> tuple[float, object]:
     state = pz.init(0)
     batch = _batch(pz, cfg.model.vocab_size, cfg.train.seq_length)
     step_fn = pz.train_step.lower(state, batch, jax.random.key(0)).compile()
-    state, m = step_fn(state, batch, jax.random.key(0))
-    jax.block_until_ready(m)
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        state, m = step_fn(state, batch, jax.random.key(i))
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
+    times, state = time_train_steps(step_fn, state, batch, steps)
     return float(np.median(times)), pz
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
-from mlm_jax.metrics import flops_per_token, measure_matmul_peak
+from mlm_jax.metrics import flops_per_token, measure_matmul_peak, time_train_steps
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 
@@ -47,14 +47,7 @@ def bench(parallel: ParallelConfig, model: ModelConfig, seq: int, micro: int, st
     step_fn = pz.train_step.lower(state, batch, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - t
     memory = step_fn.memory_analysis()
-    state, m = step_fn(state, batch, jax.random.key(0))
-    jax.block_until_ready(m)
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        state, m = step_fn(state, batch, jax.random.key(i))
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
+    times, state = time_train_steps(step_fn, state, batch, steps)
     step = float(np.median(times))
     tokens = cfg.train.global_batch_size * seq
     tps = tokens / step

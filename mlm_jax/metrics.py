@@ -183,3 +183,19 @@ def _plain(record: dict[str, Any]) -> dict[str, Any]:
             v = str(v)
         out[k] = v
     return out
+
+
+def time_train_steps(step_fn, state, batch, steps: int):
+    """(seconds of each of `steps` calls of a compiled train step after one warm-up call, final
+    state): the timing loop of the benchmarks. Each call is waited for, so dispatch is counted."""
+    import jax
+
+    state, metrics = step_fn(state, batch, jax.random.key(0))
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        state, metrics = step_fn(state, batch, jax.random.key(i))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    return times, state
