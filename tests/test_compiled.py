@@ -211,6 +211,7 @@ def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(comp
 
 _GATHER_WORKER = """
 import jax
+jax.config.update("jax_enable_compilation_cache", False)  # compile here, so that XLA dumps
 from mlm_jax.config import ParallelConfig
 from tests.parallel_util import build, fixed_batch, place
 for bf16 in (False, True):
