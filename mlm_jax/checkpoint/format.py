@@ -176,8 +176,10 @@ def tokenizer_record(tokenizer) -> tuple[dict | None, dict[str, bytes]]:
     if kind == "GPT2BPETokenizer":
         record["vocab_file"] = os.path.basename(tokenizer.vocab_file)
         record["merge_file"] = os.path.basename(tokenizer.merge_file)
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer",
+                  "TikTokenizer"):
         record["tokenizer_model"] = os.path.basename(tokenizer.model_file)
+        record.update(tokenizer.options() if hasattr(tokenizer, "options") else {})  # tiktoken's flags
     elif kind == "HuggingFaceTokenizer":
         record["tokenizer_model"] = os.path.basename(tokenizer.tokenizer_file)
     return record, files
@@ -192,6 +194,9 @@ def tokenizer_flags(found_path: str, record: dict | None) -> dict:
     for key in ("tokenizer_model", "vocab_file", "merge_file"):
         if record.get(key):
             out[key] = os.path.join(folder, record[key])
+    for key in ("tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens"):
+        if record.get(key) is not None:  # TikTokenizer's options
+            out[key] = tuple(record[key]) if isinstance(record[key], list) else record[key]
     return out
 
 
