@@ -541,6 +541,9 @@ def main(argv=None) -> int:
     """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
     last (see mlm_jax.errors)."""
     cfg = parse_args(argv)
+    from mlm_jax import xla_flags
+
+    xla_flags.apply(cfg.parallel)  # --overlap-grad-reduce / --overlap-param-gather: before JAX starts
     use_every_cpu_core()
     train(cfg)
     return 0

@@ -327,3 +327,53 @@ def test_rotary_percent_rules():
         with pytest.raises(ConfigError) as e:
             finalize(parse_args(argv), 1)
         assert str(e.value) == message
+
+
+# ------------------------------------------------------------------ --overlap-grad-reduce / --overlap-param-gather
+
+
+def test_overlap_flags_map_to_xla_gpu_scheduler_flags():
+    from mlm_jax import xla_flags
+
+    grad = parse_args(["--overlap-grad-reduce"]).parallel
+    both = parse_args(["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"]).parallel
+    assert xla_flags.overlap_flags(parse_args([]).parallel) == []
+    assert xla_flags.overlap_flags(grad) == ["--xla_gpu_enable_latency_hiding_scheduler=true",
+                                             "--xla_gpu_enable_pipelined_all_reduce=true",
+                                             "--xla_gpu_enable_pipelined_reduce_scatter=true"]
+    assert xla_flags.overlap_flags(both) == xla_flags.overlap_flags(grad) + ["--xla_gpu_enable_pipelined_all_gather=true"]
+    # a flag the user set (to any value) is not repeated
+    user = "--xla_dump_to=/x --xla_gpu_enable_latency_hiding_scheduler=false"
+    assert xla_flags.overlap_flags(grad, user) == ["--xla_gpu_enable_pipelined_all_reduce=true",
+                                                   "--xla_gpu_enable_pipelined_reduce_scatter=true"]
+
+
+def test_overlap_flags_set_on_a_gpu_run_only(monkeypatch):
+    from mlm_jax import xla_flags
+
+    grad = parse_args(["--overlap-grad-reduce"]).parallel
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert not xla_flags.gpu_run(env) and xla_flags.apply(grad, env) == []
+    assert env == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # Without JAX_PLATFORMS: a GPU run needs both the CUDA plugin and an NVIDIA device node.
+    for plugin, node in ((False, True), (True, False), (True, True)):
+        with monkeypatch.context() as m:
+            m.setattr(xla_flags.importlib.util, "find_spec", lambda name, plugin=plugin: object() if plugin else None)
+            m.setattr(xla_flags.os.path, "exists", lambda path, node=node: node and path == "/dev/nvidiactl")
+            assert xla_flags.gpu_run({}) == (plugin and node)
+            assert xla_flags.gpu_run({"JAX_PLATFORMS": "cuda"}) == (plugin and node)
+    monkeypatch.setattr(xla_flags, "gpu_run", lambda environ: True)
+    env = {"XLA_FLAGS": "--a=1"}
+    assert xla_flags.apply(grad, env) == list(xla_flags.GRAD_REDUCE)
+    assert env["XLA_FLAGS"] == "--a=1 " + " ".join(xla_flags.GRAD_REDUCE)
+
+
+def test_overlap_xla_flags_are_known_to_xla():
+    """Every flag we may set parses in this XLA (an unknown flag in XLA_FLAGS aborts XLA)."""
+    from mlm_jax import xla_flags
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(dict.fromkeys(xla_flags.GRAD_REDUCE + xla_flags.PARAM_GATHER)))
+    p = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
