@@ -400,9 +400,10 @@ def build_tokenizer(data_cfg, vocab_size: int | None = None):
         vocab_file=data_cfg.vocab_file,
         merge_file=data_cfg.merge_file,
         vocab_size=vocab_size,
-        tiktoken_pattern=data_cfg.tiktoken_pattern,
-        tiktoken_num_special_tokens=data_cfg.tiktoken_num_special_tokens,
-        tokenizer_special_tokens=data_cfg.tokenizer_special_tokens,
+        # TikTokenizer's options (any object with the DataConfig fields will do; these may be absent)
+        tiktoken_pattern=getattr(data_cfg, "tiktoken_pattern", "v2"),
+        tiktoken_num_special_tokens=getattr(data_cfg, "tiktoken_num_special_tokens", 1000),
+        tokenizer_special_tokens=getattr(data_cfg, "tokenizer_special_tokens", None),
     )
 
 
