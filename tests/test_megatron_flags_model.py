@@ -110,6 +110,16 @@ def test_layernorm_1p_hf_export_and_import_convert(kind):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
+def test_layernorm_1p_checkpoint_of_the_other_kind_is_refused():
+    """Its norm weights mean gamma - 1: loading one kind into the other is refused by name, and
+    --use-checkpoint-args takes the setting (and --rotary-percent) from the checkpoint."""
+    from mlm_jax.checkpoint.format import ARCH_FIELDS, CheckpointError, check_model_matches
+
+    with pytest.raises(CheckpointError, match=r"--apply-layernorm-1p: checkpoint True, this run False"):
+        check_model_matches(dataclasses.replace(CFG, apply_layernorm_1p=True), CFG, "ckpt")
+    assert {"apply_layernorm_1p", "rotary_percent"} <= set(ARCH_FIELDS)
+
+
 # ------------------------------------------------------------------ --decoupled-lr / --decoupled-min-lr
 
 

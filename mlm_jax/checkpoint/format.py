@@ -34,6 +34,7 @@ SHAPE_FIELDS = (
     ("position_embedding_type", "--position-embedding-type"),
     ("max_position_embeddings", "--max-position-embeddings"),
     ("normalization", "--normalization"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"),  # the norm weights mean gamma - 1, not gamma
     ("swiglu", "--swiglu"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", "--disable-bias-linear (add_bias_linear)"),
@@ -50,6 +51,7 @@ ARCH_FIELDS = (
     "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
+    "apply_layernorm_1p", "rotary_percent",
 )
 
 
