@@ -223,6 +223,21 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
             and m.hidden_dropout == 0 and m.attention_dropout == 0)
 
 
+def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
+    """Where --grad-reduce-in-bf16 cannot apply, why (the run logs it); None when it applies or
+    was not asked for. It applies only to the once-per-step reduction (`_reduces_once`)."""
+    if not cfg.parallel.grad_reduce_in_bf16:
+        return None
+    if dict(mesh.shape)[DATA] == 1:
+        return "no effect: the data-parallel size is 1, there is no gradient reduction"
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        return "not applied: the pipeline reduces its gradients in fp32"
+    if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
+        return ("not applied: with dropout, MoE, expert or context parallelism the gradients are reduced "
+                "in fp32 inside the step")
+    return None
+
+
 def _reduce_over_ranks(grads_r, storage, bf16: bool):
     """The one data-parallel reduction: sum the stacked per-rank gradients [dp/data, ...] and
     place the sum in storage sharding (an all-reduce, or a reduce-scatter under ZeRO).

@@ -23,7 +23,7 @@ from mlm_jax.models import GPT, tiny_gpt
 from mlm_jax.models.layers import rotary
 from mlm_jax.optim import decay_mask, lr_at, make_optimizer
 from mlm_jax.tools.hf_mapping import hf_to_params, params_to_hf
-from tests.parallel_util import build, fixed_batch, grads_for, place
+from tests.parallel_util import build, fixed_batch, grads_for, place, tiny_config
 
 CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, padded_vocab_size=384,
                max_position_embeddings=32)
@@ -265,6 +265,25 @@ def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding():
         np.testing.assert_allclose(b, a, rtol=0, atol=2.0 ** -6 * float(np.max(np.abs(a))) + 1e-12)
         differs |= not np.array_equal(a, b)
     assert differs
+
+
+def test_grad_reduce_in_bf16_says_where_it_does_not_apply():
+    from mlm_jax.parallelize import bf16_grad_reduce_note
+    from mlm_jax.sharding.mesh import make_mesh
+
+    def note(parallel, **model):
+        cfg = finalize(tiny_config(dataclasses.replace(parallel, grad_reduce_in_bf16=True), 1, **model), 8)
+        return bf16_grad_reduce_note(cfg, make_mesh(cfg.parallel))
+
+    assert note(ParallelConfig()) is None and note(ParallelConfig(use_distributed_optimizer=True)) is None
+    assert note(ParallelConfig(tensor_model_parallel_size=8)).startswith("no effect: the data-parallel size is 1")
+    assert note(ParallelConfig(pipeline_model_parallel_size=2)) == "not applied: the pipeline reduces its " \
+                                                                   "gradients in fp32"
+    for parallel, model in ((ParallelConfig(context_parallel_size=2), {}), (ParallelConfig(), {"hidden_dropout": 0.1}),
+                            (ParallelConfig(), {"num_experts": 4})):
+        assert note(parallel, **model).startswith("not applied: with dropout, MoE, expert or context parallelism")
+    cfg = finalize(tiny_config(ParallelConfig(), 1), 8)
+    assert bf16_grad_reduce_note(cfg, make_mesh(cfg.parallel)) is None  # not asked for
 
 
 # ------------------------------------------------------------------ --rotary-percent
