@@ -56,6 +56,14 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
+    # issue 14's implemented Megatron flags (norms, rope, LRs, gradient reduction, XLA overlap)
+    ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
+    ("--rotary-percent", "model", "rotary_percent", "float", "rope on the first rotary-percent x head-dim channels of each head, the rest unrotated (default 1.0)"),
+    ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),
+    ("--decoupled-min-lr", "optim", "decoupled_min_lr", "float", "final LR of the input embedding and output layer (with --decoupled-lr; default --min-lr)"),
+    ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see README)"),
+    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "GPU: XLA's latency-hiding scheduler and async all-reduce / reduce-scatter (XLA_FLAGS set before JAX starts; see README)"),
+    ("--overlap-param-gather", "parallel", "overlap_param_gather", "true", "GPU: XLA's latency-hiding scheduler and async all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", "int", "pipeline parallel size"),
@@ -107,8 +115,12 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--split", "data", "split", "str", "train,valid,test proportions of --data-path"),
     ("--data-cache-path", "data", "data_cache_path", "str", "where sample indices are cached"),
     ("--mock-data", "data", "mock_data", "true", "deterministic synthetic documents"),
-    ("--tokenizer-type", "data", "tokenizer_type", "str", "GPT2BPETokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer"),
-    ("--tokenizer-model", "data", "tokenizer_model", "str", "SentencePiece model or Hugging Face tokenizer path"),
+    ("--tokenizer-type", "data", "tokenizer_type", "str", "GPT2BPETokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer | Llama2Tokenizer | Llama3Tokenizer | TikTokenizer | HuggingFaceTokenizer | NullTokenizer"),
+    ("--tokenizer-model", "data", "tokenizer_model", "str", "SentencePiece model, Llama-3 tokenizer.model, TikTokenizer JSON or Hugging Face tokenizer path"),
+    ("--tiktoken-pattern", "data", "tiktoken_pattern", "str", "TikTokenizer split pattern: v1 | v2 (default v2)"),
+    ("--tiktoken-num-special-tokens", "data", "tiktoken_num_special_tokens", "int", "TikTokenizer: ids reserved for special tokens before the ranks (default 1000)"),
+    ("--tokenizer-special-tokens", "data", "tokenizer_special_tokens", "list", "TikTokenizer's named special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>)"),
+    ("--tiktoken-special-tokens", "data", "tokenizer_special_tokens", "list", "Megatron's deprecated name of --tokenizer-special-tokens"),
     ("--vocab-file", "data", "vocab_file", "str", "GPT-2 vocab.json"),
     ("--merge-file", "data", "merge_file", "str", "GPT-2 merges.txt"),
     ("--eod-mask-loss", "data", "eod_mask_loss", "true", "no loss on end-of-document tokens"),
@@ -170,8 +182,6 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
 # Megatron's scripts run unchanged, each help text saying what it maps to. None has a config
 # field; `_map_accepted` applies the few that carry a value or a rule. (flag, kind, help)
 ACCEPTED: list[tuple[str, str, str]] = [
-    ("--overlap-grad-reduce", "true", "accepted, no effect: XLA's scheduler overlaps the gradient reduction with compute"),
-    ("--overlap-param-gather", "true", "accepted, no effect: XLA's scheduler overlaps the parameter all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     ("--distributed-backend", "str", "nccl | gloo; accepted, no effect: XLA picks the collectives"),
     ("--distributed-timeout-minutes", "int", "the jax.distributed coordinator timeout: --coordinator-timeout = minutes x 60 (unless --coordinator-timeout is given)"),
     ("--use-mcore-models", "true", "accepted, no effect: mlm_jax has one model implementation"),
@@ -189,7 +199,6 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--empty-unused-memory-level", "int", "0 | 1 | 2; accepted, no effect: XLA manages device memory"),
     ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
-    ("--rotary-percent", "float", "1.0 only (rotary on the whole head; partial rotary is not implemented)"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -446,6 +455,7 @@ _CHOICES = {
     ("model", "moe_token_dispatcher_type"): ("alltoall", "allgather"),
     ("optim", "lr_decay_style"): ("constant", "linear", "cosine", "WSD"),
     ("optim", "lr_wsd_decay_style"): ("linear", "cosine", "exponential"),
+    ("data", "tiktoken_pattern"): ("v1", "v2"),
 }
 
 
@@ -463,7 +473,7 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
     for flag, choices in _ACCEPTED_CHOICES.items():
         if given[flag] is not None and given[flag] not in choices:
             raise ConfigError(f"{flag} {given[flag]!r}: choose one of {', '.join(map(str, choices))}")
-    if given["--overlap-param-gather"] and not sections["parallel"].get("use_distributed_optimizer"):
+    if sections["parallel"].get("overlap_param_gather") and not sections["parallel"].get("use_distributed_optimizer"):
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")
     minutes = given["--distributed-timeout-minutes"]
     if minutes is not None:
@@ -472,9 +482,6 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
         sections["distributed"].setdefault("coordinator_timeout", minutes * 60.0)
     if given["--num-workers"] is not None and given["--num-workers"] < 0:
         raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
-    if given["--rotary-percent"] is not None and given["--rotary-percent"] != 1.0:
-        raise ConfigError(f"--rotary-percent {given['--rotary-percent']}: partial rotary embeddings are "
-                          "not implemented; only 1.0 (rotary on the whole head)")
     model = sections["model"]
     if given["--use-rotary-position-embeddings"]:
         if model.get("position_embedding_type", "rope") != "rope":

@@ -44,6 +44,10 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # Megatron's --apply-layernorm-1p (zero-centered gamma): every norm's weight is stored as
+    # w - 1 (initialised to zeros) and applied as (1 + w); LayerNorm and RMSNorm.
+    apply_layernorm_1p: bool = False
+    rotary_percent: float = 1.0  # rope on the first rotary_percent x head_dim channels of each head
     # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
@@ -113,6 +117,12 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size (Megatron)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
+    # step reduces once per step: mlm_jax/parallelize.py `_reduce_once_loss_and_grads`).
+    grad_reduce_in_bf16: bool = False
+    # --overlap-grad-reduce / --overlap-param-gather: XLA's GPU scheduler flags (mlm_jax/xla_flags.py).
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     # Pipeline schedule (mlm_jax/pipeline/): None picks Megatron's default (1F1B; interleaved
     # when virtual stages are given).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] | None = None
@@ -138,6 +148,10 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow
+    # the same schedule with these peak / final rates (None: --lr / --min-lr).
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,11 @@ class DataConfig:
     tokenizer_model: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
+    # TikTokenizer (Megatron's): split pattern v1 | v2, the reserved special ids before the ranks,
+    # and the named special tokens (None: Megatron's <unk> <s> </s> <mask> <pad> <cls> <sep>).
+    tiktoken_pattern: Literal["v1", "v2"] = "v2"
+    tiktoken_num_special_tokens: int = 1000
+    tokenizer_special_tokens: tuple[str, ...] | None = None
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False

@@ -236,14 +236,48 @@ def _gather_once(params, sh: _Shardings, dtype):
     return jax.lax.with_sharding_constraint(low, sh.compute)  # ...then gathered
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback, gather_dtype=None):
+def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
+    """Where --grad-reduce-in-bf16 cannot apply, why (the run logs it); None when it applies or
+    was not asked for. It applies only to the once-per-step reduction (`_reduces_once`)."""
+    if not cfg.parallel.grad_reduce_in_bf16:
+        return None
+    if dict(mesh.shape)[DATA] == 1:
+        return "no effect: the data-parallel size is 1, there is no gradient reduction"
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        return "not applied: the pipeline reduces its gradients in fp32"
+    if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
+        return ("not applied: with MoE, expert or context parallelism the gradients are reduced "
+                "in fp32 inside the step")
+    return None
+
+
+def _reduce_over_ranks(grads_r, storage, bf16: bool):
+    """The one data-parallel reduction: sum the stacked per-rank gradients [dp/data, ...] and
+    place the sum in storage sharding (an all-reduce, or a reduce-scatter under ZeRO).
+
+    bf16 (--grad-reduce-in-bf16, Megatron's bf16 gradient buffers): each rank's accumulated
+    fp32 gradient is rounded to bf16, reduced in bf16 (lax.reduce: jnp.sum would accumulate
+    bf16 in fp32 and so reduce in fp32) and widened to fp32 only after the collective.
+    """
+    if not bf16:
+        return jax.lax.with_sharding_constraint(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads_r), storage)
+    summed = jax.tree.map(
+        lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), jax.lax.add, (0,)),
+        grads_r)
+    summed = jax.lax.with_sharding_constraint(summed, storage)  # the collective runs in bf16
+    return jax.tree.map(lambda g: g.astype(jnp.float32), summed)
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback, gather_dtype=None,
+                                 bf16: bool = False):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
     stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
     ranks together inside the loop: the accumulator is one unreduced gradient per rank
     (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
-    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding; in
+    bf16 with `bf16`, see `_reduce_over_ranks`).
     Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
     once per step, in `gather_dtype` where given: see `_gather_once`), and each rank differentiates
     an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
@@ -283,8 +317,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
         stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
                                 out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
         grads, loss = stacked(compute, batch, key, total_tokens)
-        grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)  # the one data-parallel reduction
-        return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, sh.storage), {}
+        return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), {}  # the one dp reduction
 
     return run
 
@@ -352,7 +385,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
         gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux, gather_dtype)
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux, gather_dtype,
+                                                     cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811

@@ -152,7 +152,7 @@ def build_model(cfg: Config, log):
     import jax
 
     from mlm_jax.metrics import active_params
-    from mlm_jax.parallelize import abstract_model, count_params, parallelize
+    from mlm_jax.parallelize import abstract_model, bf16_grad_reduce_note, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.parallel)
@@ -161,6 +161,9 @@ def build_model(cfg: Config, log):
     log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
         f"{pz.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size} per data-parallel rank")
+    note = bf16_grad_reduce_note(cfg, mesh)
+    if note:
+        log(f"> --grad-reduce-in-bf16: {note}")
     active = active_params(cfg.model)
     if active is not None:
         log(f"> MoE: FLOPs and MFU count {active / 1e6:.2f} M active parameters per token (top-"
@@ -542,6 +545,9 @@ def main(argv=None) -> int:
     """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
     last (see mlm_jax.errors)."""
     cfg = parse_args(argv)
+    from mlm_jax import xla_flags
+
+    xla_flags.apply(cfg.parallel)  # --overlap-grad-reduce / --overlap-param-gather: before JAX starts
     use_every_cpu_core()
     train(cfg)
     return 0

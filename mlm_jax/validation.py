@@ -40,6 +40,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_training(cfg, world_size)
     validate_numbers(cfg)
     validate_optimizer(cfg)
+    validate_issue14_flags(cfg)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -221,6 +222,33 @@ def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
         if why:
             raise ConfigError(f"--attention-backend {m.attention_backend}: {why}; or use "
                               "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
+
+
+def validate_issue14_flags(cfg: Config) -> None:
+    """--decoupled-lr / --decoupled-min-lr bounds (Megatron's scheduler: 0 <= min <= max) and
+    --rotary-percent: a fraction of the head whose channel count is even (rotate-half pairs)."""
+    o, m = cfg.optim, cfg.model
+    _bounded("--decoupled-lr", o.decoupled_lr, ">= 0")
+    _bounded("--decoupled-min-lr", o.decoupled_min_lr, ">= 0")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {o.decoupled_min_lr} needs --decoupled-lr (the peak LR of the "
+                          "embedding and output layer)")
+    if o.decoupled_lr is not None:
+        low = o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr
+        if low > o.decoupled_lr:
+            raise ConfigError(f"need {'--decoupled-min-lr' if o.decoupled_min_lr is not None else '--min-lr'} "
+                              f"({low}) <= --decoupled-lr ({o.decoupled_lr}): the embedding and output layer's "
+                              "schedule decays from one to the other")
+    if not (math.isfinite(m.rotary_percent) and 0.0 < m.rotary_percent <= 1.0):
+        raise ConfigError(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+    if m.rotary_percent != 1.0:
+        if m.position_embedding_type != "rope":
+            raise ConfigError(f"--rotary-percent {m.rotary_percent} needs --position-embedding-type rope "
+                              f"(got {m.position_embedding_type})")
+        dims = int(m.head_dim * m.rotary_percent)
+        if dims < 2 or dims % 2:
+            raise ConfigError(f"--rotary-percent {m.rotary_percent} x head dim {m.head_dim} = {dims} rotary "
+                              "channels; they must be a positive even number (rotated in pairs)")
 
 
 def _bounded(flag: str, value, rule: str) -> None:

@@ -42,6 +42,8 @@ def test_every_flag_in_the_table_parses():
             continue  # choices are checked separately
         if flag == "--num-query-groups":
             argv.append("--group-query-attention")
+        if flag == "--overlap-param-gather":  # Megatron's rule: only with the distributed optimizer
+            argv.append("--use-distributed-optimizer")
         parse_args(argv)
 
 

@@ -55,13 +55,19 @@ def add_bias(y, b):
 
 
 class Norm(nnx.Module):
-    """LayerNorm (with bias, as Megatron always has) or RMSNorm; computed in fp32."""
+    """LayerNorm (with bias, as Megatron always has) or RMSNorm; computed in fp32.
+
+    With --apply-layernorm-1p (Megatron's zero-centered gamma) `scale` holds gamma - 1, starts at
+    zero and is applied as (1 + scale): weight decay then pulls gamma towards 1, not 0 (norm
+    weights are excluded from decay anyway, as in Megatron, so the two give the same function).
+    """
 
     def __init__(self, cfg: ModelConfig):
         d = cfg.hidden_size
         self.rms = cfg.normalization == "RMSNorm"
         self.eps = cfg.norm_epsilon
-        self.scale = param(None, ones, (d,), ("embed",))
+        self.one_p = cfg.apply_layernorm_1p
+        self.scale = param(None, zeros if self.one_p else ones, (d,), ("embed",))
         self.bias = None if self.rms else param(None, zeros, (d,), ("embed",))
 
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
@@ -72,7 +78,8 @@ class Norm(nnx.Module):
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
+        gamma = self.scale[...].astype(jnp.float32)
+        y = y * (1.0 + gamma if self.one_p else gamma)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x_bsd.dtype)
@@ -130,9 +137,19 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.A
     return (h >> 8) < threshold  # 24 uniform bits against keep_prob
 
 
-def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float) -> jax.Array:
-    """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's)."""
-    half = x_bshk.shape[-1] // 2
+def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float, percent: float = 1.0) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's).
+
+    `percent` < 1 (--rotary-percent): only the first int(k x percent) channels of each head are
+    rotated, with frequencies over that width; the rest pass through (Megatron's and GPT-NeoX's
+    partial rotary).
+    """
+    k = x_bshk.shape[-1]
+    rot = int(k * percent)
+    if rot < k:
+        rotated = rotary(x_bshk[..., :rot], positions_bs, base)  # [b, s, h, rot]
+        return jnp.concatenate([rotated, x_bshk[..., rot:]], axis=-1)  # [b, s, h, k]
+    half = k // 2
     inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [k/2]
     angles = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [b, s, k/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, k/2]
