@@ -194,3 +194,36 @@ def from_config(cfg, data_parallel_size: int) -> BatchSchedule:
              if t.step_batch_size_schedule is not None else None)
     return BatchSchedule(t.global_batch_size, t.micro_batch_size, data_parallel_size,
                          tuple(t.rampup_batch_size) if t.rampup_batch_size is not None else None, steps)
+
+
+class RunPlan:
+    """The batches of one run from where it starts (iteration `start_iteration`, after
+    `start_consumed` samples) to `end_iteration`: each iteration's batch size and the samples
+    consumed before it (Megatron's consumed_train_samples)."""
+
+    def __init__(self, schedule: BatchSchedule, start_iteration: int, start_consumed: int, end_iteration: int):
+        self.schedule = schedule
+        self.start_iteration, self.start_consumed = int(start_iteration), int(start_consumed)
+        self.firsts, self.sizes = schedule.plan(self.start_iteration, self.start_consumed, end_iteration)
+
+    def _index(self, iteration: int) -> int:
+        i = iteration - self.start_iteration - 1
+        if not 0 <= i < len(self.sizes):
+            raise IndexError(f"iteration {iteration} is outside this run's plan "
+                             f"({self.start_iteration + 1}..{self.start_iteration + len(self.sizes)})")
+        return i
+
+    def batch_size(self, iteration: int) -> int:
+        """The global batch of iteration `iteration` (1-based)."""
+        return self.sizes[self._index(iteration)]
+
+    def first_sample(self, iteration: int) -> int:
+        """The samples consumed before iteration `iteration`: its batch's first sample."""
+        return self.firsts[self._index(iteration)]
+
+    def consumed(self, iteration: int) -> int:
+        """Samples consumed after iteration `iteration` (>= the start)."""
+        if iteration == self.start_iteration:
+            return self.start_consumed
+        i = self._index(iteration)
+        return self.firsts[i] + self.sizes[i]
