@@ -167,6 +167,21 @@ def train_sample_count(cfg: Config) -> int:
     return max(count, schedule.consumed_after(t.train_iters)) if schedule.varies else count
 
 
+def log_batch_schedule(cfg: Config, log) -> None:
+    """One line on a batch-size schedule: what it gives, and (with --train-iters) the samples
+    Megatron's LR scheduler counts per iteration, which is not the batch."""
+    schedule = batch_schedule(cfg)
+    if not schedule.varies:
+        return
+    t = cfg.train
+    line = (f"> batch-size schedule: {t.train_iters} iterations, {schedule.consumed_after(t.train_iters)} "
+            f"samples, global batch {schedule.batch_size(0)} first")
+    if t.train_samples is None:
+        line += (f"; the LR schedule counts each iteration as {t.global_batch_size} samples (micro x dp, as "
+                 "Megatron does with --step-batch-size-schedule); give --train-samples for one in samples")
+    log(line)
+
+
 def build_model(cfg: Config, log):
     """(mesh, parallelized model and steps, parameter count)."""
     import jax
@@ -532,6 +547,7 @@ def train(cfg: Config, log=print) -> dict:
     start_time = time.time()
     cfg, found, run_dir, main, log = prepare(cfg, log)
     cfg, data = build_data(cfg, log)
+    log_batch_schedule(cfg, log)
     mesh, pz, n_params = build_model(cfg, log)
     if main:
         write_config(run_dir, cfg, found)
