@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from mlm_jax import errors
 from mlm_jax.arguments import parse_args
+from mlm_jax.batch_schedule import RunPlan, describe, for_run as batch_schedule, train_sample_count
 from mlm_jax.config import Config, finalize
 from mlm_jax.errors import RunFailure, UsageError
 
@@ -148,40 +149,6 @@ def build_data(cfg: Config, log):
     return cfg, data
 
 
-def batch_schedule(cfg: Config):
-    """The run's global batch per consumed samples (mlm_jax/batch_schedule.py)."""
-    import jax
-
-    from mlm_jax.batch_schedule import from_config
-    from mlm_jax.config import data_parallel_size
-
-    return from_config(cfg, data_parallel_size(cfg.parallel, jax.device_count()))
-
-
-def train_sample_count(cfg: Config) -> int:
-    """Training samples the dataset is built for: Megatron's (--train-samples, else iterations x
-    global batch), or more where a batch-size schedule consumes more by --train-iters."""
-    t = cfg.train
-    count = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    schedule = batch_schedule(cfg)
-    return max(count, schedule.consumed_after(t.train_iters)) if schedule.varies else count
-
-
-def log_batch_schedule(cfg: Config, log) -> None:
-    """One line on a batch-size schedule: what it gives, and (with --train-iters) the samples
-    Megatron's LR scheduler counts per iteration, which is not the batch."""
-    schedule = batch_schedule(cfg)
-    if not schedule.varies:
-        return
-    t = cfg.train
-    line = (f"> batch-size schedule: {t.train_iters} iterations, {schedule.consumed_after(t.train_iters)} "
-            f"samples, global batch {schedule.batch_size(0)} first")
-    if t.train_samples is None:
-        line += (f"; the LR schedule counts each iteration as {t.global_batch_size} samples (micro x dp, as "
-                 "Megatron does with --step-batch-size-schedule); give --train-samples for one in samples")
-    log(line)
-
-
 def build_model(cfg: Config, log):
     """(mesh, parallelized model and steps, parameter count)."""
     import jax
@@ -298,8 +265,6 @@ class Loop:
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
                  throughput, log, plan=None):
         import jax
-
-        from mlm_jax.batch_schedule import RunPlan
 
         self.cfg, self.t, self.pz, self.state, self.start = cfg, cfg.train, pz, state, start
         # Each iteration's global batch and consumed samples (constant, or a ramp-up).
@@ -541,13 +506,13 @@ def train(cfg: Config, log=print) -> dict:
     from tqdm import tqdm
 
     from mlm_jax import checkpoint as ckpt
-    from mlm_jax.batch_schedule import RunPlan
     from mlm_jax.instruments import Instruments, RunLogger, Wandb
 
     start_time = time.time()
     cfg, found, run_dir, main, log = prepare(cfg, log)
     cfg, data = build_data(cfg, log)
-    log_batch_schedule(cfg, log)
+    if batch_schedule(cfg).varies:
+        log(describe(cfg))
     mesh, pz, n_params = build_model(cfg, log)
     if main:
         write_config(run_dir, cfg, found)
