@@ -518,6 +518,7 @@ def train(cfg: Config, log=print) -> dict:
         write_config(run_dir, cfg, found)
     state, start = build_state(cfg, pz, found, log)
     plan = RunPlan(batch_schedule(cfg), start.iteration, start.consumed_samples, cfg.train.train_iters)
+    plan.schedule.check_sizes(plan.sizes)  # from a resumed position too (Megatron checks after loading)
     loader, valid_loader = build_loaders(cfg, pz, data, start, plan)
     saver = ckpt.Saver(cfg, pz, data.tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
     t = cfg.train

@@ -113,14 +113,22 @@ class BatchLoader:
             self._thread.start()
 
     def _available(self, start: int, end: int | None) -> int:
-        """The first iteration from `start` whose planned batch the dataset cannot fill (at most `end`)."""
-        k = start
-        while end is None or k < end:
+        """The first iteration from `start` whose planned batch the dataset cannot fill (at most
+        `end`). Planned batches follow each other, so their ends grow: bisect when `end` is known."""
+        def fits(k: int) -> bool:
             first, shape = self.plan(k)
-            if first + math.prod(shape[:-1]) > len(self.dataset):
-                break
-            k += 1
-        return k
+            return first + math.prod(shape[:-1]) <= len(self.dataset)
+
+        if end is None:
+            k = start
+            while fits(k):
+                k += 1
+            return k
+        lo, hi = start, max(start, int(end))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _layout(self, shape: tuple[int, ...]) -> _Layout:
         if shape not in self._layouts:
