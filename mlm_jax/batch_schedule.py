@@ -223,6 +223,9 @@ def describe(cfg) -> str:
     if t.train_samples is None:
         line += (f"; the LR schedule counts each iteration as {t.global_batch_size} samples (micro x dp, as "
                  "Megatron does with --step-batch-size-schedule); give --train-samples for one in samples")
+    if schedule.rampup is not None:
+        line += ("; --rampup-batch-size is deprecated in current Megatron-LM (which ignores it for "
+                 "--step-batch-size-schedule): mlm_jax keeps its earlier meaning")
     return line
 
 
