@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
+from mlm_jax.models.layers import rows_from
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
@@ -218,16 +219,15 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without dropout, expert or context parallelism.
+    `_reduce_once_loss_and_grads`): data parallel without expert or context parallelism.
 
-    Dropout keeps the per-microbatch reduction: its masks are drawn for the whole microbatch, so
-    they (and the loss) stay independent of the layout, as the cross-layout resume tests require;
-    a per-rank body would draw per-rank masks. Expert and context parallelism run hand-written
-    shard_map pieces and batch-wide aux losses, which a per-rank body would change.
+    Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
+    rank running its own rows draws the masks one device draws for them. Expert and context
+    parallelism run hand-written shard_map pieces and batch-wide aux losses, which a per-rank body
+    would change.
     """
-    sizes, m = dict(mesh.shape), cfg.model
-    return (sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
-            and m.hidden_dropout == 0 and m.attention_dropout == 0)
+    sizes = dict(mesh.shape)
+    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
 
 
 def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback):
@@ -266,7 +266,8 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback):
 
             zeros = jax.tree.map(jnp.zeros_like, prm)
             num_micro = mbs["tokens"].shape[0]
-            with use_rules(inner):
+            rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
+            with use_rules(inner), rows_from(rows):
                 (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
                                                 (mbs, jnp.arange(num_micro)))
             # [1, ...] per rank: stacked over data outside, summed there once.

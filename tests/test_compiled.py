@@ -27,14 +27,15 @@ LAYOUTS = {
     "tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), MICRO),
     "dp8": (ParallelConfig(), 1),  # 2 microbatches
     "dp8_zero": (ParallelConfig(use_distributed_optimizer=True), 1),
+    "dp8_dropout": (ParallelConfig(), 1, (("hidden_dropout", 0.1), ("attention_dropout", 0.1))),
 }
 
 
 @pytest.fixture(scope="module")
 def compiled_text():
     out = {}
-    for name, (par, micro) in LAYOUTS.items():
-        pz = build(par, micro)
+    for name, (par, micro, *model) in LAYOUTS.items():
+        pz = build(par, micro, **dict(*model))
         state = pz.init(0)
         lowered = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0))
         out[name] = (pz, lowered.compile().as_text())
@@ -193,7 +194,7 @@ def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4"])
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside."""
