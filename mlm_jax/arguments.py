@@ -26,7 +26,8 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConf
             "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig, "instruments": InstrumentsConfig}
 
-# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False)
+# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False),
+# int3 (three integers), words (one or more values joined by spaces into one string)
 # (flag, section, field, kind, help)
 FLAGS: list[tuple[str, str, str, str, str]] = [
     # model
@@ -127,7 +128,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--train-iters", "train", "train_iters", "int", "optimizer steps"),
     ("--train-samples", "train", "train_samples", "int", "samples to train on (sample-based training: the iterations follow from the batch schedule)"),
     ("--rampup-batch-size", "train", "rampup_batch_size", "int3", "START INCR SAMPLES: grow the global batch from START by INCR up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
-    ("--step-batch-size-schedule", "train", "step_batch_size_schedule", "str", "\"TOKENS:BATCH ...\" (suffixes K M B T): the global batch from each token count on; first threshold 0; not with --global-batch-size"),
+    ("--step-batch-size-schedule", "train", "step_batch_size_schedule", "words", "\"TOKENS:BATCH ...\" (suffixes K M B T): the global batch from each token count on; first threshold 0; not with --global-batch-size"),
     ("--seed", "train", "seed", "int", "seed of init, dropout and data order"),
     ("--log-interval", "train", "log_interval", "int", "iterations between log lines"),
     ("--eval-interval", "train", "eval_interval", "int", "iterations between evaluations"),
@@ -342,7 +343,7 @@ def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) 
     elif kind == "int3":
         parser.add_argument(flag, dest=dest, nargs=3, type=int, default=None, metavar=("START", "INCR", "SAMPLES"),
                             help=help_text)
-    elif kind == "list":
+    elif kind in ("list", "words"):  # words: one value, quoted or not ("0:8 256:16" or 0:8 256:16)
         parser.add_argument(flag, dest=dest, nargs="+", default=None, help=help_text)
     else:
         typ = {"int": int, "float": float, "str": str, "pattern": layer_pattern}[kind]
@@ -439,6 +440,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             value = False
         elif kind in ("list", "int3"):
             value = tuple(value)
+        elif kind == "words":
+            value = " ".join(value)
         sections[section][field] = value
     if sections["model"].get("num_query_groups") is not None and not args["group_query_attention"]:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
