@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
-from mlm_jax.models.layers import rows_from
+from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
@@ -230,7 +230,20 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     return sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback):
+def _gather_once(params, sh: _Shardings, dtype):
+    """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
+    dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
+    bf16 parameter copy); `dtype` None: everything in fp32. The cast is pinned to the storage
+    sharding, or propagation would replicate the fp32 input and gather that."""
+    if dtype is None:
+        return jax.lax.with_sharding_constraint(params, sh.compute)
+    low = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
+    low = jax.lax.with_sharding_constraint(low, sh.storage)  # cast on the shards...
+    return jax.lax.with_sharding_constraint(low, sh.compute)  # ...then gathered
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype=None):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -239,12 +252,13 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback):
     (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
     once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
     Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
-    once per step). A model whose head reports aux scalars (batch-wide, not a sum over rows)
-    takes `fallback`.
+    once per step, in `gather_dtype` where given: see `_gather_once`), and each rank differentiates
+    an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
+    not a sum over rows) takes `fallback`.
     """
     def run(params, batch, key):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
+        compute = _gather_once(params, sh, gather_dtype)  # gathered once
 
         def loss_fn(prm, mb, mb_key, tokens):
             loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
@@ -264,6 +278,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback):
                     prm, mb, jax.random.fold_in(key, index), tokens)
                 return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
+            prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
             zeros = jax.tree.map(jnp.zeros_like, prm)
             num_micro = mbs["tokens"].shape[0]
             rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
@@ -352,7 +367,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux)
+        gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, gather_dtype)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811

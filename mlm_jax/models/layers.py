@@ -41,6 +41,15 @@ def cast(p: nnx.Param | None, dtype):
     return None if p is None else p[...].astype(dtype)
 
 
+def used_in_compute_dtype(path) -> bool:
+    """Whether the parameter at `path` (a pytree key path) is only ever read through `cast` to the
+    compute dtype (or looked up, then cast): every weight and bias except the norms' (applied in
+    fp32) and the MoE router's (fp32 logits). Such a parameter can travel in the compute dtype
+    (ZeRO's all-gather in bf16) without changing a single value the model computes."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    return not any("norm" in k or k == "router" for k in keys)
+
+
 def add_bias(y, b):
     return y if b is None else y + b
 
