@@ -26,7 +26,8 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConf
             "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig, "instruments": InstrumentsConfig}
 
-# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False)
+# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False),
+# int3 (three integers), words (one or more values joined by spaces into one string)
 # (flag, section, field, kind, help)
 FLAGS: list[tuple[str, str, str, str, str]] = [
     # model
@@ -102,6 +103,12 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--lr-decay-iters", "optim", "lr_decay_iters", "int", "decay length (default --train-iters)"),
     ("--lr-wsd-decay-iters", "optim", "lr_wsd_decay_iters", "int", "WSD: final anneal length"),
     ("--lr-wsd-decay-style", "optim", "lr_wsd_decay_style", "str", "WSD anneal: linear | cosine | exponential"),
+    # sample-based schedule (with --train-samples; mlm_jax/batch_schedule.py, mlm_jax/optim.py)
+    ("--lr-warmup-samples", "optim", "lr_warmup_samples", "int", "linear warmup samples"),
+    ("--lr-decay-samples", "optim", "lr_decay_samples", "int", "decay length in samples (default --train-samples)"),
+    ("--lr-wsd-decay-samples", "optim", "lr_wsd_decay_samples", "int", "WSD: final anneal length in samples"),
+    ("--lr-warmup-fraction", "optim", "lr_warmup_fraction", "float", "warmup = this fraction of the decay length (instead of --lr-warmup-iters/-samples)"),
+    ("--lr-warmup-init", "optim", "lr_warmup_init", "float", "learning rate at the start of the warmup (default 0)"),
     ("--weight-decay", "optim", "weight_decay", "float", "AdamW decay (not on biases and norms)"),
     ("--clip-grad", "optim", "clip_grad", "float", "global gradient-norm clip (0: off)"),
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
@@ -131,6 +138,9 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--global-batch-size", "train", "global_batch_size", "int", "samples per step (gradient accumulation)"),
     ("--seq-length", "train", "seq_length", "int", "tokens per sample"),
     ("--train-iters", "train", "train_iters", "int", "optimizer steps"),
+    ("--train-samples", "train", "train_samples", "int", "samples to train on (sample-based training: the iterations follow from the batch schedule)"),
+    ("--rampup-batch-size", "train", "rampup_batch_size", "int3", "START INCR SAMPLES: grow the global batch from START by INCR up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
+    ("--step-batch-size-schedule", "train", "step_batch_size_schedule", "words", "\"TOKENS:BATCH ...\" (suffixes K M B T): the global batch from each token count on; first threshold 0; not with --global-batch-size"),
     ("--seed", "train", "seed", "int", "seed of init, dropout and data order"),
     ("--log-interval", "train", "log_interval", "int", "iterations between log lines"),
     ("--eval-interval", "train", "eval_interval", "int", "iterations between evaluations"),
@@ -339,7 +349,10 @@ def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) 
     help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
     if kind in ("true", "false"):
         parser.add_argument(flag, dest=dest, action="store_true", default=None, help=help_text)
-    elif kind == "list":
+    elif kind == "int3":
+        parser.add_argument(flag, dest=dest, nargs=3, type=int, default=None, metavar=("START", "INCR", "SAMPLES"),
+                            help=help_text)
+    elif kind in ("list", "words"):  # words: one value, quoted or not ("0:8 256:16" or 0:8 256:16)
         parser.add_argument(flag, dest=dest, nargs="+", default=None, help=help_text)
     else:
         typ = {"int": int, "float": float, "str": str, "pattern": layer_pattern}[kind]
@@ -395,6 +408,11 @@ def _yaml_value(path: str, key, value, action: argparse.Action):
         return True if value else None
     if value is None:
         raise ConfigError(f"--config {path}: {key} has no value; give one or remove the key")
+    if action.nargs == 3:  # --rampup-batch-size START INCR SAMPLES
+        items = value if isinstance(value, list) else str(value).split()
+        if len(items) != 3 or not all(isinstance(v, int) or str(v).strip().isdigit() for v in items):
+            raise ConfigError(f"--config {path}: {key} needs three whole numbers, got {value!r}")
+        return [int(v) for v in items]
     if action.nargs == "+":
         items = value if isinstance(value, list) else str(value).split()
         if not items or any(v is None or isinstance(v, (dict, list)) for v in items):
@@ -429,8 +447,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             continue
         if kind == "false":
             value = False
-        elif kind == "list":
+        elif kind in ("list", "int3"):
             value = tuple(value)
+        elif kind == "words":
+            value = " ".join(value)
         sections[section][field] = value
     if sections["model"].get("num_query_groups") is not None and not args["group_query_attention"]:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
@@ -438,6 +458,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _map_accepted(args, sections)
     _check_choices(sections)
+    _check_schedule_flags(args, sections)
     _apply_default_run(sections)
     return Config(**{name: dataclasses.replace(cls(), **sections[name]) for name, cls in SECTIONS.items()})
 
@@ -465,6 +486,20 @@ def _check_choices(sections: dict[str, dict[str, Any]]) -> None:
         value = sections[section].get(field)
         if value is not None and value not in choices:
             raise ConfigError(f"{flag_of[(section, field)]} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _check_schedule_flags(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
+    """Megatron's refusals that need to know which flags were given (the rest are config rules,
+    mlm_jax/validation.py `validate_samples`)."""
+    if args["train_iters"] is not None and args["train_samples"] is not None:
+        raise ConfigError("--train-iters with --train-samples: give one (Megatron-LM: expected iteration-based "
+                          "training, or sample-based training)")
+    if args["rampup_batch_size"] is not None and args["train_iters"] is not None:
+        raise ConfigError("--rampup-batch-size with --train-iters: expected no batch-size rampup for "
+                          "iteration-based training (Megatron-LM's rule); give --train-samples")
+    if args["step_batch_size_schedule"] is not None and args["global_batch_size"] is not None:
+        raise ConfigError("Cannot specify both --step-batch-size-schedule and --global-batch-size "
+                          "(Megatron-LM's rule: the schedule gives every batch size)")
 
 
 def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:

@@ -143,6 +143,12 @@ class OptimConfig:
     lr_decay_iters: int | None = None  # None: train_iters
     lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential"] = "linear"
+    # Sample-based schedule (with TrainConfig.train_samples; Megatron never mixes the two kinds).
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None  # None: train_samples
+    lr_wsd_decay_samples: int | None = None
+    lr_warmup_fraction: float | None = None  # warmup = fraction x decay length (iterations or samples)
+    lr_warmup_init: float = 0.0  # the warmup starts here (Megatron's --lr-warmup-init)
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -188,7 +194,10 @@ class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro * dp (no accumulation)
     seq_length: int = 128
-    train_iters: int = 300
+    train_iters: int = 300  # derived from train_samples when that is set (`finalize`)
+    train_samples: int | None = None  # sample-based training (mlm_jax/batch_schedule.py)
+    rampup_batch_size: tuple[int, int, int] | None = None  # (start, increment, ramp-up samples)
+    step_batch_size_schedule: str | None = None  # Megatron's "THRESHOLD:BS ..." (thresholds in tokens)
     seed: int = 1234
     # Megatron-LM's intervals (its eval interval was 1000 until late 2025; it now has none, i.e.
     # no periodic validation: give --eval-interval to choose); the default run sets its own.
@@ -321,6 +330,11 @@ def finalize(cfg: Config, world_size: int) -> Config:
     train = cfg.train
     if train.global_batch_size is None:
         train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
+    if train.train_samples is not None and train.train_samples > 0:  # Megatron's update_train_iters
+        from mlm_jax.batch_schedule import from_config
+
+        train = dataclasses.replace(train, train_iters=from_config(cfg.replace(train=train), dp).train_iters(
+            train.train_samples))
     cfg = cfg.replace(model=model, train=train)
     from mlm_jax.validation import validate
 
@@ -334,8 +348,8 @@ _VALIDATION_NAMES = frozenset({
     "ATTENTION_BACKENDS", "fused_attention_obstacle", "pipeline_plan", "validate",
     "validate_attention_backend", "validate_checkpoint", "validate_context_parallel",
     "validate_instruments", "validate_lengths", "validate_moe", "validate_numbers",
-    "validate_optimizer", "validate_pipeline", "validate_sizes", "validate_tensor_parallel",
-    "validate_training",
+    "validate_optimizer", "validate_pipeline", "validate_samples", "validate_sizes",
+    "validate_tensor_parallel", "validate_training",
 })
 
 

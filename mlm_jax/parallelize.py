@@ -15,7 +15,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
   7. jit        init with out_shardings (values independent of layout: threefry is
                 partitionable), train/eval steps with explicit in/out shardings and donation.
 
-The train step takes a global batch shaped [microbatches, micro * dp, seq], accumulates
+The train step takes a global batch shaped [microbatches, micro * dp, seq] (any microbatch
+count: jit compiles one step per batch size, as a batch-size ramp-up needs), accumulates
 gradients over the microbatches with `lax.scan` (per data-parallel rank, reduced once after the
 loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
@@ -40,7 +41,7 @@ from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
 from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
 from mlm_jax.models.recompute import check_offload_platform
-from mlm_jax.optim import lr_at, make_optimizer
+from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
 from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
@@ -102,9 +103,14 @@ class Parallel:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec())
 
-    def batch_shape(self) -> tuple[int, int, int]:
+    def batch_shape(self, global_batch_size: int | None = None) -> tuple[int, int, int]:
+        """[microbatches, micro * dp, seq] of a global batch (default: --global-batch-size)."""
         t = self.cfg.train
-        return (self.num_microbatches, t.global_batch_size // self.num_microbatches, t.seq_length)
+        rows = t.global_batch_size // self.num_microbatches  # micro * dp
+        size = t.global_batch_size if global_batch_size is None else global_batch_size
+        if size % rows:
+            raise ValueError(f"global batch {size} is not a multiple of micro batch x data-parallel size {rows}")
+        return (size // rows, rows, t.seq_length)
 
     def model(self, params: dict) -> GPT:
         return nnx.merge(self.graphdef, self.plain(params))
@@ -170,7 +176,7 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
     return _Shardings(shapes, compute, storage, opt, tx, pipeline)
 
 
-def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
+def _plain_loss_and_grads(graphdef, sh: _Shardings):
     """(params, batch, key) -> (token-mean loss, grads in storage sharding, summed aux), the
     microbatches accumulated with lax.scan."""
 
@@ -197,6 +203,7 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
         first = jax.tree.map(lambda x: x[0], batch)
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first, key)[1])
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), sh.storage)
+        num_micro = batch["tokens"].shape[0]  # [microbatches, micro * dp, seq]
         (grads, loss, aux), _ = jax.lax.scan(
             micro, (zeros, jnp.zeros((), jnp.float32), aux0), (batch, jnp.arange(num_micro)))
         return loss, grads, aux
@@ -268,8 +275,7 @@ def _reduce_over_ranks(grads_r, storage, bf16: bool):
     return jax.tree.map(lambda g: g.astype(jnp.float32), summed)
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback, gather_dtype=None,
-                                 bf16: bool = False):
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype=None, bf16: bool = False):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -307,6 +313,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
 
             prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
             zeros = jax.tree.map(jnp.zeros_like, prm)
+            num_micro = mbs["tokens"].shape[0]
             rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
             with use_rules(inner), rows_from(rows):
                 (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
@@ -334,23 +341,30 @@ def _without_data(axes):
 
 def _train_step(cfg: Config, tx, loss_grads_aux):
     """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
-    (the head's aux scalars, summed over the microbatches, under "aux")."""
+    (the head's aux scalars, summed over the microbatches, under "aux").
+
+    The learning rate follows Megatron's scheduler, driven by the samples of the completed
+    updates: `state["schedule_samples"]`, advanced here by this batch's size (so a step that
+    keeps the old state, e.g. an fp16 overflow, keeps the schedule where it was)."""
 
     def train_step(state, batch, key):
         params = state["params"]
         loss, grads, aux = loss_grads_aux(params, batch, key)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
+        lr = lr_for(cfg, state["schedule_samples"])
+        updates = apply_lr(updates, lr, decoupled_lr_for(cfg, state["schedule_samples"]))
+        samples = batch["loss_mask"].shape[0] * batch["loss_mask"].shape[1]  # microbatches x rows
         metrics = {
             "lm_loss": loss,
             "grad_norm": grad_norm,
-            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
+            "lr": lr,
             "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
             "tokens": jnp.sum(batch["loss_mask"]),
             "aux": aux,
         }
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
+                     "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
         return new_state, metrics
 
     return train_step
@@ -367,7 +381,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     sh = _shardings(cfg, mesh, graphdef, shapes, names)
     pipeline, tx = sh.pipeline, sh.tx
     rep = NamedSharding(mesh, replicated())
-    state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep}
+    state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep, "schedule_samples": rep}
     num_micro = num_microbatches(cfg, mesh.size)
     batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg)}
 
@@ -377,15 +391,16 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
             params = init_params(cfg, seed, model_class)
             if pipeline is not None:
                 params = pipeline.to_pipelined(params)
-            return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+            return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                    "schedule_samples": jnp.zeros((), jnp.int32)}
 
         with jax.set_mesh(mesh):
             return jax.jit(make, out_shardings=state_sharding)()
 
-    loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
+    loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
         gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux, gather_dtype,
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, gather_dtype,
                                                      cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
