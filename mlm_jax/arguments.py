@@ -55,6 +55,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--recompute-method", "model", "recompute_method", "str", "uniform | block (with full granularity)"),
     ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
+    ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
@@ -99,6 +100,11 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
     ("--adam-beta2", "optim", "adam_beta2", "float", "Adam beta2"),
     ("--adam-eps", "optim", "adam_eps", "float", "Adam epsilon"),
+    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step"),
+    ("--initial-loss-scale", "optim", "initial_loss_scale", "float", "dynamic loss scaling: the starting scale (2**32)"),
+    ("--min-loss-scale", "optim", "min_loss_scale", "float", "dynamic loss scaling: the scale never halves below this (1.0)"),
+    ("--loss-scale-window", "optim", "loss_scale_window", "int", "dynamic loss scaling: clean steps before the scale doubles (1000)"),
+    ("--hysteresis", "optim", "hysteresis", "int", "dynamic loss scaling: overflows (since the scale last grew) before it halves (2)"),
     # data
     ("--data-path", "data", "data_path", "list", "[weight] prefix ... of .bin/.idx datasets"),
     ("--train-data-path", "data", "train_data_path", "list", "training datasets"),
@@ -205,7 +211,6 @@ _REFUSED_WITH_VALUE = ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len",
 
 # Accepted with exactly one meaning; anything else is refused with the reason.
 REFUSED = {
-    "--fp16": "fp16 is not supported: use --bf16 (bf16 compute with fp32 master params needs no loss scaling)",
     **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
 }
 
