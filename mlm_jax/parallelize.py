@@ -21,6 +21,11 @@ loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
 the pipeline run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the
 head's `aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).
+
+Loss scaling (--fp16, or a static --loss-scale; mlm_jax/loss_scale.py): every gradient path takes
+the scale and differentiates loss x scale; the step unscales in fp32, skips the update when any
+gradient overflowed (the whole state but the scaler kept) and moves the scaler, which lives in
+the state under "loss_scale". Without it the step's program is exactly as before.
 """
 
 from __future__ import annotations
