@@ -129,6 +129,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--log-interval", "train", "log_interval", "int", "iterations between log lines"),
     ("--eval-interval", "train", "eval_interval", "int", "iterations between evaluations"),
     ("--eval-iters", "train", "eval_iters", "int", "batches per evaluation (0: no validation, as in Megatron-LM)"),
+    ("--eval-at-start", "train", "eval_at_start", "true", "(mlm_jax) one validation pass before the first step (the default run does; Megatron-LM does not)"),
     ("--no-check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", "false", "do not stop on NaN/Inf"),
     ("--tensorboard-dir", "train", "tensorboard_dir", "str", "TensorBoard event files"),
     ("--metrics-file", "train", "metrics_file", "str", "JSON lines, one per logged iteration"),
@@ -213,6 +214,25 @@ _REFUSED_WITH_VALUE = ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len",
 REFUSED = {
     **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
 }
+
+
+# The no-flag default run (a tiny GPT on the embedded corpus, minutes on a laptop) keeps its own
+# schedule and intervals; every other run gets Megatron-LM's defaults for what its flags leave out
+# (the config dataclasses). Applied to a run on the embedded corpus (no --data-path,
+# --train-data-path or --mock-data), for the fields its flags do not set.
+DEFAULT_RUN: dict[str, dict[str, Any]] = {
+    "optim": {"min_lr": 1e-4, "lr_decay_style": "cosine"},
+    "train": {"log_interval": 10, "eval_interval": 100, "eval_iters": 10, "eval_at_start": True},
+}
+
+
+def _apply_default_run(sections: dict[str, dict[str, Any]]) -> None:
+    data = sections["data"]
+    if data.get("data_path") or data.get("train_data_path") or data.get("mock_data"):
+        return
+    for section, values in DEFAULT_RUN.items():
+        for field, value in values.items():
+            sections[section].setdefault(field, value)
 
 
 def _is_number(text: str) -> bool:
@@ -414,6 +434,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _map_accepted(args, sections)
     _check_choices(sections)
+    _apply_default_run(sections)
     return Config(**{name: dataclasses.replace(cls(), **sections[name]) for name, cls in SECTIONS.items()})
 
 

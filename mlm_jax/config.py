@@ -125,9 +125,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # Megatron-LM's defaults (README, "Defaults"); --lr has none there (it is required): 1e-3 here.
+    # The no-flag default run sets its own schedule explicitly (arguments.DEFAULT_RUN).
     lr: float = 1e-3
-    min_lr: float = 1e-4
-    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
+    min_lr: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
@@ -177,9 +179,12 @@ class TrainConfig:
     seq_length: int = 128
     train_iters: int = 300
     seed: int = 1234
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_iters: int = 10
+    # Megatron-LM's intervals (its eval interval was 1000 until late 2025; it now has none, i.e.
+    # no periodic validation: give --eval-interval to choose); the default run sets its own.
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    eval_at_start: bool = False  # (mlm_jax) a validation pass before the first step (default run)
     check_for_nan_in_loss_and_grad: bool = True
     tensorboard_dir: str | None = None
     metrics_file: str | None = None

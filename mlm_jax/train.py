@@ -424,8 +424,9 @@ class Loop:
         evaluation and checkpoint."""
         import jax
 
-        # A resumed run evaluates on schedule, not at its first iteration.
-        self.first_valid = self.evaluate(0) if self.start.iteration == 0 else None
+        # Validation before the first step only where asked (the default run); a resumed run
+        # evaluates on schedule.
+        self.first_valid = self.evaluate(0) if self.start.iteration == 0 and self.t.eval_at_start else None
         self.last_valid = self.first_valid
         for iteration in range(self.start.iteration + 1, self.t.train_iters + 1):
             self.one_iteration(iteration, bar)

@@ -140,3 +140,19 @@ def test_eval_iters_0_runs_without_validation(tmp_path):
     assert not [r for r in records if "valid_lm_loss" in r], records
     out = p.stdout + p.stderr
     assert "validation loss" not in out and "> done: no validation;" in out, out
+
+
+def test_megatron_defaults_for_what_a_script_leaves_out():
+    """A run with data (a Megatron script) gets Megatron-LM's defaults; the no-flag default run
+    on the embedded corpus keeps its own schedule and intervals, each overridable by its flag."""
+    megatron = parse_args(["--mock-data"])
+    assert (megatron.optim.min_lr, megatron.optim.lr_decay_style) == (0.0, "linear")
+    assert (megatron.train.log_interval, megatron.train.eval_interval, megatron.train.eval_iters) == (100, 1000, 100)
+    assert not megatron.train.eval_at_start
+    assert (megatron.optim.adam_beta2, megatron.optim.weight_decay, megatron.model.hidden_dropout) == (0.999, 0.01, 0.1)
+    default = parse_args([])
+    assert (default.optim.min_lr, default.optim.lr_decay_style) == (1e-4, "cosine")
+    assert (default.train.log_interval, default.train.eval_interval, default.train.eval_iters) == (10, 100, 10)
+    assert default.train.eval_at_start
+    tweaked = parse_args(["--log-interval", "5", "--min-lr", "0"])
+    assert (tweaked.train.log_interval, tweaked.optim.min_lr, tweaked.train.eval_interval) == (5, 0.0, 100)
