@@ -203,6 +203,8 @@ def test_fp16_curve_follows_fp32():
     for fp16 in (True, False):
         pz = build(ParallelConfig(), 4, 1, fp16=fp16, initial_loss_scale=2.0**12)
         state, losses = pz.init(0), []
+        # Only a loss-scaled run carries a scaler: fp32/bf16 states (and checkpoints) are as before.
+        assert (ls.KEY in state) == fp16 and set(state) - {ls.KEY} == {"params", "opt_state", "step"}
         for i in range(50):
             state, m = pz.train_step(state, place(pz, learnable_batch(i)), jax.random.key(i))
             losses.append(float(m["lm_loss"]))
