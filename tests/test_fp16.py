@@ -172,6 +172,17 @@ def test_overflow_skips_the_step_and_halves_the_scale():
     assert records[-1]["loss"] < records[0]["loss"] - 0.3  # then training proceeds
 
 
+def test_static_loss_scale_skips_but_never_moves():
+    """--loss-scale 2**40: every step overflows and is skipped; the scale stays 2**40."""
+    pz = build(ParallelConfig(), 4, 1, loss_scale=2.0**40, loss_scale_window=1)
+    state = pz.init(0)
+    init = host(state["params"])
+    for i in range(3):
+        state, m = pz.train_step(state, place(pz, learnable_batch(i)), jax.random.key(i))
+        assert int(m["skipped"]) == 1 and float(m["loss_scale"]) == 2.0**40 and bool(m["finite"])
+    assert int(state["step"]) == 0 and _leaves_equal(init, host(state["params"]))
+
+
 @pytest.mark.parametrize("parallel,micro", [
     (ParallelConfig(tensor_model_parallel_size=2), 2),  # dp2 x tp2: gradients reduced once per step
     (ParallelConfig(pipeline_model_parallel_size=2), 2),  # pp2 x dp2: the pipeline's scaled loss
