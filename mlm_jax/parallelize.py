@@ -44,6 +44,7 @@ from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
+from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import lr_at, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
@@ -224,19 +225,31 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without dropout, expert or context parallelism.
+    `_reduce_once_loss_and_grads`): data parallel without expert or context parallelism.
 
-    Dropout keeps the per-microbatch reduction: its masks are drawn for the whole microbatch, so
-    they (and the loss) stay independent of the layout, as the cross-layout resume tests require;
-    a per-rank body would draw per-rank masks. Expert and context parallelism run hand-written
-    shard_map pieces and batch-wide aux losses, which a per-rank body would change.
+    Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
+    rank running its own rows draws the masks one device draws for them. Expert and context
+    parallelism run hand-written shard_map pieces and batch-wide aux losses, which a per-rank body
+    would change.
     """
-    sizes, m = dict(mesh.shape), cfg.model
-    return (sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
-            and m.hidden_dropout == 0 and m.attention_dropout == 0)
+    sizes = dict(mesh.shape)
+    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback):
+def _gather_once(params, sh: _Shardings, dtype):
+    """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
+    dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
+    bf16 parameter copy); `dtype` None: everything in fp32. The cast is pinned to the storage
+    sharding, or propagation would replicate the fp32 input and gather that."""
+    if dtype is None:
+        return jax.lax.with_sharding_constraint(params, sh.compute)
+    low = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
+    low = jax.lax.with_sharding_constraint(low, sh.storage)  # cast on the shards...
+    return jax.lax.with_sharding_constraint(low, sh.compute)  # ...then gathered
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback, gather_dtype=None):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -245,12 +258,13 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
     (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
     once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
     Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
-    once per step). A model whose head reports aux scalars (batch-wide, not a sum over rows)
-    takes `fallback`.
+    once per step, in `gather_dtype` where given: see `_gather_once`), and each rank differentiates
+    an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
+    not a sum over rows) takes `fallback`.
     """
     def run(params, batch, key, loss_scale=None):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
+        compute = _gather_once(params, sh, gather_dtype)  # gathered once
 
         def loss_fn(prm, mb, mb_key, norm):
             tokens, scale = norm
@@ -272,8 +286,10 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
                     prm, mb, jax.random.fold_in(key, index), norm)
                 return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
+            prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
             zeros = jax.tree.map(jnp.zeros_like, prm)
-            with use_rules(inner):
+            rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
+            with use_rules(inner), rows_from(rows):
                 (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
                                                 (mbs, jnp.arange(num_micro)))
             # [1, ...] per rank: stacked over data outside, summed there once.
@@ -376,7 +392,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux)
+        gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux, gather_dtype)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key, loss_scale=None):  # noqa: F811
