@@ -56,6 +56,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--recompute-method", "model", "recompute_method", "str", "uniform | block (with full granularity)"),
     ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
+    ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # issue 14's implemented Megatron flags (norms, rope, LRs, gradient reduction, XLA overlap)
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
@@ -114,6 +115,11 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
     ("--adam-beta2", "optim", "adam_beta2", "float", "Adam beta2"),
     ("--adam-eps", "optim", "adam_eps", "float", "Adam epsilon"),
+    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step"),
+    ("--initial-loss-scale", "optim", "initial_loss_scale", "float", "dynamic loss scaling: the starting scale (2**32)"),
+    ("--min-loss-scale", "optim", "min_loss_scale", "float", "dynamic loss scaling: the scale never halves below this (1.0)"),
+    ("--loss-scale-window", "optim", "loss_scale_window", "int", "dynamic loss scaling: clean steps before the scale doubles (1000)"),
+    ("--hysteresis", "optim", "hysteresis", "int", "dynamic loss scaling: overflows (since the scale last grew) before it halves (2)"),
     # data
     ("--data-path", "data", "data_path", "list", "[weight] prefix ... of .bin/.idx datasets"),
     ("--train-data-path", "data", "train_data_path", "list", "training datasets"),
@@ -225,7 +231,6 @@ _REFUSED_WITH_VALUE = ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len",
 
 # Accepted with exactly one meaning; anything else is refused with the reason.
 REFUSED = {
-    "--fp16": "fp16 is not supported: use --bf16 (bf16 compute with fp32 master params needs no loss scaling)",
     **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
 }
 
@@ -238,6 +243,15 @@ DEFAULT_RUN: dict[str, dict[str, Any]] = {
     "optim": {"min_lr": 1e-4, "lr_decay_style": "cosine"},
     "train": {"log_interval": 10, "eval_interval": 100, "eval_iters": 10, "eval_at_start": True},
 }
+
+
+def _infer_tokenizer(sections: dict[str, dict[str, Any]]) -> None:
+    """Megatron's GPT example scripts give --vocab-file and --merge-file but no --tokenizer-type
+    (Megatron itself then stops: its default is None). Only GPT-2's byte-level BPE takes a merge
+    file, so that pair names it: GPT2BPETokenizer (a deliberate difference, in the README)."""
+    data = sections["data"]
+    if data.get("tokenizer_type") is None and data.get("vocab_file") and data.get("merge_file"):
+        data["tokenizer_type"] = "GPT2BPETokenizer"
 
 
 def _apply_default_run(sections: dict[str, dict[str, Any]]) -> None:
@@ -459,6 +473,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     _map_accepted(args, sections)
     _check_choices(sections)
     _check_schedule_flags(args, sections)
+    _infer_tokenizer(sections)
     _apply_default_run(sections)
     return Config(**{name: dataclasses.replace(cls(), **sections[name]) for name, cls in SECTIONS.items()})
 

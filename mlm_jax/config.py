@@ -53,6 +53,7 @@ class ModelConfig:
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
     recompute_num_layers: int | None = None  # uniform: group size; block: checkpointed layers
     bf16: bool = False
+    fp16: bool = False  # fp16 compute, fp32 master params and optimizer state, loss scaling (loss_scale.py)
     # Megatron's --attention-backend: flash/fused = cuDNN's fused kernel, unfused/local = XLA's
     # einsums, auto = cuDNN where it applies (mlm_jax/models/attention.py).
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
@@ -158,6 +159,13 @@ class OptimConfig:
     # the same schedule with these peak / final rates (None: --lr / --min-lr).
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
+    # Loss scaling (mlm_jax/loss_scale.py), Megatron's flags: a static scale when given, else
+    # dynamic under --fp16.
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
 
 
 @dataclass(frozen=True)

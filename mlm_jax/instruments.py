@@ -186,7 +186,8 @@ def iteration_line(record: dict[str, Any], train_iters: int, global_batch_size: 
     line = (f" iteration {r['iteration']:8d}/{train_iters:8d} | consumed samples: "
             f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {r['step_time_ms']:.1f} | "
             f"learning rate: {r['lr']:.6E} | global batch size: {global_batch_size:5d} | "
-            f"lm loss: {r['lm_loss']:.6E} | grad norm: {r['grad_norm']:.3f} | "
+            f"lm loss: {r['lm_loss']:.6E} | {_scaling(r, 'loss_scale')}grad norm: {r['grad_norm']:.3f} | "
+            f"{_scaling(r, 'skipped_iterations')}"
             f"tokens/s: {r['tokens_per_sec']:,.0f} | MFU (causal): {100 * r['mfu']:.1f}% | "
             f"MFU (Megatron, full attention): {100 * r['mfu_megatron_full_attention']:.1f}% | "
             f"data wait (ms): {r['data_wait_ms']:.1f} |")
@@ -198,6 +199,15 @@ def iteration_line(record: dict[str, Any], train_iters: int, global_batch_size: 
         line += (f" memory (GiB): {r['bytes_in_use'] / 2**30:.2f} in use, "
                  f"{r.get('peak_bytes_in_use', 0) / 2**30:.2f} peak |")
     return line
+
+
+def _scaling(record: dict[str, Any], key: str) -> str:
+    """Megatron's loss-scaling fields of the line (fp16 runs only; '' otherwise)."""
+    if key not in record:
+        return ""
+    if key == "loss_scale":
+        return f"loss scale: {record[key]:.1f} | "
+    return f"number of skipped iterations: {record[key]:3d} | "
 
 
 def validation_line(iteration: int, loss: float, ppl: float) -> str:

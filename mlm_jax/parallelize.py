@@ -22,6 +22,11 @@ loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
 the pipeline run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the
 head's `aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).
+
+Loss scaling (--fp16, or a static --loss-scale; mlm_jax/loss_scale.py): every gradient path takes
+the scale and differentiates loss x scale; the step unscales in fp32, skips the update when any
+gradient overflowed (the whole state but the scaler kept) and moves the scaler, which lives in
+the state under "loss_scale". Without it the step's program is exactly as before.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
@@ -176,20 +182,27 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
     return _Shardings(shapes, compute, storage, opt, tx, pipeline)
 
 
+def _scaled(loss, loss_scale):
+    """The loss to differentiate: times the fp16 loss scale, or itself (no scaling: the step's
+    program stays exactly as without --fp16)."""
+    return loss if loss_scale is None else loss * loss_scale
+
+
 def _plain_loss_and_grads(graphdef, sh: _Shardings):
-    """(params, batch, key) -> (token-mean loss, grads in storage sharding, summed aux), the
-    microbatches accumulated with lax.scan."""
+    """(params, batch, key, loss_scale=None) -> (token-mean loss, grads in storage sharding,
+    summed aux), the microbatches accumulated with lax.scan; with a loss scale the loss and
+    grads are those of loss x scale (`_train_step` unscales them)."""
 
     def gathered(params):
         # Storage -> compute mapping: under ZeRO this is the all-gather of the parameters.
         return jax.lax.with_sharding_constraint(params, sh.compute)
 
-    def run(params, batch, key):
+    def run(params, batch, key, loss_scale=None):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
 
         def loss_fn(prm, mb, mb_key):
             loss_sum, aux = nnx.merge(graphdef, gathered(prm)).loss(mb, mb_key)
-            return loss_sum / total_tokens, aux
+            return _scaled(loss_sum / total_tokens, loss_scale), aux
 
         def micro(carry, xs):
             grads_acc, loss_acc, aux_acc = carry
@@ -289,26 +302,28 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
     an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
     not a sum over rows) takes `fallback`.
     """
-    def run(params, batch, key):
+    def run(params, batch, key, loss_scale=None):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         compute = _gather_once(params, sh, gather_dtype)  # gathered once
 
-        def loss_fn(prm, mb, mb_key, tokens):
+        def loss_fn(prm, mb, mb_key, norm):
+            tokens, scale = norm
             loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
-            return loss_sum / tokens, aux
+            return _scaled(loss_sum / tokens, scale), aux
 
         first = jax.tree.map(lambda x: x[0], batch)
-        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key, total_tokens)[1]):
-            return fallback(params, batch, key)
+        norm = (total_tokens, loss_scale)  # one replicated argument of the shard_map (scale may be None)
+        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key, norm)[1]):
+            return fallback(params, batch, key, loss_scale)
         inner = tuple((n, _without_data(a)) for n, a in active_rules())
 
-        def per_rank(prm, mbs, key, tokens):
+        def per_rank(prm, mbs, key, norm):
             # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
             def micro(carry, xs):
                 grads_acc, loss_acc = carry
                 mb, index = xs
                 (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                    prm, mb, jax.random.fold_in(key, index), tokens)
+                    prm, mb, jax.random.fold_in(key, index), norm)
                 return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
             prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
@@ -323,7 +338,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
 
         stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
                                 out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
-        grads, loss = stacked(compute, batch, key, total_tokens)
+        grads, loss = stacked(compute, batch, key, norm)
         return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), {}  # the one dp reduction
 
     return run
@@ -345,11 +360,20 @@ def _train_step(cfg: Config, tx, loss_grads_aux):
 
     The learning rate follows Megatron's scheduler, driven by the samples of the completed
     updates: `state["schedule_samples"]`, advanced here by this batch's size (so a step that
-    keeps the old state, e.g. an fp16 overflow, keeps the schedule where it was)."""
+    keeps the old state, e.g. an fp16 overflow, keeps the schedule where it was).
+
+    With loss scaling (--fp16, --loss-scale; mlm_jax/loss_scale.py) the gradients are those of
+    loss x scale, unscaled in fp32; an overflow keeps the whole state but the scaler as it was
+    (a skipped iteration: metrics["skipped"]) and the scaler moves by Megatron's rules."""
+    scaler = ls.Scaler.of(cfg)
 
     def train_step(state, batch, key):
         params = state["params"]
-        loss, grads, aux = loss_grads_aux(params, batch, key)
+        if scaler is None:
+            loss, grads, aux = loss_grads_aux(params, batch, key)
+        else:
+            loss, grads, aux = loss_grads_aux(params, batch, key, state[ls.KEY]["scale"])
+            loss, grads, found_inf = ls.unscale(loss, grads, state[ls.KEY]["scale"])
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         lr = lr_for(cfg, state["schedule_samples"])
@@ -365,9 +389,22 @@ def _train_step(cfg: Config, tx, loss_grads_aux):
         }
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
                      "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
+        if scaler is not None:
+            new_state, metrics = _skip_on_overflow(scaler, state, new_state, metrics, found_inf)
         return new_state, metrics
 
     return train_step
+
+
+def _skip_on_overflow(scaler: ls.Scaler, old: dict, new: dict, metrics: dict, found_inf):
+    """The state and metrics of a loss-scaled step: `old` (but the scaler) on an overflow; the
+    scaler after this step's update ("loss_scale", as Megatron logs it) and the skip in the
+    metrics. An overflow is no NaN stop: "finite" looks at the loss only."""
+    new = ls.keep_on_overflow({**old, **new}, old, found_inf)
+    new[ls.KEY] = scaler.update(old[ls.KEY], found_inf)
+    metrics = {**metrics, "finite": jnp.isfinite(metrics["lm_loss"]),
+               "loss_scale": new[ls.KEY]["scale"], "skipped": found_inf.astype(jnp.int32)}
+    return new, metrics
 
 
 def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
@@ -382,6 +419,9 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     pipeline, tx = sh.pipeline, sh.tx
     rep = NamedSharding(mesh, replicated())
     state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep, "schedule_samples": rep}
+    scaler = ls.Scaler.of(cfg)
+    if scaler is not None:  # --fp16 / --loss-scale: the scaler's state, replicated
+        state_sharding[ls.KEY] = jax.tree.map(lambda _: rep, scaler.init())
     num_micro = num_microbatches(cfg, mesh.size)
     batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg)}
 
@@ -391,8 +431,9 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
             params = init_params(cfg, seed, model_class)
             if pipeline is not None:
                 params = pipeline.to_pipelined(params)
-            return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-                    "schedule_samples": jnp.zeros((), jnp.int32)}
+            state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                     "schedule_samples": jnp.zeros((), jnp.int32)}
+            return state if scaler is None else {**state, ls.KEY: scaler.init()}
 
         with jax.set_mesh(mesh):
             return jax.jit(make, out_shardings=state_sharding)()
@@ -404,8 +445,8 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
                                                      cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
-        def loss_grads_aux(params, batch, key):  # noqa: F811
-            return pipeline.loss_and_grads(params, batch, key, sh.compute, sh.storage)
+        def loss_grads_aux(params, batch, key, loss_scale=None):  # noqa: F811
+            return pipeline.loss_and_grads(params, batch, key, sh.compute, sh.storage, loss_scale=loss_scale)
 
         def eval_sum(params, batch):  # noqa: F811
             return pipeline.loss_sum(params, batch, sh.compute)

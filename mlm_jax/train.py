@@ -232,13 +232,14 @@ def build_throughput(cfg: Config, mesh, log):
 
     from mlm_jax.instruments import Throughput
     from mlm_jax.metrics import device_peak, flops_per_token
+    from mlm_jax.models.layers import compute_dtype
 
     t = cfg.train
     peak, source = t.peak_flops, "given"
     if peak is None:
-        peak, source = device_peak(mesh, jnp.bfloat16 if cfg.model.bf16 else jnp.float32)
+        peak, source = device_peak(mesh, compute_dtype(cfg.model))
     log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({source} "
-        f"{'bf16' if cfg.model.bf16 else 'fp32'} matmul peak)")
+        f"{jnp.dtype(compute_dtype(cfg.model)).name} matmul peak)")
     return Throughput(t.global_batch_size * t.seq_length, flops_per_token(cfg.model, t.seq_length, causal=True),
                       flops_per_token(cfg.model, t.seq_length, causal=False), jax.device_count(), peak, source)
 
@@ -283,11 +284,13 @@ class Loop:
         self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
         self.compile_s: float | None = None
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
+        self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
         self._new_window()
 
     def _new_window(self) -> None:
         self.window_start, self.window_iters, self.window_wait = time.perf_counter(), 0, 0.0
         self.window_excluded = 0.0  # evaluation and checkpoint seconds: not training throughput
+        self.window_skipped = 0  # loss scaling: overflowed (skipped) iterations of the log window
 
     @contextlib.contextmanager
     def excluded(self, timer: str):
@@ -331,6 +334,12 @@ class Loop:
                         console=validation_line(iteration, loss, ppl))
         return loss
 
+    def count_skip(self, iteration: int, metrics) -> None:
+        """Add iteration `iteration`'s skip (a loss-scale overflow) to the window, once."""
+        if "skipped" in metrics and iteration > self.skips_counted:
+            self.window_skipped += int(metrics["skipped"])
+            self.skips_counted = iteration
+
     def check(self, iteration: int, metrics) -> None:
         if self.t.check_for_nan_in_loss_and_grad and not bool(metrics["finite"]):
             raise TrainingStopped(
@@ -354,6 +363,7 @@ class Loop:
             self.state, metrics = self.pz.train_step(self.state, batch, key)
         if self.pending is not None:
             self.check(*self.pending)
+            self.count_skip(*self.pending)
             slow = self.inst.step_finished(*self.pending)
             if slow is not None:
                 self.logger.log(slow, console=slow_iteration_line(slow))
@@ -409,13 +419,17 @@ class Loop:
         from mlm_jax.models.moe import aux_record, format_aux
 
         self.check(iteration, metrics)
+        self.count_skip(iteration, metrics)
         host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
+        # Megatron's "loss scale" (after this step's update) and skips in the window (fp16).
+        scaling = ({"loss_scale": float(metrics["loss_scale"]), "skipped_iterations": self.window_skipped}
+                   if "loss_scale" in metrics else {})
         step_s = self.window_step_s()
         aux = jax.device_get(metrics.get("aux", {}))  # MoE's losses and balance ({} when dense)
         batch = self.plan.batch_size(iteration)
         record = iteration_record(iteration, batch, host, step_s,
                                   self.window_wait / max(self.window_iters, 1), self.window_throughput(iteration),
-                                  device_memory(), self.step_mem, self.inst.window(), aux_record(aux),
+                                  scaling, device_memory(), self.step_mem, self.inst.window(), aux_record(aux),
                                   consumed_samples=self.consumed(iteration))
         line = iteration_line(record, self.t.train_iters, batch)
         self.logger.log(record, console=line + (f" {format_aux(aux)}" if aux_record(aux) else ""))

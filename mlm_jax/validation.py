@@ -42,6 +42,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_numbers(cfg)
     validate_optimizer(cfg)
     validate_issue14_flags(cfg)
+    validate_loss_scaling(cfg)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -228,6 +229,22 @@ def validate_optimizer(cfg: Config) -> None:
         )
 
 
+def validate_loss_scaling(cfg: Config) -> None:
+    """--fp16 and the loss-scaling flags (Megatron's asserts, as one-line errors)."""
+    m, o = cfg.model, cfg.optim
+    if m.fp16 and m.bf16:
+        raise ConfigError("--fp16 and --bf16 exclude each other (as in Megatron-LM): choose one")
+    if o.loss_scale is not None and not (math.isfinite(o.loss_scale) and o.loss_scale > 0):
+        raise ConfigError(f"--loss-scale must be a positive number, got {o.loss_scale} "
+                          "(leave it out for dynamic loss scaling)")
+    for flag, value in (("--initial-loss-scale", o.initial_loss_scale), ("--min-loss-scale", o.min_loss_scale),
+                        ("--loss-scale-window", o.loss_scale_window), ("--hysteresis", o.hysteresis)):
+        _bounded(flag, value, "> 0")
+    if o.min_loss_scale > o.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be <= --initial-loss-scale "
+                          f"{o.initial_loss_scale}")
+
+
 def validate_context_parallel(cfg: Config) -> None:
     """--context-parallel-size C and --cp-comm-type: the sizes the chunked sequence needs."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -263,8 +280,8 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
     """Why cuDNN's fused attention cannot run this model (None: it can, on an NVIDIA GPU)."""
-    if not m.bf16:
-        return "cuDNN fused attention needs bf16 compute (add --bf16)"
+    if not (m.bf16 or m.fp16):
+        return "cuDNN fused attention needs bf16 compute (add --bf16) or fp16 compute (--fp16)"
     if m.attention_dropout > 0:
         return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
     if documents:

@@ -65,9 +65,10 @@ def test_unknown_flag_is_an_error_naming_it(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_fp16_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="--fp16: fp16 is not supported: use --bf16"):
-        parse_args(["--fp16"])
+def test_fp16_parses_and_excludes_bf16():
+    assert parse_args(["--fp16"]).model.fp16  # mlm_jax/loss_scale.py; the rest in tests/test_fp16.py
+    with pytest.raises(ConfigError, match="^--fp16 and --bf16 exclude each other"):
+        finalize(parse_args(["--fp16", "--bf16"]), 8)
 
 
 def test_bad_choice_names_flag_and_choices():

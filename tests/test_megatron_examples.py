@@ -83,7 +83,8 @@ def files(tmp_path_factory):
     (d / "vocab.json").write_text(json.dumps(vocab))
     (d / "merges.txt").write_text("#version: 0.2\n")
     rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 256, size=int(n)) for n in rng.integers(20, 90, size=400)]
+    # Mixtral's --split 99990,8,2 needs 12,500 documents for one validation document.
+    docs = [rng.integers(0, 256, size=int(n)) for n in rng.integers(20, 60, size=60_000)]
     prefix = write_indexed_dataset(str(d / "corpus_text_document"), docs)
     text = d / "sp.txt"
     text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {i % 7}" for i in range(300)))
@@ -170,6 +171,7 @@ def test_llama3_fused_attention_needs_a_gpu(files, tmp_path):
 
     import jax
 
-    cfg = finalize(parse_args(scaled(read_args("llama3_8b_bf16", variables(files, tmp_path)))), jax.device_count())
+    llama = {**variables(files, tmp_path), "CP_SIZE": "1"}  # the script's own CP_SIZE (fused + CP is refused)
+    cfg = finalize(parse_args(scaled(read_args("llama3_8b_bf16", llama))), jax.device_count())
     with pytest.raises(ConfigError, match=r"--attention-backend fused"):
         parallelize(cfg, make_mesh(cfg.parallel))

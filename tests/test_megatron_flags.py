@@ -158,3 +158,12 @@ def test_megatron_defaults_for_what_a_script_leaves_out():
     assert default.train.eval_at_start
     tweaked = parse_args(["--log-interval", "5", "--min-lr", "0"])
     assert (tweaked.train.log_interval, tweaked.optim.min_lr, tweaked.train.eval_interval) == (5, 0.0, 100)
+
+
+def test_vocab_and_merge_files_name_gpt2_bpe():
+    """Megatron's GPT scripts give --vocab-file and --merge-file without --tokenizer-type: that
+    pair is GPT-2's BPE; an explicit type wins."""
+    assert parse_args(["--vocab-file", "v.json", "--merge-file", "m.txt"]).data.tokenizer_type == "GPT2BPETokenizer"
+    given = parse_args(["--vocab-file", "v.json", "--merge-file", "m.txt", "--tokenizer-type", "HuggingFaceTokenizer"])
+    assert given.data.tokenizer_type == "HuggingFaceTokenizer"
+    assert parse_args(["--vocab-file", "v.json"]).data.tokenizer_type is None

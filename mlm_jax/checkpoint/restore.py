@@ -202,7 +202,8 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     rep = NamedSharding(pz.mesh, P())
     step = jax.device_put(jnp.asarray(opt_step, jnp.int32), rep)
     samples = jax.device_put(jnp.asarray(schedule_samples(meta, saved_cfg) if load_optim else 0, jnp.int32), rep)
-    state = {"params": params, "opt_state": opt_state, "step": step, "schedule_samples": samples}
+    state = {"params": params, "opt_state": opt_state, "step": step, "schedule_samples": samples,
+             **_scaler_state(cfg, pz, meta, load_optim)}
 
     if c.finetune:
         start = Start(0, 0, None, found.path)
@@ -220,6 +221,24 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
         f"restored onto [{describe_layout(layout_record(pz))}] in {time.perf_counter() - t0:.1f} s")
     return state, start
 
+
+
+def _scaler_state(cfg: Config, pz, meta: dict, load_optim: bool) -> dict:
+    """{"loss_scale": the saved loss scaler} for a loss-scaled run; the initial scale when the
+    checkpoint has none (saved without fp16, or before it existed), the optimizer state is
+    not loaded (Megatron keeps the scaler with the optimizer's) or the scale is static
+    (--loss-scale: this run's value). {} for other runs."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mlm_jax import loss_scale as ls
+
+    scaler = ls.Scaler.of(cfg)
+    if scaler is None:
+        return {}
+    record = meta.get("loss_scale") if load_optim and scaler.static is None else None
+    state = ls.from_record(record) if record else scaler.init()
+    return {ls.KEY: jax.device_put(state, NamedSharding(pz.mesh, P()))}
 
 
 def restore_host_params(found: Found) -> dict:

@@ -234,8 +234,12 @@ class Saver:
         import jax
         import numpy as np
 
+        from mlm_jax import loss_scale as ls
+
+        # fp16's loss scaler (only in runs that have one: other runs' metadata is unchanged).
+        scaler = {"loss_scale": ls.to_record(state[ls.KEY])} if ls.KEY in state else {}
         return {
-            "format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration),
+            **scaler, "format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration),
             "consumed_samples": int(consumed_samples), "opt_step": int(jax.device_get(state["step"])),
             "schedule_samples": int(jax.device_get(state["schedule_samples"])),
             "valid_batches": int(self.valid_loader.iteration) if self.valid_loader is not None else 0,

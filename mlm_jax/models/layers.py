@@ -15,6 +15,8 @@ from mlm_jax.config import ModelConfig
 
 def compute_dtype(cfg: ModelConfig):
     """The dtype activations and matmul operands use; parameters stay fp32 (master weights)."""
+    if cfg.fp16:
+        return jnp.float16
     return jnp.bfloat16 if cfg.bf16 else jnp.float32
 
 

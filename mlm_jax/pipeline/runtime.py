@@ -220,9 +220,13 @@ class Pipeline:
 
     # The step pieces (traced inside parallelize's jit, under its mesh and activation rules).
 
-    def loss_and_grads(self, params: dict, batch: dict, key, compute_sharding, param_sharding):
-        """(token-mean loss of the global batch, grads in the storage sharding, summed aux)."""
+    def loss_and_grads(self, params: dict, batch: dict, key, compute_sharding, param_sharding,
+                       loss_scale=None):
+        """(token-mean loss of the global batch, grads in the storage sharding, summed aux);
+        with `loss_scale` (fp16) the loss and grads are those of loss x loss_scale."""
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        if loss_scale is not None:
+            total_tokens = total_tokens / loss_scale  # the `scale` below: loss_scale / tokens
         params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
