@@ -9,6 +9,7 @@ step in flight, --log-interval 1 logging every step, metrics file, TensorBoard).
 plain step measure what XLA allows beyond it (layers unrolled instead of scanned).
 
     python benchmarks/workload_w.py [--steps 20] [--variants plain,unrolled] [--no-cli]
+        [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
 
 Prints a table (tokens/s, ratio CLI / plain) and writes JSON under benchmarks/results/.
 Run it with nothing else on the machine; the load average is printed beside the figures.
@@ -100,11 +101,21 @@ def cli_tps(steps: int) -> tuple[float, list[float]]:
     return statistics.median(tps), tps
 
 
+def torch_tps(python: str, steps: int, compiled: bool) -> float:
+    """Tokens/s of `benchmarks/torch_reference.py` (nanoGPT-style W step) under `python`."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_reference.py")
+    argv = [python, script, "--steps", str(steps)] + ([] if compiled else ["--no-compile"])
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--variants", default="plain,unrolled")
     ap.add_argument("--no-cli", action="store_true")
+    ap.add_argument("--torch-python", help="a Python with torch: also run benchmarks/torch_reference.py "
+                    "(torch.compile and eager) for the ratio")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     rows = {}
@@ -116,6 +127,11 @@ def main() -> None:
     if not args.no_cli:
         rows["python -m mlm_jax.train --log-interval 1"], _ = cli_tps(args.steps)
         load.append(os.getloadavg()[0])
+    if args.torch_python:
+        for compiled in (True, False):
+            rows[f"nanoGPT-style PyTorch step ({'torch.compile' if compiled else 'eager'})"] = \
+                torch_tps(args.torch_python, args.steps, compiled)
+            load.append(os.getloadavg()[0])
     base = next(iter(rows.values()))
     print(f"workload W, one CPU device, {args.steps} timed steps each; load average "
           f"{min(load):.1f}-{max(load):.1f} during the runs")
