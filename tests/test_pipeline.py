@@ -39,6 +39,7 @@ from mlm_jax.pipeline.layout import PipelineLayout
 from mlm_jax.pipeline.runtime import build_program
 from mlm_jax.sharding import make_mesh
 from mlm_jax.sharding.hlo import collectives
+from tests.test_compiled import _COLLECTIVE, _data_parallel_collectives_in_loops
 from tests.parallel_util import VOCAB, build, fixed_batch, grads_for, place, tiny_config, train_for, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
 
@@ -64,6 +65,9 @@ LAYOUTS = {
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True, use_distributed_optimizer=True,
                        virtual_pipeline_model_parallel_size=2), 2),
+    "pp2_tp2_dp2_zero": (  # 1F1B, distributed optimizer, tensor parallel without SP
+        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                       use_distributed_optimizer=True), 2),
     # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage (Llama-style).
     "pp4_uneven_1_2_2_3": (
         ParallelConfig(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
@@ -148,6 +152,35 @@ def test_only_the_pipeline_permutes():
     micro_rows_per_device = 2  # micro batch 2 per data-parallel rank
     assert all(c.op_name.endswith("ppermute") for c in permutes)
     assert all(c.shapes == ((micro_rows_per_device, 32 // 2, 64),) for c in permutes)
+
+
+@functools.cache
+def train_step_text(name: str) -> str:
+    pz = pipelined(name)[0]
+    state = pz.init(0)
+    return pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_tp2_dp2_zero", "pp2_tp2_dp2_sp_zero_interleaved"])
+def test_data_parallel_gradients_are_reduced_once_after_the_schedule(name):
+    """As for the plain step (tests/test_compiled.py): no collective over `data` inside the
+    tick scans (or the layer scans within them); the gradient reduction (a reduce-scatter into
+    ZeRO's storage) and ZeRO's parameter gather run once, outside."""
+    pz = pipelined(name)[0]
+    assert pz.mesh.shape["data"] >= 2 and pz.num_microbatches >= 2
+    text = train_step_text(name)
+    assert _data_parallel_collectives_in_loops(pz, text) == []
+    outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line]
+    assert any(" all-reduce" in line or " reduce-scatter" in line for line in outside)
+    if pz.cfg.parallel.use_distributed_optimizer:
+        assert any(" all-gather" in line for line in outside)
+
+
+def test_dropout_keeps_the_per_tick_reduction():
+    """Dropout masks are drawn for the whole microbatch (layout-independent), so the dropout
+    layout keeps GSPMD's reduction inside the ticks -- and the checker above sees it."""
+    pz = pipelined("pp2_tp2_dp2_sp")[0]
+    assert _data_parallel_collectives_in_loops(pz, train_step_text("pp2_tp2_dp2_sp"))
 
 
 # --------------------------------------------------------------------------- training curve
@@ -238,8 +271,8 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     stashes all m; 1F1B at most 2(P-1)-1 = 1 (P = 2) whatever m. The schedule arrays grow with m
     by a few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation).
     A two-slot tick holds a forward's and a backward's working set, so at small m 1F1B's temp
-    is above GPipe's (measured m=4: 1F1B 995 KiB, GPipe 945 KiB, 6 slots apart); from m of
-    about 11 on it is below, and the gap grows by a slot per microbatch."""
+    is above GPipe's (measured m=4: 1F1B 985 KiB, GPipe 953 KiB, 4 slots apart); from m of
+    about 8 on it is below, and the gap grows by a slot per microbatch."""
     slot = 1 * 32 * 64 * 4
     one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
     gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}  # benchmarks/pipeline.py has m = 8 too

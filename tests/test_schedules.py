@@ -337,3 +337,12 @@ def test_two_slot_validator_rejects_broken_tables():
         lockstep.validate(table + table[-1:], 2, 2)
     with pytest.raises(ValueError, match="multiple of P"):
         lockstep.two_slot("interleaved", 4, 6, 2)
+
+
+def test_two_slot_render():
+    assert lockstep.render(lockstep.two_slot("1f1b", 2, 2)) == (
+        "stage 0 F: F0 | F1 .. | ..\n"
+        "stage 0 B: .. | .. B0 | B1\n"
+        "stage 1 F: .. | F0 F1 | ..\n"
+        "stage 1 B: .. | B0 B1 | .."
+    )

@@ -180,3 +180,23 @@ def stash_in_flight(table: Sequence[Tick], P: int) -> tuple[int, ...]:
             if not bwd[s].is_idle and bwd[s].chunk * P + s > 0:
                 live[s] -= 1
     return tuple(peak)
+
+
+def render(table: Sequence[Tick]) -> str:
+    """A text diagram: per stage, its forward-slot row over its backward-slot row, one column
+    per tick (`F3`/`B3` microbatch 3, a chunk letter when V > 1, dots for masked slots), with
+    `|` between phases."""
+    if not table:
+        return ""
+    P = len(table[0][0])
+    chunks = any(a.chunk > 0 for f, b in table for a in f + b if not a.is_idle)
+    label = lambda a: "" if a.is_idle else f"{a.kind}{a.microbatch}" + (chr(97 + a.chunk) if chunks else "")  # noqa: E731
+    width = max(2, max(len(label(a)) for f, b in table for a in f + b))
+    cuts = {p.start for p in phases(table)} - {0}
+    lines = []
+    for s in range(P):
+        for slot, name in ((0, "F"), (1, "B")):
+            cells = [("| " if t in cuts else "") + (label(row[slot][s]) or "." * width).ljust(width)
+                     for t, row in enumerate(table)]
+            lines.append(f"stage {s} {name}: " + " ".join(cells).rstrip())
+    return "\n".join(lines)

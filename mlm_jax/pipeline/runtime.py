@@ -60,9 +60,10 @@ from mlm_jax.models.layers import compute_dtype
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.sharding.mesh import PIPE
+from mlm_jax.parallelize import _reduces_once, _without_data
+from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
-from mlm_jax.sharding.specs import pipe_blocks, pipe_stored, replicated, stage_chunks
+from mlm_jax.sharding.specs import data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored, replicated, stage_chunks
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
@@ -172,11 +173,12 @@ def _varying_axes(x) -> frozenset:
     return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
 
 
-def _varying(x):
-    """Mark `x` as varying over `pipe` (a no-op if it already is)."""
-    if PIPE in _varying_axes(x):
-        return x
-    return jax.lax.pcast(x, PIPE, to="varying")
+def _varying(x, axes=(PIPE,)):
+    """Mark `x` as varying over the manual `axes` (a no-op for those it already varies over)."""
+    for axis in axes:
+        if axis not in _varying_axes(x):
+            x = jax.lax.pcast(x, axis, to="varying")
+    return x
 
 
 class Pipeline:
@@ -218,8 +220,26 @@ class Pipeline:
         params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
-        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs)
+        per_rank = self.reduces_once(params, batch)
+        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank)
+        if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
+            grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
+
+    def reduces_once(self, params: dict, batch: dict) -> bool:
+        """Whether data-parallel gradients are accumulated per rank over the whole schedule and
+        reduced once after it: `parallelize`'s conditions (data parallel without dropout,
+        expert or context parallelism), and no dense MoE router or head aux (batch-wide
+        statistics that a per-rank body would change)."""
+        if not _reduces_once(self.cfg, self.mesh) or self.cfg.model.num_experts:
+            return False
+
+        def head_aux():
+            _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
+            x = jnp.zeros((B, S, self.cfg.model.hidden_size), compute_dtype(self.cfg.model))
+            return nnx.merge(self.graphdef, params).head(x, batch["labels"][0], batch["loss_mask"][0])[1]
+
+        return not jax.tree.leaves(jax.eval_shape(head_aux))
 
     def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
         """Sum of masked token losses of the batch, no dropout (evaluation)."""
@@ -227,25 +247,37 @@ class Pipeline:
         program = self.program(batch["tokens"].shape[0], forward_only=True)
         return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
-    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None):
-        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map."""
+    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None,
+             per_rank: bool = False):
+        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
+
+        per_rank: the shard_map is manual over `data` too (tensor stays GSPMD's): each rank runs
+        the schedule on its own rows and returns its unreduced gradients stacked [dp/data, ...],
+        so no data-parallel collective runs inside the ticks."""
         train = not program.forward_only
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
         use_dropout = key is not None
         key = jax.random.key(0) if key is None else key
+        axes = (PIPE, DATA) if per_rank else (PIPE,)
+        rules = tuple((n, _without_data(a)) for n, a in active_rules()) if per_rank else active_rules()
 
         def body(layers_blk, shared, batch, key, scale, arrays):
-            stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale)
-            return stage.run(arrays)
+            with use_rules(rules):
+                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
+                loss, d_layers, d_shared, aux = stage.run(arrays)
+            if per_rank:  # [1, ...] per rank, stacked over data outside
+                d_layers, d_shared = jax.tree.map(lambda g: g[None], (d_layers, d_shared))
+            return loss, d_layers, d_shared, aux
 
         rep = replicated()
         run = jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(pipe_blocks(), rep, rep, rep, rep, rep),
-            out_specs=(rep, pipe_blocks(), rep, rep),
-            axis_names=frozenset({PIPE}),
+            in_specs=(pipe_blocks(), rep, data_rows() if per_rank else rep, rep, rep, rep),
+            out_specs=(rep, per_rank_spec(pipe_blocks()) if per_rank else pipe_blocks(),
+                       per_rank_spec(rep) if per_rank else rep, rep),
+            axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
         return loss, ({**d_shared, "layers": d_layers} if train else None), aux
@@ -259,7 +291,7 @@ class _Stage:
     """
 
     def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
-                 layers_blk, shared, batch, key, scale):
+                 layers_blk, shared, batch, key, scale, axes=(PIPE,)):
         L = pipeline.layout
         self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
         self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
@@ -269,13 +301,18 @@ class _Stage:
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
         self.stage = jax.lax.axis_index(PIPE)
+        # Everything a stage accumulates varies over the manual axes: the gradients of the
+        # (invariant) params are then this stage's and this rank's own, with no implicit psum.
+        self.axes = axes
+        self.vary = functools.partial(_varying, axes=axes)
+        layers_blk = jax.tree.map(self.vary, layers_blk)
         self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
         # Per-stage gradients of the replicated params stay per stage until the final psum.
-        self.shared = jax.tree.map(_varying, shared)
+        self.shared = jax.tree.map(self.vary, shared)
         _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
         self.act_shape = (B, S, pipeline.cfg.model.hidden_size)
         self.dtype = compute_dtype(pipeline.cfg.model)
-        self.zeros_act = _varying(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
+        self.zeros_act = self.vary(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
 
     def forward(self, layers_c, shared, x_in, mb_in, v, mb, with_head: bool = True):
         """One virtual stage on one microbatch: (output [b, s, d], its loss share, its layers'
@@ -293,11 +330,11 @@ class _Stage:
 
         def head():
             loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-            return jax.tree.map(_varying, (loss_sum * self.scale, aux))  # as no_head's
+            return jax.tree.map(self.vary, (loss_sum * self.scale, aux))  # as no_head's
 
         def no_head():
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
-            return jax.tree.map(_varying, zeros)
+            return jax.tree.map(self.vary, zeros)
 
         loss, aux = jax.lax.cond(v == self.last, head, no_head) if with_head else no_head()
         # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
@@ -306,7 +343,7 @@ class _Stage:
             moe_aux["moe_microbatches"] = jnp.where(v == self.last, 1.0, 0.0)
         # moe_term is varying whenever it depends on the layers; without MoE it is a constant 0,
         # made varying so that the backward slot's masked cotangent (varying) fits it.
-        return y, loss, _varying(moe_term * self.scale), jax.tree.map(_varying, {**aux, **moe_aux})
+        return y, loss, self.vary(moe_term * self.scale), jax.tree.map(self.vary, {**aux, **moe_aux})
 
     # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
     # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
@@ -330,16 +367,16 @@ class _Stage:
         layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
         mb_0 = jax.tree.map(lambda x: x[0], self.batch)
         aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0)[3])
-        return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
+        return jax.tree.map(lambda a: self.vary(jnp.zeros(a.shape, a.dtype)), aux)
 
     def init_carry(self) -> dict:
         def buffer(*lead):  # [*lead, b, s, d]
             spec = ACT_BUFFER if lead else ACT_BUFFER[1:]
-            return _varying(constrain(jnp.zeros((*lead, *self.act_shape), self.dtype), spec))
+            return self.vary(constrain(jnp.zeros((*lead, *self.act_shape), self.dtype), spec))
 
-        carry = {"x_recv": buffer(), "loss": _varying(jnp.zeros((), jnp.float32)), "aux": self.aux_zeros()}
+        carry = {"x_recv": buffer(), "loss": self.vary(jnp.zeros((), jnp.float32)), "aux": self.aux_zeros()}
         if self.train:
-            zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
+            zeros = lambda tree: jax.tree.map(lambda a: self.vary(jnp.zeros_like(a)), tree)  # noqa: E731
             carry["stash"] = buffer(self.program.num_stash_slots)  # [slot, b, s, d]
             carry["g_recv"] = buffer()
             carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
@@ -384,8 +421,8 @@ class _Stage:
         at_loss = v == self.last
         g_y = jnp.where(valid & ~at_loss, g_recv, jnp.zeros_like(x_in))
         # The MoE losses of this stage's layers are part of the objective on every stage.
-        d_lc, d_sh, d_x = vjp((g_y, jnp.where(valid & at_loss, 1.0, 0.0).astype(loss.dtype),
-                               jnp.where(valid, 1.0, 0.0).astype(moe_term.dtype)))
+        d_lc, d_sh, d_x = vjp((g_y, self.vary(jnp.where(valid & at_loss, 1.0, 0.0).astype(loss.dtype)),
+                               self.vary(jnp.where(valid, 1.0, 0.0).astype(moe_term.dtype))))
         return d_lc, self.pin_shared(d_sh), d_x, _masked(valid, (loss, aux))
 
     def accumulate(self, carry, a: dict, d_lc, d_sh):
@@ -397,31 +434,39 @@ class _Stage:
 
     def tick(self, carry, row, forward: bool, backward: bool):
         """One tick of a phase: the forward slot, then the backward slot (each only if the phase
-        uses it), then the activation goes to stage s+1 and the gradient to s-1.
+        uses it), then the activation goes to stage s+1 and then the gradient to s-1.
 
-        The barriers give every device the same order: the forward slot before the backward
-        slot, both before the sends, so that the slots' own collectives (tensor and sequence
-        parallelism, some inside the embedding and head conds) meet. XLA:CPU runs independent
-        thunks concurrently, and two devices that reach two collectives in opposite orders
-        deadlock. They hold tick-sized tensors only (a barrier on the accumulators copies them)."""
+        Every device must reach the collectives in the same order. The slots hold their own
+        (tensor and sequence parallelism, inside the layer scans and the embedding and head
+        conds), and XLA:CPU runs independent thunks concurrently: the forward slot's layer scan
+        and the backward slot's recompute, both with the same all-gather, ran side by side and
+        paired up across devices wrongly (a deadlock; an optimization barrier orders the
+        schedule, not the thunk executor). `_after` makes the order a data dependency: the
+        backward slot waits for the forward's output, the activation's send for the
+        backward's input gradient (the end of its chain), the gradient's send for the
+        activation's."""
         a = {k: r[self.stage] for k, r in row.items()}  # this stage's slots, scalars
         ring = range(self.P)
+        live = a["b_stash"] >= 0  # always true; the compiler cannot know it
         if forward:
             carry, y, counted = self.forward_slot(carry, a)
-            if counted is not None:  # evaluation: the head's collectives before the send
-                y, counted = jax.lax.optimization_barrier((y, counted))
+            if counted is not None:  # evaluation: after the head's collectives
                 carry = self.count(carry, counted)
+                y = _after(live, y, carry["loss"])
         if backward:
             x_b = carry["stash"][a["b_stash"]]  # [b, s, d], read after the forward slot stored
             if forward:
-                y, x_b = jax.lax.optimization_barrier((y, x_b))
+                x_b = _after(live, x_b, y)
             d_lc, d_sh, d_x, counted = self.backward_slot(a, x_b, carry["g_recv"])
-            d_lc, d_sh, d_x, counted, y = jax.lax.optimization_barrier(
-                (d_lc, d_sh, d_x, counted, y if forward else None))
             carry = self.count(self.accumulate(carry, a, d_lc, d_sh), counted)
-            carry["g_recv"] = jax.lax.ppermute(d_x, PIPE, [(i, (i - 1) % self.P) for i in ring])
+            if forward:
+                y = _after(live, y, d_x)  # d_x ends the backward's chain of collectives
         if forward:
             carry["x_recv"] = jax.lax.ppermute(y, PIPE, [(i, (i + 1) % self.P) for i in ring])
+        if backward:
+            if forward:
+                d_x = _after(live, d_x, carry["x_recv"])
+            carry["g_recv"] = jax.lax.ppermute(d_x, PIPE, [(i, (i - 1) % self.P) for i in ring])
         return carry, None
 
     @staticmethod
@@ -436,7 +481,7 @@ class _Stage:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
             step = functools.partial(self.tick, forward=p.forward, backward=p.backward)
             carry, _ = jax.lax.scan(step, carry, rows)
-        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
+        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), self.axes)
         if not self.train:
             return loss, {}, {}, aux
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
@@ -453,6 +498,13 @@ def _embed(model, tokens_bs, positions_bs, key):
     ctx = dict(rules).get("context_seq")
     with use_rules(tuple((n, ctx if n == "seq" else a) for n, a in rules)):
         return model.embed_tokens(tokens_bs, positions_bs, key)
+
+
+def _after(live, x, dep):
+    """`x`, available only once `dep` (a tensor shaped and laid out like `x`, or a scalar) is:
+    a select on a predicate that is always true at run time. Elementwise, so it adds no
+    collective under any sharding of `x`."""
+    return jnp.where(live, x, dep.astype(x.dtype))
 
 
 def _masked(valid, tree):
