@@ -327,9 +327,10 @@ def test_two_slot_validator_rejects_broken_tables():
     table = lockstep.two_slot("1f1b", 2, 2)
     b0, b1, none = Action("B", 0, 0), Action("B", 1, 0), (IDLE, IDLE)
     assert table[2][1] == (b0, b1) and table[3][1] == (b1, IDLE)
-    late = table[:2] + [(table[2][0], (IDLE, b1)), (none, (b0, IDLE)), (none, (b1, IDLE))]  # B0 on stage 0 late
-    with pytest.raises(ScheduleError, match=r"backward of microbatch 0 chunk 0 on stage 0 at tick 3 needs "
-                                            r"backward of microbatch 0 chunk 0 on stage 1 at tick 2, it runs at 1"):
+    # B0 on stage 0 a tick late:
+    late = table[:2] + [(table[2][0], (IDLE, b1)), (none, (b0, IDLE)), (none, (b1, IDLE))]
+    with pytest.raises(ScheduleError, match=r"backward of microbatch 0 chunk 0 on stage 0 at tick 3 "
+                       r"needs backward of microbatch 0 chunk 0 on stage 1 at tick 2, it runs at 1"):
         lockstep.validate(late, 2, 2)
     with pytest.raises(ScheduleError, match="missing or extra"):
         lockstep.validate(table[:-1], 2, 2)

@@ -84,7 +84,8 @@ def _check(name: str, P: int, m: int, V: int) -> str:
                          + ", ".join(repr(s) for s in SCHEDULES))
     _check_sizes(P, m, V)
     if (key == "interleaved") != (V > 1):
-        raise ValueError(f"the {key!r} schedule needs {'V >= 2' if key == 'interleaved' else 'V = 1'}, got V={V}")
+        need = "V >= 2" if key == "interleaved" else "V = 1"
+        raise ValueError(f"the {key!r} schedule needs {need}, got V={V}")
     if V > 1 and m % P:
         raise ValueError(f"interleaved 1F1B needs m a multiple of P, got m={m}, P={P}")
     return key
@@ -190,7 +191,10 @@ def render(table: Sequence[Tick]) -> str:
         return ""
     P = len(table[0][0])
     chunks = any(a.chunk > 0 for f, b in table for a in f + b if not a.is_idle)
-    label = lambda a: "" if a.is_idle else f"{a.kind}{a.microbatch}" + (chr(97 + a.chunk) if chunks else "")  # noqa: E731
+
+    def label(a: Action) -> str:
+        return "" if a.is_idle else f"{a.kind}{a.microbatch}" + (chr(97 + a.chunk) if chunks else "")
+
     width = max(2, max(len(label(a)) for f, b in table for a in f + b))
     cuts = {p.start for p in phases(table)} - {0}
     lines = []

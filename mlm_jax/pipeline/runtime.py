@@ -63,7 +63,8 @@ from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.parallelize import _reduces_once, _without_data
 from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
-from mlm_jax.sharding.specs import data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored, replicated, stage_chunks
+from mlm_jax.sharding.specs import (data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored,
+                                    replicated, stage_chunks)
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
