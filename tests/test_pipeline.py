@@ -1,17 +1,19 @@
 """Pipeline parallelism computes the single-device model's loss and gradients (fp32).
 
-The runtime (mlm_jax/pipeline/runtime.py) executes the schedule tables of
-mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
-  - pure Python: the compiled programs move every activation and gradient to the right buffer
-    slot and never overwrite a live one, for every schedule over a sweep of sizes; the layer
-    layout round-trips; invalid configurations fail naming their numbers;
+The runtime (mlm_jax/pipeline/runtime.py) executes the two-slot lockstep schedules of
+mlm_jax/pipeline/lockstep.py in one shard_map over `pipe`. Checked here:
+  - pure Python: the compiled programs feed every slot exactly the tensor it needs (what arrived
+    last tick, or its stash slot) and never overwrite a live stash slot, for every schedule over
+    a sweep of sizes; the stash is flat in m for 1F1B; the layer layout round-trips; invalid
+    configurations fail naming their numbers;
   - on the fake 8-device mesh: loss and every gradient leaf against one device, for pp=2 and
-    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (with dropout and
-    full recompute; and with the distributed optimizer and interleaving), an uneven split of
-    the Llama-style model (untied head); the
-    evaluation program; a 10-step training curve against pp=1; the compiled temp memory of
-    1F1B flat in the number of microbatches while GPipe's grows by one stashed activation per
-    microbatch; and no collective-permute but the pipeline's own two.
+    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with the distributed optimizer, with sequence
+    parallelism (with dropout and full recompute; and with the distributed optimizer and
+    interleaving), an uneven split of the Llama-style model (untied head); the evaluation
+    program; a 10-step training curve against pp=1; the compiled temp memory of 1F1B flat in
+    the number of microbatches while GPipe's grows by one stashed activation per microbatch;
+    no collective-permute but the pipeline's own; and no data-parallel collective inside the
+    ticks (gradients reduced once per step).
 
 Tolerances are those of tests/test_parallel.py and for the same reason: loss within 2e-6
 absolute, each gradient leaf within 2e-6 of the leaf's largest reference magnitude (plus 1e-10
