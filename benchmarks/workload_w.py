@@ -44,7 +44,7 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
     from mlm_jax.config import finalize
     from mlm_jax.models import recompute
     from mlm_jax.models.gpt import GPT
-    from mlm_jax.optim import make_optimizer
+    from mlm_jax.optim import apply_lr, lr_for, make_optimizer
 
     cfg = finalize(parse_args(W_FLAGS + ["--train-iters", str(steps + 2)]), 1)
     with nnx.use_eager_sharding(False):
@@ -64,20 +64,21 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
         loss_sum, _ = nnx.merge(graphdef, p).loss(b, None)
         return loss_sum / jnp.sum(b["loss_mask"])
 
-    def step(p, o, b):
+    def step(p, o, n, b):  # n: the LR scheduler's sample count, as in the train state
         loss, g = jax.value_and_grad(loss_fn)(p, b)
         updates, o = tx.update(g, o, p)
-        return jax.tree.map(jnp.add, p, updates), o, loss
+        updates = apply_lr(updates, lr_for(cfg, n))
+        return jax.tree.map(jnp.add, p, updates), o, n + 8, loss
 
     try:
         step = jax.jit(step, donate_argnums=(0, 1))
-        opt = tx.init(params)
-        params, opt, loss = step(params, opt, batch)
+        opt, n = tx.init(params), jnp.zeros((), jnp.int32)
+        params, opt, n, loss = step(params, opt, n, batch)
         jax.block_until_ready(loss)
         times = []
         for _ in range(steps):
             t = time.perf_counter()
-            params, opt, loss = step(params, opt, batch)
+            params, opt, n, loss = step(params, opt, n, batch)
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t)
     finally:

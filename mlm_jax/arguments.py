@@ -26,7 +26,8 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConf
             "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig, "instruments": InstrumentsConfig}
 
-# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False)
+# kinds: int, float, str, list (one or more values), true (flag sets True), false (flag sets False),
+# int3 (three integers), words (one or more values joined by spaces into one string)
 # (flag, section, field, kind, help)
 FLAGS: list[tuple[str, str, str, str, str]] = [
     # model
@@ -56,6 +57,14 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
+    # issue 14's implemented Megatron flags (norms, rope, LRs, gradient reduction, XLA overlap)
+    ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
+    ("--rotary-percent", "model", "rotary_percent", "float", "rope on the first rotary-percent x head-dim channels of each head, the rest unrotated (default 1.0)"),
+    ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),
+    ("--decoupled-min-lr", "optim", "decoupled_min_lr", "float", "final LR of the input embedding and output layer (with --decoupled-lr; default --min-lr)"),
+    ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see README)"),
+    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "GPU: XLA's latency-hiding scheduler and async all-reduce / reduce-scatter (XLA_FLAGS set before JAX starts; see README)"),
+    ("--overlap-param-gather", "parallel", "overlap_param_gather", "true", "GPU: XLA's latency-hiding scheduler and async all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", "int", "pipeline parallel size"),
@@ -94,6 +103,12 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--lr-decay-iters", "optim", "lr_decay_iters", "int", "decay length (default --train-iters)"),
     ("--lr-wsd-decay-iters", "optim", "lr_wsd_decay_iters", "int", "WSD: final anneal length"),
     ("--lr-wsd-decay-style", "optim", "lr_wsd_decay_style", "str", "WSD anneal: linear | cosine | exponential"),
+    # sample-based schedule (with --train-samples; mlm_jax/batch_schedule.py, mlm_jax/optim.py)
+    ("--lr-warmup-samples", "optim", "lr_warmup_samples", "int", "linear warmup samples"),
+    ("--lr-decay-samples", "optim", "lr_decay_samples", "int", "decay length in samples (default --train-samples)"),
+    ("--lr-wsd-decay-samples", "optim", "lr_wsd_decay_samples", "int", "WSD: final anneal length in samples"),
+    ("--lr-warmup-fraction", "optim", "lr_warmup_fraction", "float", "warmup = this fraction of the decay length (instead of --lr-warmup-iters/-samples)"),
+    ("--lr-warmup-init", "optim", "lr_warmup_init", "float", "learning rate at the start of the warmup (default 0)"),
     ("--weight-decay", "optim", "weight_decay", "float", "AdamW decay (not on biases and norms)"),
     ("--clip-grad", "optim", "clip_grad", "float", "global gradient-norm clip (0: off)"),
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
@@ -107,8 +122,12 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--split", "data", "split", "str", "train,valid,test proportions of --data-path"),
     ("--data-cache-path", "data", "data_cache_path", "str", "where sample indices are cached"),
     ("--mock-data", "data", "mock_data", "true", "deterministic synthetic documents"),
-    ("--tokenizer-type", "data", "tokenizer_type", "str", "GPT2BPETokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer"),
-    ("--tokenizer-model", "data", "tokenizer_model", "str", "SentencePiece model or Hugging Face tokenizer path"),
+    ("--tokenizer-type", "data", "tokenizer_type", "str", "GPT2BPETokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer | Llama2Tokenizer | Llama3Tokenizer | TikTokenizer | HuggingFaceTokenizer | NullTokenizer"),
+    ("--tokenizer-model", "data", "tokenizer_model", "str", "SentencePiece model, Llama-3 tokenizer.model, TikTokenizer JSON or Hugging Face tokenizer path"),
+    ("--tiktoken-pattern", "data", "tiktoken_pattern", "str", "TikTokenizer split pattern: v1 | v2 (default v2)"),
+    ("--tiktoken-num-special-tokens", "data", "tiktoken_num_special_tokens", "int", "TikTokenizer: ids reserved for special tokens before the ranks (default 1000)"),
+    ("--tokenizer-special-tokens", "data", "tokenizer_special_tokens", "list", "TikTokenizer's named special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>)"),
+    ("--tiktoken-special-tokens", "data", "tokenizer_special_tokens", "list", "Megatron's deprecated name of --tokenizer-special-tokens"),
     ("--vocab-file", "data", "vocab_file", "str", "GPT-2 vocab.json"),
     ("--merge-file", "data", "merge_file", "str", "GPT-2 merges.txt"),
     ("--eod-mask-loss", "data", "eod_mask_loss", "true", "no loss on end-of-document tokens"),
@@ -119,10 +138,14 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--global-batch-size", "train", "global_batch_size", "int", "samples per step (gradient accumulation)"),
     ("--seq-length", "train", "seq_length", "int", "tokens per sample"),
     ("--train-iters", "train", "train_iters", "int", "optimizer steps"),
+    ("--train-samples", "train", "train_samples", "int", "samples to train on (sample-based training: the iterations follow from the batch schedule)"),
+    ("--rampup-batch-size", "train", "rampup_batch_size", "int3", "START INCR SAMPLES: grow the global batch from START by INCR up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
+    ("--step-batch-size-schedule", "train", "step_batch_size_schedule", "words", "\"TOKENS:BATCH ...\" (suffixes K M B T): the global batch from each token count on; first threshold 0; not with --global-batch-size"),
     ("--seed", "train", "seed", "int", "seed of init, dropout and data order"),
     ("--log-interval", "train", "log_interval", "int", "iterations between log lines"),
     ("--eval-interval", "train", "eval_interval", "int", "iterations between evaluations"),
     ("--eval-iters", "train", "eval_iters", "int", "batches per evaluation (0: no validation, as in Megatron-LM)"),
+    ("--eval-at-start", "train", "eval_at_start", "true", "(mlm_jax) one validation pass before the first step (the default run does; Megatron-LM does not)"),
     ("--no-check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", "false", "do not stop on NaN/Inf"),
     ("--tensorboard-dir", "train", "tensorboard_dir", "str", "TensorBoard event files"),
     ("--metrics-file", "train", "metrics_file", "str", "JSON lines, one per logged iteration"),
@@ -169,8 +192,6 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
 # Megatron's scripts run unchanged, each help text saying what it maps to. None has a config
 # field; `_map_accepted` applies the few that carry a value or a rule. (flag, kind, help)
 ACCEPTED: list[tuple[str, str, str]] = [
-    ("--overlap-grad-reduce", "true", "accepted, no effect: XLA's scheduler overlaps the gradient reduction with compute"),
-    ("--overlap-param-gather", "true", "accepted, no effect: XLA's scheduler overlaps the parameter all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     ("--distributed-backend", "str", "nccl | gloo; accepted, no effect: XLA picks the collectives"),
     ("--distributed-timeout-minutes", "int", "the jax.distributed coordinator timeout: --coordinator-timeout = minutes x 60 (unless --coordinator-timeout is given)"),
     ("--use-mcore-models", "true", "accepted, no effect: mlm_jax has one model implementation"),
@@ -188,7 +209,6 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--empty-unused-memory-level", "int", "0 | 1 | 2; accepted, no effect: XLA manages device memory"),
     ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
-    ("--rotary-percent", "float", "1.0 only (rotary on the whole head; partial rotary is not implemented)"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -208,6 +228,25 @@ REFUSED = {
     "--fp16": "fp16 is not supported: use --bf16 (bf16 compute with fp32 master params needs no loss scaling)",
     **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
 }
+
+
+# The no-flag default run (a tiny GPT on the embedded corpus, minutes on a laptop) keeps its own
+# schedule and intervals; every other run gets Megatron-LM's defaults for what its flags leave out
+# (the config dataclasses). Applied to a run on the embedded corpus (no --data-path,
+# --train-data-path or --mock-data), for the fields its flags do not set.
+DEFAULT_RUN: dict[str, dict[str, Any]] = {
+    "optim": {"min_lr": 1e-4, "lr_decay_style": "cosine"},
+    "train": {"log_interval": 10, "eval_interval": 100, "eval_iters": 10, "eval_at_start": True},
+}
+
+
+def _apply_default_run(sections: dict[str, dict[str, Any]]) -> None:
+    data = sections["data"]
+    if data.get("data_path") or data.get("train_data_path") or data.get("mock_data"):
+        return
+    for section, values in DEFAULT_RUN.items():
+        for field, value in values.items():
+            sections[section].setdefault(field, value)
 
 
 def _is_number(text: str) -> bool:
@@ -310,7 +349,10 @@ def _add(parser: argparse.ArgumentParser, flag: str, kind: str, help_text: str) 
     help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
     if kind in ("true", "false"):
         parser.add_argument(flag, dest=dest, action="store_true", default=None, help=help_text)
-    elif kind == "list":
+    elif kind == "int3":
+        parser.add_argument(flag, dest=dest, nargs=3, type=int, default=None, metavar=("START", "INCR", "SAMPLES"),
+                            help=help_text)
+    elif kind in ("list", "words"):  # words: one value, quoted or not ("0:8 256:16" or 0:8 256:16)
         parser.add_argument(flag, dest=dest, nargs="+", default=None, help=help_text)
     else:
         typ = {"int": int, "float": float, "str": str, "pattern": layer_pattern}[kind]
@@ -366,6 +408,11 @@ def _yaml_value(path: str, key, value, action: argparse.Action):
         return True if value else None
     if value is None:
         raise ConfigError(f"--config {path}: {key} has no value; give one or remove the key")
+    if action.nargs == 3:  # --rampup-batch-size START INCR SAMPLES
+        items = value if isinstance(value, list) else str(value).split()
+        if len(items) != 3 or not all(isinstance(v, int) or str(v).strip().isdigit() for v in items):
+            raise ConfigError(f"--config {path}: {key} needs three whole numbers, got {value!r}")
+        return [int(v) for v in items]
     if action.nargs == "+":
         items = value if isinstance(value, list) else str(value).split()
         if not items or any(v is None or isinstance(v, (dict, list)) for v in items):
@@ -400,8 +447,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             continue
         if kind == "false":
             value = False
-        elif kind == "list":
+        elif kind in ("list", "int3"):
             value = tuple(value)
+        elif kind == "words":
+            value = " ".join(value)
         sections[section][field] = value
     if sections["model"].get("num_query_groups") is not None and not args["group_query_attention"]:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
@@ -409,6 +458,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _map_accepted(args, sections)
     _check_choices(sections)
+    _check_schedule_flags(args, sections)
+    _apply_default_run(sections)
     return Config(**{name: dataclasses.replace(cls(), **sections[name]) for name, cls in SECTIONS.items()})
 
 
@@ -425,6 +476,7 @@ _CHOICES = {
     ("model", "moe_token_dispatcher_type"): ("alltoall", "allgather"),
     ("optim", "lr_decay_style"): ("constant", "linear", "cosine", "WSD"),
     ("optim", "lr_wsd_decay_style"): ("linear", "cosine", "exponential"),
+    ("data", "tiktoken_pattern"): ("v1", "v2"),
 }
 
 
@@ -436,13 +488,27 @@ def _check_choices(sections: dict[str, dict[str, Any]]) -> None:
             raise ConfigError(f"{flag_of[(section, field)]} {value!r}: choose one of {', '.join(choices)}")
 
 
+def _check_schedule_flags(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
+    """Megatron's refusals that need to know which flags were given (the rest are config rules,
+    mlm_jax/validation.py `validate_samples`)."""
+    if args["train_iters"] is not None and args["train_samples"] is not None:
+        raise ConfigError("--train-iters with --train-samples: give one (Megatron-LM: expected iteration-based "
+                          "training, or sample-based training)")
+    if args["rampup_batch_size"] is not None and args["train_iters"] is not None:
+        raise ConfigError("--rampup-batch-size with --train-iters: expected no batch-size rampup for "
+                          "iteration-based training (Megatron-LM's rule); give --train-samples")
+    if args["step_batch_size_schedule"] is not None and args["global_batch_size"] is not None:
+        raise ConfigError("Cannot specify both --step-batch-size-schedule and --global-batch-size "
+                          "(Megatron-LM's rule: the schedule gives every batch size)")
+
+
 def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
     """The ACCEPTED flags: their choices, Megatron's rules on them, and the few that set a field."""
     given = {flag: args[flag[2:].replace("-", "_")] for flag, _, _ in ACCEPTED}
     for flag, choices in _ACCEPTED_CHOICES.items():
         if given[flag] is not None and given[flag] not in choices:
             raise ConfigError(f"{flag} {given[flag]!r}: choose one of {', '.join(map(str, choices))}")
-    if given["--overlap-param-gather"] and not sections["parallel"].get("use_distributed_optimizer"):
+    if sections["parallel"].get("overlap_param_gather") and not sections["parallel"].get("use_distributed_optimizer"):
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")
     minutes = given["--distributed-timeout-minutes"]
     if minutes is not None:
@@ -451,9 +517,6 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
         sections["distributed"].setdefault("coordinator_timeout", minutes * 60.0)
     if given["--num-workers"] is not None and given["--num-workers"] < 0:
         raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
-    if given["--rotary-percent"] is not None and given["--rotary-percent"] != 1.0:
-        raise ConfigError(f"--rotary-percent {given['--rotary-percent']}: partial rotary embeddings are "
-                          "not implemented; only 1.0 (rotary on the whole head)")
     model = sections["model"]
     if given["--use-rotary-position-embeddings"]:
         if model.get("position_embedding_type", "rope") != "rope":

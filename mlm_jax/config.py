@@ -44,6 +44,10 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # Megatron's --apply-layernorm-1p (zero-centered gamma): every norm's weight is stored as
+    # w - 1 (initialised to zeros) and applied as (1 + w); LayerNorm and RMSNorm.
+    apply_layernorm_1p: bool = False
+    rotary_percent: float = 1.0  # rope on the first rotary_percent x head_dim channels of each head
     # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
@@ -113,6 +117,12 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size (Megatron)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
+    # step reduces once per step: mlm_jax/parallelize.py `_reduce_once_loss_and_grads`).
+    grad_reduce_in_bf16: bool = False
+    # --overlap-grad-reduce / --overlap-param-gather: XLA's GPU scheduler flags (mlm_jax/xla_flags.py).
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     # Pipeline schedule (mlm_jax/pipeline/): None picks Megatron's default (1F1B; interleaved
     # when virtual stages are given).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] | None = None
@@ -124,18 +134,30 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # Megatron-LM's defaults (README, "Defaults"); --lr has none there (it is required): 1e-3 here.
+    # The no-flag default run sets its own schedule explicitly (arguments.DEFAULT_RUN).
     lr: float = 1e-3
-    min_lr: float = 1e-4
-    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
+    min_lr: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay; None: 10% of decay
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential"] = "linear"
+    # Sample-based schedule (with TrainConfig.train_samples; Megatron never mixes the two kinds).
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None  # None: train_samples
+    lr_wsd_decay_samples: int | None = None
+    lr_warmup_fraction: float | None = None  # warmup = fraction x decay length (iterations or samples)
+    lr_warmup_init: float = 0.0  # the warmup starts here (Megatron's --lr-warmup-init)
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow
+    # the same schedule with these peak / final rates (None: --lr / --min-lr).
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +174,11 @@ class DataConfig:
     tokenizer_model: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
+    # TikTokenizer (Megatron's): split pattern v1 | v2, the reserved special ids before the ranks,
+    # and the named special tokens (None: Megatron's <unk> <s> </s> <mask> <pad> <cls> <sep>).
+    tiktoken_pattern: Literal["v1", "v2"] = "v2"
+    tiktoken_num_special_tokens: int = 1000
+    tokenizer_special_tokens: tuple[str, ...] | None = None
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -167,11 +194,17 @@ class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro * dp (no accumulation)
     seq_length: int = 128
-    train_iters: int = 300
+    train_iters: int = 300  # derived from train_samples when that is set (`finalize`)
+    train_samples: int | None = None  # sample-based training (mlm_jax/batch_schedule.py)
+    rampup_batch_size: tuple[int, int, int] | None = None  # (start, increment, ramp-up samples)
+    step_batch_size_schedule: str | None = None  # Megatron's "THRESHOLD:BS ..." (thresholds in tokens)
     seed: int = 1234
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_iters: int = 10
+    # Megatron-LM's intervals (its eval interval was 1000 until late 2025; it now has none, i.e.
+    # no periodic validation: give --eval-interval to choose); the default run sets its own.
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    eval_at_start: bool = False  # (mlm_jax) a validation pass before the first step (default run)
     check_for_nan_in_loss_and_grad: bool = True
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
@@ -297,6 +330,11 @@ def finalize(cfg: Config, world_size: int) -> Config:
     train = cfg.train
     if train.global_batch_size is None:
         train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
+    if train.train_samples is not None and train.train_samples > 0:  # Megatron's update_train_iters
+        from mlm_jax.batch_schedule import from_config
+
+        train = dataclasses.replace(train, train_iters=from_config(cfg.replace(train=train), dp).train_iters(
+            train.train_samples))
     cfg = cfg.replace(model=model, train=train)
     from mlm_jax.validation import validate
 
@@ -310,8 +348,8 @@ _VALIDATION_NAMES = frozenset({
     "ATTENTION_BACKENDS", "fused_attention_obstacle", "pipeline_plan", "validate",
     "validate_attention_backend", "validate_checkpoint", "validate_context_parallel",
     "validate_instruments", "validate_lengths", "validate_moe", "validate_numbers",
-    "validate_optimizer", "validate_pipeline", "validate_sizes", "validate_tensor_parallel",
-    "validate_training",
+    "validate_optimizer", "validate_pipeline", "validate_samples", "validate_sizes",
+    "validate_tensor_parallel", "validate_training",
 })
 
 

@@ -163,10 +163,15 @@ class Throughput:
 
 
 def iteration_record(iteration: int, global_batch_size: int, metrics: dict[str, float], step_s: float,
-                     data_wait_s: float, throughput: Throughput, *extra: dict) -> dict[str, Any]:
+                     data_wait_s: float, throughput: Throughput, *extra: dict,
+                     consumed_samples: int | None = None) -> dict[str, Any]:
     """The metrics-file record of a logged iteration; `metrics` holds host floats (lm_loss, lr,
-    grad_norm), `step_s` the mean step time of the log window, `extra` memory and timers."""
-    record = {"iteration": iteration, "consumed_samples": iteration * global_batch_size,
+    grad_norm), `step_s` the mean step time of the log window, `extra` memory and timers;
+    `global_batch_size` is this iteration's, `consumed_samples` the samples consumed after it
+    (default: iteration x global batch, a constant batch from the start)."""
+    if consumed_samples is None:
+        consumed_samples = iteration * global_batch_size
+    record = {"iteration": iteration, "consumed_samples": int(consumed_samples), "global_batch_size": global_batch_size,
               "lm_loss": metrics["lm_loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
               "step_time_ms": 1000 * step_s, "data_wait_ms": 1000 * data_wait_s,
               **throughput.figures(step_s)}

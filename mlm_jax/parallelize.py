@@ -15,7 +15,8 @@ The order, once (after refusing --attention-backend flash/fused off an NVIDIA GP
   7. jit        init with out_shardings (values independent of layout: threefry is
                 partitionable), train/eval steps with explicit in/out shardings and donation.
 
-The train step takes a global batch shaped [microbatches, micro * dp, seq], accumulates
+The train step takes a global batch shaped [microbatches, micro * dp, seq] (any microbatch
+count: jit compiles one step per batch size, as a batch-size ramp-up needs), accumulates
 gradients over the microbatches with `lax.scan` (per data-parallel rank, reduced once after the
 loop, where `_reduces_once` allows), and averages the loss over every unmasked
 token of the global batch, so the result does not depend on how the batch is split. Both it and
@@ -38,8 +39,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
+from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
 from mlm_jax.models.recompute import check_offload_platform
-from mlm_jax.optim import lr_at, make_optimizer
+from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
 from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
@@ -101,9 +103,14 @@ class Parallel:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec())
 
-    def batch_shape(self) -> tuple[int, int, int]:
+    def batch_shape(self, global_batch_size: int | None = None) -> tuple[int, int, int]:
+        """[microbatches, micro * dp, seq] of a global batch (default: --global-batch-size)."""
         t = self.cfg.train
-        return (self.num_microbatches, t.global_batch_size // self.num_microbatches, t.seq_length)
+        rows = t.global_batch_size // self.num_microbatches  # micro * dp
+        size = t.global_batch_size if global_batch_size is None else global_batch_size
+        if size % rows:
+            raise ValueError(f"global batch {size} is not a multiple of micro batch x data-parallel size {rows}")
+        return (size // rows, rows, t.seq_length)
 
     def model(self, params: dict) -> GPT:
         return nnx.merge(self.graphdef, self.plain(params))
@@ -169,7 +176,7 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
     return _Shardings(shapes, compute, storage, opt, tx, pipeline)
 
 
-def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
+def _plain_loss_and_grads(graphdef, sh: _Shardings):
     """(params, batch, key) -> (token-mean loss, grads in storage sharding, summed aux), the
     microbatches accumulated with lax.scan."""
 
@@ -196,6 +203,7 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
         first = jax.tree.map(lambda x: x[0], batch)
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first, key)[1])
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), sh.storage)
+        num_micro = batch["tokens"].shape[0]  # [microbatches, micro * dp, seq]
         (grads, loss, aux), _ = jax.lax.scan(
             micro, (zeros, jnp.zeros((), jnp.float32), aux0), (batch, jnp.arange(num_micro)))
         return loss, grads, aux
@@ -211,33 +219,79 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings, num_micro: int):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without dropout, expert or context parallelism.
+    `_reduce_once_loss_and_grads`): data parallel without expert or context parallelism.
 
-    Dropout keeps the per-microbatch reduction: its masks are drawn for the whole microbatch, so
-    they (and the loss) stay independent of the layout, as the cross-layout resume tests require;
-    a per-rank body would draw per-rank masks. Expert and context parallelism run hand-written
-    shard_map pieces and batch-wide aux losses, which a per-rank body would change.
+    Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
+    rank running its own rows draws the masks one device draws for them. Expert and context
+    parallelism run hand-written shard_map pieces and batch-wide aux losses, which a per-rank body
+    would change.
     """
-    sizes, m = dict(mesh.shape), cfg.model
-    return (sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
-            and m.hidden_dropout == 0 and m.attention_dropout == 0)
+    sizes = dict(mesh.shape)
+    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
 
 
-def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallback):
+def _gather_once(params, sh: _Shardings, dtype):
+    """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
+    dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
+    bf16 parameter copy); `dtype` None: everything in fp32. The cast is pinned to the storage
+    sharding, or propagation would replicate the fp32 input and gather that."""
+    if dtype is None:
+        return jax.lax.with_sharding_constraint(params, sh.compute)
+    low = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
+    low = jax.lax.with_sharding_constraint(low, sh.storage)  # cast on the shards...
+    return jax.lax.with_sharding_constraint(low, sh.compute)  # ...then gathered
+
+
+def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
+    """Where --grad-reduce-in-bf16 cannot apply, why (the run logs it); None when it applies or
+    was not asked for. It applies only to the once-per-step reduction (`_reduces_once`)."""
+    if not cfg.parallel.grad_reduce_in_bf16:
+        return None
+    if dict(mesh.shape)[DATA] == 1:
+        return "no effect: the data-parallel size is 1, there is no gradient reduction"
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        return "not applied: the pipeline reduces its gradients in fp32"
+    if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
+        return ("not applied: with MoE, expert or context parallelism the gradients are reduced "
+                "in fp32 inside the step")
+    return None
+
+
+def _reduce_over_ranks(grads_r, storage, bf16: bool):
+    """The one data-parallel reduction: sum the stacked per-rank gradients [dp/data, ...] and
+    place the sum in storage sharding (an all-reduce, or a reduce-scatter under ZeRO).
+
+    bf16 (--grad-reduce-in-bf16, Megatron's bf16 gradient buffers): each rank's accumulated
+    fp32 gradient is rounded to bf16, reduced in bf16 (lax.reduce: jnp.sum would accumulate
+    bf16 in fp32 and so reduce in fp32) and widened to fp32 only after the collective.
+    """
+    if not bf16:
+        return jax.lax.with_sharding_constraint(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads_r), storage)
+    summed = jax.tree.map(
+        lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), jax.lax.add, (0,)),
+        grads_r)
+    summed = jax.lax.with_sharding_constraint(summed, storage)  # the collective runs in bf16
+    return jax.tree.map(lambda g: g.astype(jnp.float32), summed)
+
+
+def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype=None, bf16: bool = False):
     """Like `_plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
     stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
     ranks together inside the loop: the accumulator is one unreduced gradient per rank
     (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
-    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding).
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding; in
+    bf16 with `bf16`, see `_reduce_over_ranks`).
     Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
-    once per step). A model whose head reports aux scalars (batch-wide, not a sum over rows)
-    takes `fallback`.
+    once per step, in `gather_dtype` where given: see `_gather_once`), and each rank differentiates
+    an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
+    not a sum over rows) takes `fallback`.
     """
     def run(params, batch, key):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        compute = jax.lax.with_sharding_constraint(params, sh.compute)  # gathered once
+        compute = _gather_once(params, sh, gather_dtype)  # gathered once
 
         def loss_fn(prm, mb, mb_key, tokens):
             loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
@@ -257,8 +311,11 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
                     prm, mb, jax.random.fold_in(key, index), tokens)
                 return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
+            prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
             zeros = jax.tree.map(jnp.zeros_like, prm)
-            with use_rules(inner):
+            num_micro = mbs["tokens"].shape[0]
+            rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
+            with use_rules(inner), rows_from(rows):
                 (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
                                                 (mbs, jnp.arange(num_micro)))
             # [1, ...] per rank: stacked over data outside, summed there once.
@@ -267,8 +324,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, num_micro: int, fallba
         stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
                                 out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
         grads, loss = stacked(compute, batch, key, total_tokens)
-        grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)  # the one data-parallel reduction
-        return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, sh.storage), {}
+        return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), {}  # the one dp reduction
 
     return run
 
@@ -285,23 +341,30 @@ def _without_data(axes):
 
 def _train_step(cfg: Config, tx, loss_grads_aux):
     """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
-    (the head's aux scalars, summed over the microbatches, under "aux")."""
+    (the head's aux scalars, summed over the microbatches, under "aux").
+
+    The learning rate follows Megatron's scheduler, driven by the samples of the completed
+    updates: `state["schedule_samples"]`, advanced here by this batch's size (so a step that
+    keeps the old state, e.g. an fp16 overflow, keeps the schedule where it was)."""
 
     def train_step(state, batch, key):
         params = state["params"]
         loss, grads, aux = loss_grads_aux(params, batch, key)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
+        lr = lr_for(cfg, state["schedule_samples"])
+        updates = apply_lr(updates, lr, decoupled_lr_for(cfg, state["schedule_samples"]))
+        samples = batch["loss_mask"].shape[0] * batch["loss_mask"].shape[1]  # microbatches x rows
         metrics = {
             "lm_loss": loss,
             "grad_norm": grad_norm,
-            "lr": lr_at(cfg.optim, cfg.train.train_iters, state["step"]),
+            "lr": lr,
             "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
             "tokens": jnp.sum(batch["loss_mask"]),
             "aux": aux,
         }
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
+                     "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
         return new_state, metrics
 
     return train_step
@@ -318,7 +381,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     sh = _shardings(cfg, mesh, graphdef, shapes, names)
     pipeline, tx = sh.pipeline, sh.tx
     rep = NamedSharding(mesh, replicated())
-    state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep}
+    state_sharding = {"params": sh.storage, "opt_state": sh.opt, "step": rep, "schedule_samples": rep}
     num_micro = num_microbatches(cfg, mesh.size)
     batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg)}
 
@@ -328,14 +391,17 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
             params = init_params(cfg, seed, model_class)
             if pipeline is not None:
                 params = pipeline.to_pipelined(params)
-            return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+            return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                    "schedule_samples": jnp.zeros((), jnp.int32)}
 
         with jax.set_mesh(mesh):
             return jax.jit(make, out_shardings=state_sharding)()
 
-    loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh, num_micro)
+    loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, num_micro, loss_grads_aux)
+        gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, gather_dtype,
+                                                     cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 
         def loss_grads_aux(params, batch, key):  # noqa: F811

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from mlm_jax import errors
 from mlm_jax.arguments import parse_args
+from mlm_jax.batch_schedule import RunPlan, describe, for_run as batch_schedule, train_sample_count
 from mlm_jax.config import Config, finalize
 from mlm_jax.errors import RunFailure, UsageError
 
@@ -136,6 +137,7 @@ def build_data(cfg: Config, log):
     t = cfg.train
     t0 = time.perf_counter()
     sizes = megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+    sizes = (train_sample_count(cfg), *sizes[1:])
     data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size)
     tokenizer = data.tokenizer
     if tokenizer is not None and tokenizer.vocab_size != cfg.model.vocab_size:
@@ -152,7 +154,7 @@ def build_model(cfg: Config, log):
     import jax
 
     from mlm_jax.metrics import active_params
-    from mlm_jax.parallelize import abstract_model, count_params, parallelize
+    from mlm_jax.parallelize import abstract_model, bf16_grad_reduce_note, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.parallel)
@@ -161,6 +163,9 @@ def build_model(cfg: Config, log):
     log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
         f"{pz.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size} per data-parallel rank")
+    note = bf16_grad_reduce_note(cfg, mesh)
+    if note:
+        log(f"> --grad-reduce-in-bf16: {note}")
     active = active_params(cfg.model)
     if active is not None:
         log(f"> MoE: FLOPs and MFU count {active / 1e6:.2f} M active parameters per token (top-"
@@ -179,17 +184,18 @@ def build_state(cfg: Config, pz, found, log):
     else:
         state, start = pz.init(t.seed), ckpt.Start()
         log(f"> parameters initialised in {time.perf_counter() - t0:.1f} s")
-    if start.consumed_samples % t.global_batch_size:
+    if start.consumed_samples % t.global_batch_size and not batch_schedule(cfg).varies:
         raise ckpt.CheckpointError(
             f"the checkpoint consumed {start.consumed_samples} samples, not a multiple of "
             f"--global-batch-size {t.global_batch_size}; resume with the batch size it was saved with")
     return state, start
 
 
-def build_loaders(cfg: Config, pz, data, start):
+def build_loaders(cfg: Config, pz, data, start, plan=None):
     """(training loader, validation loader or None), each continuing where `start` left off:
     the data order is a function of the sample index, so resuming continues it exactly
-    (validation too: a checkpoint records how many validation batches were used)."""
+    (validation too: a checkpoint records how many validation batches were used). With a
+    batch-size schedule, `plan` (a batch_schedule.RunPlan) gives each iteration's batch."""
     from mlm_jax.data import BatchLoader, make_batch
 
     t, tokenizer = cfg.train, data.tokenizer
@@ -204,9 +210,15 @@ def build_loaders(cfg: Config, pz, data, start):
         return {k: full[k] for k in keep}
 
     shape, sharding = pz.batch_shape(), pz.batch_sharding()
-    loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
-                         start_iteration=start.consumed_samples // t.global_batch_size,
-                         prefetch=cfg.data.prefetch)
+    if plan is not None and plan.schedule.varies:  # loader index k serves iteration k + 1
+        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
+                             start_iteration=start.iteration, prefetch=cfg.data.prefetch,
+                             end_iteration=t.train_iters,
+                             plan=lambda k: (plan.first_sample(k + 1), pz.batch_shape(plan.batch_size(k + 1))))
+    else:
+        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
+                             start_iteration=start.consumed_samples // t.global_batch_size,
+                             prefetch=cfg.data.prefetch)
     valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, batch_fn,
                          start_iteration=start.valid_batches, prefetch=0)
              if data.valid is not None and t.eval_iters > 0 else None)  # --eval-iters 0: no validation
@@ -254,10 +266,13 @@ class Loop:
     """
 
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
-                 throughput, log):
+                 throughput, log, plan=None):
         import jax
 
         self.cfg, self.t, self.pz, self.state, self.start = cfg, cfg.train, pz, state, start
+        # Each iteration's global batch and consumed samples (constant, or a ramp-up).
+        self.plan = plan or RunPlan(batch_schedule(cfg), start.iteration, start.consumed_samples,
+                                    cfg.train.train_iters)
         self.loader, self.valid_loader, self.saver = loader, valid_loader, saver
         self.logger, self.inst, self.throughput, self.log = logger, inst, throughput, log
         self.seed_key = (jax.random.key(cfg.train.seed) if start.rng_key_data is None
@@ -291,7 +306,8 @@ class Loop:
         return (time.perf_counter() - self.window_start - self.window_excluded) / self.window_iters
 
     def consumed(self, iteration: int) -> int:
-        return self.start.consumed_samples + (iteration - self.start.iteration) * self.t.global_batch_size
+        """Samples consumed after `iteration` (Megatron's consumed_train_samples)."""
+        return self.plan.consumed(iteration)
 
     def evaluate(self, iteration: int) -> float | None:
         """Validation loss over --eval-iters batches (logged), or None without validation data."""
@@ -329,6 +345,7 @@ class Loop:
         from mlm_jax.instruments import slow_iteration_line
 
         self.inst.before_step(iteration)
+        self.note_batch_size(iteration)
         batch, wait = next(self.loader)
         self.window_wait += wait
         self.inst.add("data_wait", wait)
@@ -347,6 +364,17 @@ class Loop:
             self.window_iters += 1
         return metrics
 
+    def note_batch_size(self, iteration: int) -> None:
+        """Megatron's line when a batch-size schedule changes the global batch (each new size
+        compiles its own step once)."""
+        size = self.plan.batch_size(iteration)
+        before = self.plan.batch_size(iteration - 1) if iteration - 1 > self.start.iteration else None
+        if self.plan.schedule.varies and size != before:
+            micro = self.pz.batch_shape(size)[0]
+            self.log(f"> {'setting initial batch size to' if before is None else f'ramping up batch size from {before} to'}"
+                     f" {size} at iteration {iteration} ({micro} microbatch(es), {self.consumed(iteration - 1)} "
+                     "consumed samples)")
+
     def first_step_done(self, metrics, batch, key) -> None:
         """After the compiling step: report its time (and memory), restart the clocks."""
         import jax
@@ -364,6 +392,14 @@ class Loop:
         self._new_window()
         self.inst.reset()
 
+    def window_throughput(self, iteration: int):
+        """The Throughput of the log window: its mean tokens per iteration (the batch may ramp up)."""
+        if not self.plan.schedule.varies:
+            return self.throughput
+        n = max(1, min(self.window_iters, iteration - self.start.iteration))
+        samples = (self.consumed(iteration) - self.consumed(iteration - n)) / n
+        return dataclasses.replace(self.throughput, tokens_per_iter=samples * self.t.seq_length)
+
     def log_iteration(self, iteration: int, metrics) -> float:
         """The metrics record and console line of a logged iteration; returns the loss."""
         import jax
@@ -376,10 +412,12 @@ class Loop:
         host = {k: float(metrics[k]) for k in ("lm_loss", "lr", "grad_norm")}
         step_s = self.window_step_s()
         aux = jax.device_get(metrics.get("aux", {}))  # MoE's losses and balance ({} when dense)
-        record = iteration_record(iteration, self.t.global_batch_size, host, step_s,
-                                  self.window_wait / max(self.window_iters, 1), self.throughput,
-                                  device_memory(), self.step_mem, self.inst.window(), aux_record(aux))
-        line = iteration_line(record, self.t.train_iters, self.t.global_batch_size)
+        batch = self.plan.batch_size(iteration)
+        record = iteration_record(iteration, batch, host, step_s,
+                                  self.window_wait / max(self.window_iters, 1), self.window_throughput(iteration),
+                                  device_memory(), self.step_mem, self.inst.window(), aux_record(aux),
+                                  consumed_samples=self.consumed(iteration))
+        line = iteration_line(record, self.t.train_iters, batch)
         self.logger.log(record, console=line + (f" {format_aux(aux)}" if aux_record(aux) else ""))
         self._new_window()
         return host["lm_loss"]
@@ -410,8 +448,9 @@ class Loop:
         evaluation and checkpoint."""
         import jax
 
-        # A resumed run evaluates on schedule, not at its first iteration.
-        self.first_valid = self.evaluate(0) if self.start.iteration == 0 else None
+        # Validation before the first step only where asked (the default run); a resumed run
+        # evaluates on schedule.
+        self.first_valid = self.evaluate(0) if self.start.iteration == 0 and self.t.eval_at_start else None
         self.last_valid = self.first_valid
         for iteration in range(self.start.iteration + 1, self.t.train_iters + 1):
             self.one_iteration(iteration, bar)
@@ -476,11 +515,15 @@ def train(cfg: Config, log=print) -> dict:
     start_time = time.time()
     cfg, found, run_dir, main, log = prepare(cfg, log)
     cfg, data = build_data(cfg, log)
+    if batch_schedule(cfg).varies:
+        log(describe(cfg))
     mesh, pz, n_params = build_model(cfg, log)
     if main:
         write_config(run_dir, cfg, found)
     state, start = build_state(cfg, pz, found, log)
-    loader, valid_loader = build_loaders(cfg, pz, data, start)
+    plan = RunPlan(batch_schedule(cfg), start.iteration, start.consumed_samples, cfg.train.train_iters)
+    plan.schedule.check_sizes(plan.sizes)  # from a resumed position too (Megatron checks after loading)
+    loader, valid_loader = build_loaders(cfg, pz, data, start, plan)
     saver = ckpt.Saver(cfg, pz, data.tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
     t = cfg.train
     logger = RunLogger(t.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
@@ -488,7 +531,7 @@ def train(cfg: Config, log=print) -> dict:
                        write=tqdm.write, wandb=Wandb(cfg.instruments, cfg, run_dir, main, log))
     inst = Instruments(cfg.instruments, profile_dir=os.path.join(run_dir, "profile"), main=main)
     loop = Loop(cfg, pz, state, start, loader, valid_loader, saver, logger, inst,
-                build_throughput(cfg, mesh, log), log)
+                build_throughput(cfg, mesh, log), log, plan)
     bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
                disable=not (main and t.progress_bar), file=sys.stderr)
     try:
@@ -541,6 +584,9 @@ def main(argv=None) -> int:
     """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
     last (see mlm_jax.errors)."""
     cfg = parse_args(argv)
+    from mlm_jax import xla_flags
+
+    xla_flags.apply(cfg.parallel)  # --overlap-grad-reduce / --overlap-param-gather: before JAX starts
     use_every_cpu_core()
     train(cfg)
     return 0

@@ -38,8 +38,10 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_tensor_parallel(cfg, world_size)
     validate_lengths(cfg)
     validate_training(cfg, world_size)
+    validate_samples(cfg, world_size)
     validate_numbers(cfg)
     validate_optimizer(cfg)
+    validate_issue14_flags(cfg)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -146,6 +148,59 @@ def validate_training(cfg: Config, world_size: int) -> None:
         )
 
 
+def _refuse_mixed_schedule(cfg: Config) -> None:
+    """Megatron's rule: iteration-based and sample-based flags are not mixed (its reasons quoted)."""
+    o, t = cfg.optim, cfg.train
+    if t.train_samples is not None:
+        wrong = [("--lr-decay-iters", o.lr_decay_iters is not None, "expected sample-based learning rate decay"),
+                 ("--lr-warmup-iters", o.lr_warmup_iters != 0, "expected sample-based learning rate warmup"),
+                 ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters is not None, "expected sample-based WSD decay")]
+        given, other = "--train-samples", "give the -samples flag"
+    else:
+        wrong = [("--lr-decay-samples", o.lr_decay_samples is not None, "expected iteration-based learning rate decay"),
+                 ("--lr-warmup-samples", o.lr_warmup_samples != 0, "expected iteration-based learning rate warmup"),
+                 ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples is not None, "expected iteration-based WSD decay"),
+                 ("--rampup-batch-size", t.rampup_batch_size is not None,
+                  "expected no batch-size rampup for iteration-based training")]
+        given, other = "--train-iters", "give --train-samples for sample-based training"
+    for flag, bad, reason in wrong:
+        if bad:
+            raise ConfigError(f"{flag} with {given}: {reason} (Megatron-LM's rule); {other}")
+    if o.lr_warmup_fraction is not None:
+        warm = "--lr-warmup-samples" if t.train_samples is not None else "--lr-warmup-iters"
+        if (o.lr_warmup_samples if t.train_samples is not None else o.lr_warmup_iters) != 0:
+            raise ConfigError(f"--lr-warmup-fraction with {warm}: can only specify one of "
+                              f"lr-warmup-fraction and {warm[2:]}")
+
+
+def validate_samples(cfg: Config, world_size: int) -> None:
+    """Sample-based training and the batch-size schedules (mlm_jax/batch_schedule.py): Megatron's
+    combinations, its calculator's checks on every batch size the run reaches, and the
+    pipeline's microbatch rules for each of them."""
+    import dataclasses
+
+    from mlm_jax.batch_schedule import from_config
+
+    t = cfg.train
+    _refuse_mixed_schedule(cfg)
+    if t.train_samples is not None and t.train_samples <= 0:
+        raise ConfigError(f"--train-samples must be a positive number, got {t.train_samples}")
+    if t.rampup_batch_size is not None and t.step_batch_size_schedule is not None:
+        raise ConfigError("--rampup-batch-size with --step-batch-size-schedule: give one (Megatron-LM replaced "
+                          "the first by the second)")
+    dp = data_parallel_size(cfg.parallel, world_size)
+    if t.step_batch_size_schedule is not None and t.global_batch_size != t.micro_batch_size * dp:
+        raise ConfigError("Cannot specify both --step-batch-size-schedule and --global-batch-size "
+                          "(Megatron-LM's rule: the schedule gives every batch size)")
+    schedule = from_config(cfg, dp)
+    if not schedule.varies:
+        return
+    sizes = set(schedule.plan(0, 0, t.train_iters)[1])
+    schedule.check_sizes(sizes)
+    for size in sorted(sizes):  # the pipeline's microbatch rules hold for every batch size
+        pipeline_plan(cfg.replace(train=dataclasses.replace(t, global_batch_size=size)), world_size)
+
+
 def validate_optimizer(cfg: Config) -> None:
     """The learning-rate schedule's bounds and Adam's betas."""
     o, t = cfg.optim, cfg.train
@@ -158,6 +213,15 @@ def validate_optimizer(cfg: Config) -> None:
         raise ConfigError(
             f"--lr-warmup-iters {o.lr_warmup_iters} must be between 0 and --lr-decay-iters {decay}"
         )
+    if not 0.0 <= o.lr_warmup_init <= o.lr:
+        raise ConfigError(f"--lr-warmup-init {o.lr_warmup_init} must be between 0 and --lr {o.lr}")
+    if o.lr_warmup_fraction is not None and not 0.0 <= o.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be between 0 and 1")
+    if t.train_samples is not None:
+        decay = o.lr_decay_samples if o.lr_decay_samples is not None else t.train_samples
+        if o.lr_warmup_samples < 0 or (o.lr_decay_style != "constant" and o.lr_warmup_samples > decay):
+            raise ConfigError(
+                f"--lr-warmup-samples {o.lr_warmup_samples} must be between 0 and --lr-decay-samples {decay}")
     if not (0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0):
         raise ConfigError(
             f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)"
@@ -223,6 +287,33 @@ def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
                               "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
 
 
+def validate_issue14_flags(cfg: Config) -> None:
+    """--decoupled-lr / --decoupled-min-lr bounds (Megatron's scheduler: 0 <= min <= max) and
+    --rotary-percent: a fraction of the head whose channel count is even (rotate-half pairs)."""
+    o, m = cfg.optim, cfg.model
+    _bounded("--decoupled-lr", o.decoupled_lr, ">= 0")
+    _bounded("--decoupled-min-lr", o.decoupled_min_lr, ">= 0")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {o.decoupled_min_lr} needs --decoupled-lr (the peak LR of the "
+                          "embedding and output layer)")
+    if o.decoupled_lr is not None:
+        low = o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr
+        if low > o.decoupled_lr:
+            raise ConfigError(f"need {'--decoupled-min-lr' if o.decoupled_min_lr is not None else '--min-lr'} "
+                              f"({low}) <= --decoupled-lr ({o.decoupled_lr}): the embedding and output layer's "
+                              "schedule decays from one to the other")
+    if not (math.isfinite(m.rotary_percent) and 0.0 < m.rotary_percent <= 1.0):
+        raise ConfigError(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+    if m.rotary_percent != 1.0:
+        if m.position_embedding_type != "rope":
+            raise ConfigError(f"--rotary-percent {m.rotary_percent} needs --position-embedding-type rope "
+                              f"(got {m.position_embedding_type})")
+        dims = int(m.head_dim * m.rotary_percent)
+        if dims < 2 or dims % 2:
+            raise ConfigError(f"--rotary-percent {m.rotary_percent} x head dim {m.head_dim} = {dims} rotary "
+                              "channels; they must be a positive even number (rotated in pairs)")
+
+
 def _bounded(flag: str, value, rule: str) -> None:
     """`rule` is '> 0' or '>= 0'; None means unset. NaN and infinities are refused too."""
     if value is None:
@@ -241,6 +332,8 @@ def validate_numbers(cfg: Config) -> None:
         ("--lr", o.lr, ">= 0"), ("--min-lr", o.min_lr, ">= 0"),
         ("--weight-decay", o.weight_decay, ">= 0"), ("--clip-grad", o.clip_grad, ">= 0"),
         ("--adam-eps", o.adam_eps, "> 0"), ("--lr-decay-iters", o.lr_decay_iters, "> 0"),
+        ("--lr-decay-samples", o.lr_decay_samples, "> 0"),
+        ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples, ">= 0"),
         ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, ">= 0"),
         ("--norm-epsilon", m.norm_epsilon, "> 0"), ("--init-method-std", m.init_method_std, ">= 0"),
         ("--rotary-base", m.rotary_base, "> 0"), ("--kv-channels", m.kv_channels, "> 0"),

@@ -68,7 +68,7 @@ def test_exit_interval_then_exact_resume(straight, tmp, cfg_a):
     training and validation losses both."""
     straight_summary, losses, _ = straight
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert sorted(straight_summary["valid_losses"]) == [0, 2, 4, 6]
+    assert sorted(straight_summary["valid_losses"]) == [2, 4, 6]  # Megatron's: none before step 1
     summary, first, log = run(tmp, "exit", LAYOUT_A + ["--save", str(tmp / "E"), "--exit-interval", "3",
                                                        "--eval-interval", "2"])
     assert summary["exit_reason"] == "--exit-interval 3" and summary["last_iteration"] == 3
@@ -365,9 +365,13 @@ V1_FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-at
             "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
             "--no-progress-bar", "--sample-tokens", "0", "--eval-iters", "1", "--log-interval", "1",
             "--peak-flops-per-device", "1e9", "--no-final-checkpoint"]
-# The same resume (iteration 2 -> 3) run by the code that wrote the checkpoint (commit 250d8f5,
-# format 1, one CPU device): what the format-2 code must reproduce from it.
-V1_RESUMED_LOSS, V1_RESUMED_GRAD_NORM = 4.153881072998047, 1.9939546585083008
+# The same resume (iteration 2 -> 4, dropout off: its random stream has changed since) run by the
+# code that wrote the checkpoint (commit 250d8f5, format 1, one CPU device), with the flags below:
+# what the format-2 code must reproduce from it. Iteration 3's loss and gradient check the restored
+# parameters and data position, iteration 4's the restored optimizer state as well.
+V1_RESUME_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--min-lr", "1e-4",
+                   "--lr-decay-style", "cosine", "--train-iters", "4"]
+V1_RESUMED = {3: (4.132192134857178, 1.9164550304412842), 4: (4.145040512084961, 1.9765435457229614)}
 
 
 def test_format_1_checkpoint_restores_renamed_and_resumes_as_its_writer_did(tmp_path):
@@ -397,14 +401,16 @@ def test_format_1_checkpoint_restores_renamed_and_resumes_as_its_writer_did(tmp_
         np.testing.assert_array_equal(a, b)
     # Resume, optimizer state included (renamed the same way), on one device as it was written.
     env = dict(os.environ, MLM_JAX_CPU_DEVICES="1", XLA_FLAGS="")
-    proc = subprocess.run([sys.executable, "-m", "mlm_jax.train", *V1_FLAGS, "--train-iters", "3",
+    proc = subprocess.run([sys.executable, "-m", "mlm_jax.train", *V1_FLAGS, *V1_RESUME_FLAGS,
                            "--load", str(folder), "--run-dir", str(tmp_path / "run")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    (last,) = [r for r in records if r.get("iteration") == 3 and "lm_loss" in r]
-    assert abs(last["lm_loss"] - V1_RESUMED_LOSS) <= 1e-6, last["lm_loss"]
-    assert abs(last["grad_norm"] - V1_RESUMED_GRAD_NORM) <= 1e-5, last["grad_norm"]
+    got = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in records if "lm_loss" in r}
+    assert sorted(got) == [3, 4]
+    for iteration, (loss, grad_norm) in V1_RESUMED.items():
+        assert abs(got[iteration][0] - loss) <= 1e-6, (iteration, got[iteration], loss)
+        assert abs(got[iteration][1] - grad_norm) <= 1e-5, (iteration, got[iteration], grad_norm)
 
 
 def test_newer_format_is_refused_naming_both_versions(tmp_path):

@@ -27,14 +27,16 @@ LAYOUTS = {
     "tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), MICRO),
     "dp8": (ParallelConfig(), 1),  # 2 microbatches
     "dp8_zero": (ParallelConfig(use_distributed_optimizer=True), 1),
+    "dp8_dropout": (ParallelConfig(), 1, (("hidden_dropout", 0.1), ("attention_dropout", 0.1))),
+    "dp8_zero_bf16": (ParallelConfig(use_distributed_optimizer=True), 1, (("bf16", True),)),
 }
 
 
 @pytest.fixture(scope="module")
 def compiled_text():
     out = {}
-    for name, (par, micro) in LAYOUTS.items():
-        pz = build(par, micro)
+    for name, (par, micro, *model) in LAYOUTS.items():
+        pz = build(par, micro, **dict(*model))
         state = pz.init(0)
         lowered = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0))
         out[name] = (pz, lowered.compile().as_text())
@@ -193,7 +195,7 @@ def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4"])
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside."""
@@ -203,8 +205,52 @@ def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(comp
     outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line
                and any(len({i // 1 for i in g}) > 1 for g in _groups(line, pz.mesh.devices.size))]
     assert outside, "the gradient reduction must still happen, once, after the loop"
-    if name == "dp8_zero":  # ZeRO: the parameters are gathered once, before the loop
+    if name.startswith("dp8_zero"):  # ZeRO: the parameters are gathered once, before the loop
         assert any(" all-gather" in line for line in outside)
+
+
+_GATHER_WORKER = """
+import jax
+jax.config.update("jax_enable_compilation_cache", False)  # compile here, so that XLA dumps
+from mlm_jax.config import ParallelConfig
+from tests.parallel_util import build, fixed_batch, place
+for bf16 in (False, True):
+    pz = build(ParallelConfig(use_distributed_optimizer=True), 1, bf16=bf16)
+    pz.train_step.lower(pz.init(0), place(pz, fixed_batch()), jax.random.key(0)).compile()
+"""
+
+
+def test_zero_gathers_bf16_parameters_under_bf16(tmp_path):
+    """Under --bf16 ZeRO's one all-gather per step moves the weights in bf16 (what the model reads
+    them in) and the norms in fp32: half the gather bytes of the fp32 step. Read from the program
+    XLA partitioned, before XLA:CPU's float-normalization-bf16 pass widens every bf16 collective to
+    f32 (the CPU has none; GPUs gather bf16)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 --xla_dump_to={tmp_path} "
+                         "--xla_dump_hlo_pass_re=float-normalization-bf16 --xla_dump_hlo_module_re=.*train_step.*")
+    proc = subprocess.run([sys.executable, "-c", _GATHER_WORKER], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dumps = sorted(glob.glob(str(tmp_path / "*jit_train_step*before_float-normalization-bf16.txt")))
+    assert len(dumps) == 2, dumps  # fp32 step, then bf16 step
+
+    def gathers(path):
+        lines = open(path).read().splitlines()
+        return [re.search(r"= (\w+)\[([\d,]*)\]", x).groups() for x in lines
+                if re.search(r" all-gather(-start)?\(", x) and "/while/body/" not in x]
+
+    fp32, bf16 = gathers(dumps[0]), gathers(dumps[1])
+    assert fp32 and {t for t, _ in fp32} == {"f32"}
+    # every stacked weight, the embedding [512, 64] and the position table [32, 64]
+    matrices = [t for t, dims in bf16 if dims.count(",") >= 2 or dims in ("512,64", "32,64")]
+    assert len(matrices) >= 6 and set(matrices) == {"bf16"}, bf16
+    assert ("f32", "2,64") in bf16, bf16  # the norms' scales stay fp32
 
 
 def test_group_parser_flags_the_per_microbatch_reduction():

@@ -42,6 +42,10 @@ def test_every_flag_in_the_table_parses():
             continue  # choices are checked separately
         if flag == "--num-query-groups":
             argv.append("--group-query-attention")
+        if flag == "--overlap-param-gather":  # Megatron's rule: only with the distributed optimizer
+            argv.append("--use-distributed-optimizer")
+        if kind == "int3":  # --rampup-batch-size START INCR SAMPLES
+            argv = [flag, "8", "8", "32"]
         parse_args(argv)
 
 

@@ -1,6 +1,7 @@
 """Megatron flags that are irrelevant on XLA (accepted, mapped as their help says), fp8
 (refused by name), and --eval-iters 0 (no validation, as in Megatron-LM)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,13 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Flags with no effect at all: the config must be exactly the one without them.
 NO_EFFECT = [
-    ["--overlap-grad-reduce"], ["--distributed-backend", "nccl"], ["--distributed-backend", "gloo"],
+    ["--distributed-backend", "nccl"], ["--distributed-backend", "gloo"],
     ["--use-mcore-models"], ["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine"],
     ["--no-masked-softmax-fusion"], ["--attention-softmax-in-fp32"], ["--cross-entropy-loss-fusion"],
     ["--no-create-attention-mask-in-dataloader"], ["--log-throughput"], ["--calculate-per-token-loss"],
     ["--ckpt-format", "torch_dist"], ["--ckpt-format", "zarr"], ["--ckpt-format", "torch"], ["--manual-gc"],
     ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
-    ["--empty-unused-memory-level", "2"], ["--rotary-percent", "1.0"],
+    ["--empty-unused-memory-level", "2"],
 ]
 
 FP8 = [["--fp8-format", "hybrid"], ["--fp8-margin", "0"], ["--fp8-amax-history-len", "1024"],
@@ -35,8 +36,8 @@ def test_accepted_flag_changes_nothing(flag):
 
 
 def test_every_accepted_flag_is_tested_and_in_help(capsys):
-    tested = {f[0] for f in NO_EFFECT} | {"--overlap-param-gather", "--distributed-timeout-minutes",
-                                          "--use-rotary-position-embeddings", "--no-position-embedding"}
+    tested = {f[0] for f in NO_EFFECT} | {"--distributed-timeout-minutes", "--use-rotary-position-embeddings",
+                                          "--no-position-embedding"}
     assert tested == {flag for flag, _, _ in ACCEPTED}
     with pytest.raises(SystemExit):
         parse_args(["--help"])
@@ -49,7 +50,9 @@ def test_overlap_param_gather_needs_the_distributed_optimizer():
         parse_args(["--overlap-param-gather", "--overlap-grad-reduce"])
     assert str(e.value) == "--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)"
     cfg = parse_args(["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"])
-    assert cfg == parse_args(["--use-distributed-optimizer"])
+    assert cfg.parallel.overlap_param_gather and cfg.parallel.overlap_grad_reduce  # XLA flags: xla_flags.py
+    cleared = dataclasses.replace(cfg.parallel, overlap_param_gather=False, overlap_grad_reduce=False)
+    assert cfg.replace(parallel=cleared) == parse_args(["--use-distributed-optimizer"])
 
 
 def test_distributed_timeout_minutes_is_the_coordinator_timeout():
@@ -72,10 +75,9 @@ def test_rotary_flags():
     with pytest.raises(ConfigError, match="--use-rotary-position-embeddings contradicts --position-embedding-type"
                                           " learned_absolute"):
         parse_args(["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"])
-    with pytest.raises(ConfigError) as e:
-        parse_args(["--position-embedding-type", "rope", "--rotary-percent", "0.5"])
-    assert str(e.value) == ("--rotary-percent 0.5: partial rotary embeddings are not implemented; "
-                            "only 1.0 (rotary on the whole head)")
+    assert parse_args(["--rotary-percent", "1.0"]) == parse_args([])
+    # partial rotary is implemented (tests/test_megatron_flags_model.py)
+    assert parse_args(["--position-embedding-type", "rope", "--rotary-percent", "0.5"]).model.rotary_percent == 0.5
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -140,3 +142,19 @@ def test_eval_iters_0_runs_without_validation(tmp_path):
     assert not [r for r in records if "valid_lm_loss" in r], records
     out = p.stdout + p.stderr
     assert "validation loss" not in out and "> done: no validation;" in out, out
+
+
+def test_megatron_defaults_for_what_a_script_leaves_out():
+    """A run with data (a Megatron script) gets Megatron-LM's defaults; the no-flag default run
+    on the embedded corpus keeps its own schedule and intervals, each overridable by its flag."""
+    megatron = parse_args(["--mock-data"])
+    assert (megatron.optim.min_lr, megatron.optim.lr_decay_style) == (0.0, "linear")
+    assert (megatron.train.log_interval, megatron.train.eval_interval, megatron.train.eval_iters) == (100, 1000, 100)
+    assert not megatron.train.eval_at_start
+    assert (megatron.optim.adam_beta2, megatron.optim.weight_decay, megatron.model.hidden_dropout) == (0.999, 0.01, 0.1)
+    default = parse_args([])
+    assert (default.optim.min_lr, default.optim.lr_decay_style) == (1e-4, "cosine")
+    assert (default.train.log_interval, default.train.eval_interval, default.train.eval_iters) == (10, 100, 10)
+    assert default.train.eval_at_start
+    tweaked = parse_args(["--log-interval", "5", "--min-lr", "0"])
+    assert (tweaked.train.log_interval, tweaked.optim.min_lr, tweaked.train.eval_interval) == (5, 0.0, 100)

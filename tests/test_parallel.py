@@ -65,6 +65,19 @@ def test_llama_style_model_matches_single_device():
     assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
 
 
+def test_dropout_masks_do_not_depend_on_the_data_parallel_split():
+    """With dropout on, dp4 x tp2 (each data-parallel rank runs its own rows and the gradients
+    are reduced once per step) draws the masks one device draws: the same microbatch split (4
+    microbatches of 4 rows) gives the same loss and gradients at the stated tolerances."""
+    dropout = (("hidden_dropout", 0.1), ("attention_dropout", 0.1))
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=dropout)
+    no_dropout_loss, _ = grads_for(*REFERENCE, single_device=True)
+    assert abs(ref_loss - no_dropout_loss) > 1e-4, "dropout must really be on"
+    loss, grads = grads_for(ParallelConfig(tensor_model_parallel_size=2), 1, model=dropout)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
 # After five AdamW steps. Adam divides by sqrt(v) + eps, so where a gradient entry is near zero
 # (the key-bias part of bqkv is analytically zero; rare embedding rows are tiny) fp32 rounding
 # noise becomes a visible step. The floor, measured: the *same single device* with the global

@@ -15,10 +15,11 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
         "--lr", "1e-3", "--lr-warmup-iters", "0"]
 
 
-def run(tmp_path, name, extra, iters=4):
+def run(tmp_path, name, extra, iters=4, eval_at_start=True):
     run_dir = tmp_path / name
-    argv = TINY + ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "2",
-                   "--run-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb")] + extra
+    argv = TINY + ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "2"]
+    argv += ["--eval-at-start"] if eval_at_start else []
+    argv += ["--run-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb")] + extra
     summary = train(parse_args(argv), log=lambda *_: None)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return summary, records
@@ -30,7 +31,7 @@ def runs(tmp_path_factory):
     return {
         "dp8": run(tmp, "dp8", []),
         "dp2_tp4_sp": run(tmp, "dp2_tp4_sp", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
-                                              "--micro-batch-size", "2"]),
+                                              "--micro-batch-size", "2"], eval_at_start=False),
     }
 
 
@@ -49,6 +50,13 @@ def test_metrics_file_and_tensorboard(runs):
     tb = os.path.join(summary["run_dir"], "tb")
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
     assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["model"]["num_layers"] == 2
+
+
+def test_no_validation_before_the_first_step_unless_asked(runs):
+    """Megatron-LM validates on --eval-interval and at the end, not before the first step;
+    --eval-at-start (the default run's setting) adds that pass."""
+    valid = [r["iteration"] for r in runs["dp2_tp4_sp"][1] if "valid_lm_loss" in r]
+    assert valid == [2, 4]
 
 
 def test_same_seed_same_curve_whatever_the_layout(runs):

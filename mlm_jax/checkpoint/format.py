@@ -34,6 +34,7 @@ SHAPE_FIELDS = (
     ("position_embedding_type", "--position-embedding-type"),
     ("max_position_embeddings", "--max-position-embeddings"),
     ("normalization", "--normalization"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"),  # the norm weights mean gamma - 1, not gamma
     ("swiglu", "--swiglu"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", "--disable-bias-linear (add_bias_linear)"),
@@ -50,6 +51,7 @@ ARCH_FIELDS = (
     "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
+    "apply_layernorm_1p", "rotary_percent",
 )
 
 
@@ -176,8 +178,10 @@ def tokenizer_record(tokenizer) -> tuple[dict | None, dict[str, bytes]]:
     if kind == "GPT2BPETokenizer":
         record["vocab_file"] = os.path.basename(tokenizer.vocab_file)
         record["merge_file"] = os.path.basename(tokenizer.merge_file)
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer",
+                  "TikTokenizer"):
         record["tokenizer_model"] = os.path.basename(tokenizer.model_file)
+        record.update(tokenizer.options() if hasattr(tokenizer, "options") else {})  # tiktoken's flags
     elif kind == "HuggingFaceTokenizer":
         record["tokenizer_model"] = os.path.basename(tokenizer.tokenizer_file)
     return record, files
@@ -192,6 +196,9 @@ def tokenizer_flags(found_path: str, record: dict | None) -> dict:
     for key in ("tokenizer_model", "vocab_file", "merge_file"):
         if record.get(key):
             out[key] = os.path.join(folder, record[key])
+    for key in ("tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens"):
+        if record.get(key) is not None:  # TikTokenizer's options
+            out[key] = tuple(record[key]) if isinstance(record[key], list) else record[key]
     return out
 
 

@@ -151,8 +151,17 @@ class Start:
     valid_batches: int = 0  # validation batches already used (evaluations continue the stream)
 
 
+def schedule_samples(meta: dict, saved_cfg: Config) -> int:
+    """The LR scheduler's sample count a checkpoint resumes (`state["schedule_samples"]`):
+    recorded since the batch-size schedules; older checkpoints ran a constant batch, so their
+    optimizer steps x their global batch size."""
+    if "schedule_samples" in meta:
+        return int(meta["schedule_samples"])
+    return int(meta.get("opt_step", meta["iteration"])) * int(saved_cfg.train.global_batch_size or 0)
+
+
 def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict, Start]:
-    """Train state ({params, opt_state, step}) on `pz`'s mesh and layout from `found`."""
+    """Train state ({params, opt_state, step, schedule_samples}) on `pz`'s mesh and layout from `found`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -190,8 +199,10 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
         with jax.set_mesh(pz.mesh):
             opt_state = jax.jit(pz.tx.init, out_shardings=pz.opt_sharding)(params)
     opt_step = int(meta.get("opt_step", meta["iteration"])) if load_optim else 0
-    step = jax.device_put(jnp.asarray(opt_step, jnp.int32), NamedSharding(pz.mesh, P()))
-    state = {"params": params, "opt_state": opt_state, "step": step}
+    rep = NamedSharding(pz.mesh, P())
+    step = jax.device_put(jnp.asarray(opt_step, jnp.int32), rep)
+    samples = jax.device_put(jnp.asarray(schedule_samples(meta, saved_cfg) if load_optim else 0, jnp.int32), rep)
+    state = {"params": params, "opt_state": opt_state, "step": step, "schedule_samples": samples}
 
     if c.finetune:
         start = Start(0, 0, None, found.path)

@@ -237,6 +237,7 @@ class Saver:
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration),
             "consumed_samples": int(consumed_samples), "opt_step": int(jax.device_get(state["step"])),
+            "schedule_samples": int(jax.device_get(state["schedule_samples"])),
             "valid_batches": int(self.valid_loader.iteration) if self.valid_loader is not None else 0,
             "has_optimizer": bool(self.c.save_optim),
             "rng": ({"seed": self.cfg.train.seed, "impl": "threefry2x32",

@@ -117,6 +117,9 @@ def _data_config(args) -> DataConfig:
         tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tokenizer_special_tokens=None if args.tokenizer_special_tokens is None else tuple(args.tokenizer_special_tokens),
     )
 
 

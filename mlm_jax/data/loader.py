@@ -6,7 +6,9 @@ The batch at iteration k is samples `[k * gbs, (k + 1) * gbs)` of the dataset, l
 rank r of microbatch m gets samples `k*gbs + m*micro*dp + [r*micro, (r+1)*micro)`, exactly
 Megatron's `MegatronPretrainingSampler` order. So the data order is a pure function of
 (dataset, iteration): it does not depend on the data-parallel size or the number of hosts,
-and resuming needs only `start_iteration`.
+and resuming needs only `start_iteration`. With a batch-size ramp-up (`plan`), batch k starts at
+the samples consumed before it instead of k * gbs, in the same layout (Megatron's sampler
+starts each batch at `consumed_samples` too).
 
 Each process reads only the rows its addressable devices hold
 (`sharding.addressable_devices_indices_map`) and assembles the global arrays with
@@ -28,6 +30,25 @@ import numpy as np
 _DONE = object()
 
 
+class _Layout:
+    """Where the rows of one batch shape live: which of them this process holds (sorted), their
+    positions in its local array, and the sequence order of context parallelism."""
+
+    def __init__(self, sharding: jax.sharding.Sharding, shape: tuple[int, ...]):
+        self.shape = shape
+        self.grid = np.arange(math.prod(shape[:-1])).reshape(shape[:-1])  # [*batch dims]
+        self.device_index = sharding.addressable_devices_indices_map(shape)
+        held = np.unique(np.concatenate([self.grid[idx[:-1]].reshape(-1) for idx in self.device_index.values()]))
+        self.local_rows = held  # offsets within the batch
+        self.pos = np.full(self.grid.size, -1, dtype=np.int64)
+        self.pos[held] = np.arange(held.size)
+        # Context parallelism: the sequence is stored in the load-balanced chunk order, so the
+        # slice a context rank's devices ask for is exactly its two chunks.
+        from mlm_jax.parallel.chunks import sharding_seq_order
+
+        self.seq_order = sharding_seq_order(sharding, shape)
+
+
 class BatchLoader:
     """Iterator of `(dict of global jax.Array, data_wait_seconds)`, one per iteration.
 
@@ -41,6 +62,9 @@ class BatchLoader:
         prefetch: batches built ahead by the background thread (0: build on demand).
         on_read: called as `on_read(iteration, sample_ids)` with the ids this process read.
         end_iteration: stop before this iteration (default: when the dataset runs out).
+        plan: iteration -> (first sample, shape) for batches that change size (a batch-size
+            ramp-up: `mlm_jax.batch_schedule`); batch k is then samples [first, first + prod(shape[:-1]))
+            in the same layout. Default: iteration k is samples [k * gbs, (k + 1) * gbs) of `shape`.
     """
 
     def __init__(
@@ -54,6 +78,7 @@ class BatchLoader:
         prefetch: int = 2,
         on_read: Callable[[int, np.ndarray], None] | None = None,
         end_iteration: int | None = None,
+        plan: Callable[[int], tuple[int, tuple[int, ...]]] | None = None,
     ):
         self.dataset = dataset
         self.gbs = int(global_batch_size)
@@ -66,23 +91,16 @@ class BatchLoader:
         self.sharding = sharding
         self.make_batch_fn = make_batch_fn
         self.on_read = on_read
-        available = len(dataset) // self.gbs
-        self.end_iteration = available if end_iteration is None else min(int(end_iteration), available)
+        if plan is None:  # a fixed batch: whole batches of the dataset
+            available = len(dataset) // self.gbs
+            self.plan = lambda k: (k * self.gbs, self.shape)
+            self.end_iteration = available if end_iteration is None else min(int(end_iteration), available)
+        else:
+            self.plan = plan
+            self.end_iteration = self._available(int(start_iteration), end_iteration)
         self.iteration = int(start_iteration)
-
-        # Which rows of the [gbs] batch this process's devices hold, in sorted order.
-        grid = np.arange(self.gbs).reshape(self.shape[:-1])  # [*batch dims]
-        self._grid = grid
-        self._device_index = sharding.addressable_devices_indices_map(self.shape)
-        held = np.unique(np.concatenate([grid[idx[:-1]].reshape(-1) for idx in self._device_index.values()]))
-        self.local_rows = held  # offsets within the batch
-        self._pos = np.full(self.gbs, -1, dtype=np.int64)
-        self._pos[held] = np.arange(held.size)
-        # Context parallelism: the sequence is stored in the load-balanced chunk order, so the
-        # slice a context rank's devices ask for is exactly its two chunks.
-        from mlm_jax.parallel.chunks import sharding_seq_order
-
-        self._seq_order = sharding_seq_order(sharding, self.shape)
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self.local_rows = self._layout(self.shape).local_rows  # of `shape`'s batches
 
         self._prefetch = int(prefetch)
         self._queue: queue.Queue | None = None
@@ -94,11 +112,35 @@ class BatchLoader:
                                             name="BatchLoader")
             self._thread.start()
 
+    def _available(self, start: int, end: int | None) -> int:
+        """The first iteration from `start` whose planned batch the dataset cannot fill (at most
+        `end`). Planned batches follow each other, so their ends grow: bisect when `end` is known."""
+        def fits(k: int) -> bool:
+            first, shape = self.plan(k)
+            return first + math.prod(shape[:-1]) <= len(self.dataset)
+
+        if end is None:
+            k = start
+            while fits(k):
+                k += 1
+            return k
+        lo, hi = start, max(start, int(end))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _layout(self, shape: tuple[int, ...]) -> _Layout:
+        if shape not in self._layouts:
+            self._layouts[shape] = _Layout(self.sharding, shape)
+        return self._layouts[shape]
+
     # -- building one batch
 
     def read_samples(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, [n, seq+1] samples) this process needs for `iteration`."""
-        ids = iteration * self.gbs + self.local_rows
+        first, shape = self.plan(iteration)
+        ids = first + self._layout(tuple(shape)).local_rows
         samples = np.stack([np.asarray(self.dataset[int(i)]) for i in ids])  # [n, seq+1]
         if samples.shape[1] != self.shape[-1] + 1:
             raise ValueError(
@@ -111,15 +153,16 @@ class BatchLoader:
         ids, samples = self.read_samples(iteration)
         if self.on_read is not None:
             self.on_read(iteration, ids)
+        layout = self._layout(tuple(self.plan(iteration)[1]))
         local = self.make_batch_fn(samples)  # key -> [n, seq]
-        if self._seq_order is not None:
-            local = {k: v[..., self._seq_order] for k, v in local.items()}  # [n, seq], chunk order
+        if layout.seq_order is not None:
+            local = {k: v[..., layout.seq_order] for k, v in local.items()}  # [n, seq], chunk order
         out = {}
         for key, arr in local.items():
             def piece(index, arr=arr):
-                rows = self._pos[self._grid[index[:-1]]]  # [*block batch dims]
+                rows = layout.pos[layout.grid[index[:-1]]]  # [*block batch dims]
                 return arr[rows][..., index[-1]]
-            out[key] = jax.make_array_from_callback(self.shape, self.sharding, piece)
+            out[key] = jax.make_array_from_callback(layout.shape, self.sharding, piece)
         return out
 
     def _run(self, start: int) -> None:

@@ -356,6 +356,11 @@ def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    g.add_argument("--tiktoken-pattern", default="v2", choices=("v1", "v2"), help="TikTokenizer's split pattern")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens before the ranks")
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", dest="tokenizer_special_tokens",
+                   nargs="+", default=None, help="TikTokenizer's named special tokens")
 
 
 def tokenizer_kwargs_from(args) -> dict:
@@ -365,6 +370,9 @@ def tokenizer_kwargs_from(args) -> dict:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tokenizer_special_tokens=args.tokenizer_special_tokens,
     )
 
 

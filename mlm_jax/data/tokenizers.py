@@ -10,6 +10,8 @@ EOD per type, as Megatron-LM's `megatron/training/tokenizer/tokenizer.py` define
 * SentencePieceTokenizer: Megatron appends `<CLS> <SEP> <EOD> <MASK>` (and `<PAD>`, bos, eos
   pieces when the model lacks them) after the model's pieces; EOD is the id of `<EOD>`.
 * GPTSentencePieceTokenizer: the model's own eos id; nothing is appended.
+* Llama2Tokenizer: the model's eos id; bos is put before every text (Megatron's _Llama2Tokenizer).
+* Llama3Tokenizer, TikTokenizer: `<|end_of_text|>`, `</s>` (mlm_jax/data/tiktoken_tokenizers.py).
 * HuggingFaceTokenizer: the eos token named in tokenizer_config.json / special_tokens_map.json.
 * NullTokenizer(V): ids are given; EOD = V and the vocab is V + 1, so EOD = vocab_size - 1.
 """
@@ -26,6 +28,9 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "Llama3Tokenizer",
+    "TikTokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
 )
@@ -160,6 +165,30 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), num_threads=1)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.sp.decode_ids([int(i) for i in ids])
+
+
+class Llama2Tokenizer(_SentencePieceBase):
+    """Megatron's `_Llama2Tokenizer`: a SentencePiece model used as is (vocab = its pieces),
+    every text encoded with the bos id in front and no eos; EOD is the model's eos id."""
+
+    tokenizer_type = "Llama2Tokenizer"
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.vocab_size = len(self.sp)
+        self.bos, self.eod = int(self.sp.bos_id()), int(self.sp.eos_id())
+        if self.bos < 0 or self.eod < 0:
+            raise TokenizerError(f"--tokenizer-model {model_file} has no bos or eos piece; Llama2Tokenizer "
+                                 "puts bos before each text and uses eos as the end-of-document token")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self.sp.encode_as_ids(text)]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in self.sp.encode(list(texts), num_threads=1)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.sp.decode_ids([int(i) for i in ids])
@@ -335,8 +364,19 @@ def make_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    tiktoken_pattern: str = "v2",
+    tiktoken_num_special_tokens: int = 1000,
+    tokenizer_special_tokens: Sequence[str] | None = None,
 ):
     """Build a tokenizer from Megatron's tokenizer flags (see `build_tokenizer`)."""
+    if tokenizer_type in ("Llama3Tokenizer", "TikTokenizer"):
+        from mlm_jax.data.tiktoken_tokenizers import Llama3Tokenizer, TikTokenizer
+
+        if tokenizer_type == "Llama3Tokenizer":
+            return Llama3Tokenizer(tokenizer_model)
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tokenizer_special_tokens)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
@@ -360,6 +400,10 @@ def build_tokenizer(data_cfg, vocab_size: int | None = None):
         vocab_file=data_cfg.vocab_file,
         merge_file=data_cfg.merge_file,
         vocab_size=vocab_size,
+        # TikTokenizer's options (any object with the DataConfig fields will do; these may be absent)
+        tiktoken_pattern=getattr(data_cfg, "tiktoken_pattern", "v2"),
+        tiktoken_num_special_tokens=getattr(data_cfg, "tiktoken_num_special_tokens", 1000),
+        tokenizer_special_tokens=getattr(data_cfg, "tokenizer_special_tokens", None),
     )
 
 

@@ -166,8 +166,8 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "context_seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "context_seq", "kv_heads", "head_dim"))
         if cfg.position_embedding_type == "rope":
-            q = rotary(q, positions_bs, cfg.rotary_base)
-            k = rotary(k, positions_bs, cfg.rotary_base)
+            q = rotary(q, positions_bs, cfg.rotary_base, cfg.rotary_percent)
+            k = rotary(k, positions_bs, cfg.rotary_base, cfg.rotary_percent)
         return q, k, v
 
     def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:

@@ -4,6 +4,8 @@ rotary embeddings and the compute dtype. No mesh here: parameters carry logical 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -39,18 +41,33 @@ def cast(p: nnx.Param | None, dtype):
     return None if p is None else p[...].astype(dtype)
 
 
+def used_in_compute_dtype(path) -> bool:
+    """Whether the parameter at `path` (a pytree key path) is only ever read through `cast` to the
+    compute dtype (or looked up, then cast): every weight and bias except the norms' (applied in
+    fp32) and the MoE router's (fp32 logits). Such a parameter can travel in the compute dtype
+    (ZeRO's all-gather in bf16) without changing a single value the model computes."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    return not any("norm" in k or k == "router" for k in keys)
+
+
 def add_bias(y, b):
     return y if b is None else y + b
 
 
 class Norm(nnx.Module):
-    """LayerNorm (with bias, as Megatron always has) or RMSNorm; computed in fp32."""
+    """LayerNorm (with bias, as Megatron always has) or RMSNorm; computed in fp32.
+
+    With --apply-layernorm-1p (Megatron's zero-centered gamma) `scale` holds gamma - 1, starts at
+    zero and is applied as (1 + scale): weight decay then pulls gamma towards 1, not 0 (norm
+    weights are excluded from decay anyway, as in Megatron, so the two give the same function).
+    """
 
     def __init__(self, cfg: ModelConfig):
         d = cfg.hidden_size
         self.rms = cfg.normalization == "RMSNorm"
         self.eps = cfg.norm_epsilon
-        self.scale = param(None, ones, (d,), ("embed",))
+        self.one_p = cfg.apply_layernorm_1p
+        self.scale = param(None, zeros if self.one_p else ones, (d,), ("embed",))
         self.bias = None if self.rms else param(None, zeros, (d,), ("embed",))
 
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
@@ -61,23 +78,78 @@ class Norm(nnx.Module):
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
+        gamma = self.scale[...].astype(jnp.float32)
+        y = y * (1.0 + gamma if self.one_p else gamma)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x_bsd.dtype)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0."""
+    """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0.
+
+    The mask is a function of the key and each element's index in the *global* tensor (dim 0,
+    the batch rows, offset by `rows_from`), never of how the tensor is split: a data-parallel rank
+    running its own rows (parallelize's reduce-once step) draws exactly the mask those rows get
+    on one device."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = keep_mask(key, x.shape, 1.0 - rate)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float) -> jax.Array:
-    """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's)."""
-    half = x_bshk.shape[-1] // 2
+_ROW_OFFSET: list = []  # stack of the global index of this program's row 0 (see rows_from)
+
+
+@contextlib.contextmanager
+def rows_from(offset):
+    """Trace the body's dropout masks as rows offset.. of the global batch (a per-rank body)."""
+    _ROW_OFFSET.append(offset)
+    try:
+        yield
+    finally:
+        _ROW_OFFSET.pop()
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.Array:
+    """Bernoulli(keep_prob) bool mask: a counter-based hash of (key, global element index).
+
+    Hashing the index one dimension at a time needs no linear index (which would overflow 32 bits
+    for attention probabilities [b, g, r, s, t]); under GSPMD each iota is the global one."""
+    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    h = _fmix32(words[0] ^ _fmix32(words[-1] + jnp.uint32(0x9E3779B9)))
+    h = jnp.broadcast_to(h, shape)
+    for dim in range(len(shape)):
+        idx = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+        if dim == 0 and _ROW_OFFSET:
+            idx = idx + jnp.asarray(_ROW_OFFSET[-1]).astype(jnp.uint32)
+        h = _fmix32(h ^ (idx * jnp.uint32(0x9E3779B1) + jnp.uint32(dim + 1)))
+    threshold = jnp.uint32(min(int(keep_prob * (1 << 24)), 1 << 24))
+    return (h >> 8) < threshold  # 24 uniform bits against keep_prob
+
+
+def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float, percent: float = 1.0) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's).
+
+    `percent` < 1 (--rotary-percent): only the first int(k x percent) channels of each head are
+    rotated, with frequencies over that width; the rest pass through (Megatron's and GPT-NeoX's
+    partial rotary).
+    """
+    k = x_bshk.shape[-1]
+    rot = int(k * percent)
+    if rot < k:
+        rotated = rotary(x_bshk[..., :rot], positions_bs, base)  # [b, s, h, rot]
+        return jnp.concatenate([rotated, x_bshk[..., rot:]], axis=-1)  # [b, s, h, k]
+    half = k // 2
     inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [k/2]
     angles = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [b, s, k/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, k/2]

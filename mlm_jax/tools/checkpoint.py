@@ -228,6 +228,9 @@ def _mixtral_fields(hf: dict) -> dict:
 
 def export_kind(m: ModelConfig) -> str:
     """gpt2 or llama, whichever computes the same function as `m`; else an error naming why."""
+    if m.rotary_percent != 1.0:  # HF's GPT-2 and Llama rotate (or not) every channel of a head
+        raise HFError(f"--rotary-percent {m.rotary_percent}: GPT2LMHeadModel and LlamaForCausalLM have no "
+                      "partial rotary embedding; this model cannot be exported")
     gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
             "add_bias_linear": True}
     llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,

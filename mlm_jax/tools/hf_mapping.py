@@ -28,6 +28,11 @@ class _HFTensors:
         self.t = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
         self.used: set[str] = set()
         self.kind, self.num_layers, self.vocab, self.padded_vocab = kind, m.num_layers, m.vocab_size, padded_vocab
+        self.one_p = m.apply_layernorm_1p
+
+    def norm(self, name: str) -> np.ndarray:
+        """A norm weight: Hugging Face's gamma, stored as gamma - 1 under --apply-layernorm-1p."""
+        return self.take(name) - 1.0 if self.one_p else self.take(name)
 
     def take(self, name: str) -> np.ndarray:
         if name not in self.t:
@@ -58,10 +63,10 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
 
 def _gpt2_params(src: _HFTensors, m: ModelConfig) -> dict:
     """GPT2LMHeadModel tensors -> params (Conv1D weights are already [in, out])."""
-    take, stack, t = src.take, src.stack, src.t
+    take, stack, t, norm = src.take, src.stack, src.t, src.norm
     d, h, k = m.hidden_size, m.num_attention_heads, m.head_dim
     p = _gpt2_prefix(t)
-    ln = lambda name: {"scale": take(f"{name}.weight"), "bias": take(f"{name}.bias")}  # noqa: E731
+    ln = lambda name: {"scale": norm(f"{name}.weight"), "bias": take(f"{name}.bias")}  # noqa: E731
 
     def qkv_w(i):  # [d, 3*h*k] (q | k | v) -> [d, h, 3, k]
         w = take(f"{p}h.{i}.attn.c_attn.weight").reshape(d, 3, h, k)
@@ -71,13 +76,13 @@ def _gpt2_params(src: _HFTensors, m: ModelConfig) -> dict:
         return take(f"{p}h.{i}.attn.c_attn.bias").reshape(3, h, k).transpose(1, 0, 2)
 
     layers = {
-        "norm1": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_1.weight")),
+        "norm1": {"scale": stack(lambda i: norm(f"{p}h.{i}.ln_1.weight")),
                   "bias": stack(lambda i: take(f"{p}h.{i}.ln_1.bias"))},
         "attention": {
             "wqkv": stack(qkv_w), "bqkv": stack(qkv_b),
             "wo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.weight").reshape(h, k, d)),
             "bo": stack(lambda i: take(f"{p}h.{i}.attn.c_proj.bias"))},
-        "norm2": {"scale": stack(lambda i: take(f"{p}h.{i}.ln_2.weight")),
+        "norm2": {"scale": stack(lambda i: norm(f"{p}h.{i}.ln_2.weight")),
                   "bias": stack(lambda i: take(f"{p}h.{i}.ln_2.bias"))},
         "mlp": {
             "w1": stack(lambda i: take(f"{p}h.{i}.mlp.c_fc.weight")),
@@ -99,7 +104,7 @@ def _gpt2_params(src: _HFTensors, m: ModelConfig) -> dict:
 
 def _llama_params(src: _HFTensors, m: ModelConfig, kind: str) -> dict:
     """LlamaForCausalLM / MixtralForCausalLM tensors -> params (Linear weights are [out, in])."""
-    take, stack = src.take, src.stack
+    take, stack, norm = src.take, src.stack, src.norm
     d, h, g, k = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     r = h // g
 
@@ -114,16 +119,16 @@ def _llama_params(src: _HFTensors, m: ModelConfig, kind: str) -> dict:
                          take(f"model.layers.{i}.mlp.up_proj.weight").T], axis=1)
 
     layers = {
-        "norm1": {"scale": stack(lambda i: take(f"model.layers.{i}.input_layernorm.weight"))},
+        "norm1": {"scale": stack(lambda i: norm(f"model.layers.{i}.input_layernorm.weight"))},
         "attention": {
             "wqkv": stack(qkv_w),
             "wo": stack(lambda i: take(f"model.layers.{i}.self_attn.o_proj.weight").T.reshape(h, k, d))},
-        "norm2": {"scale": stack(lambda i: take(f"model.layers.{i}.post_attention_layernorm.weight"))},
+        "norm2": {"scale": stack(lambda i: norm(f"model.layers.{i}.post_attention_layernorm.weight"))},
         "mlp": (_mixtral_experts_in(take, m, stack) if kind == "mixtral" else
                 {"w1": stack(w1), "w2": stack(lambda i: take(f"model.layers.{i}.mlp.down_proj.weight").T)}),
     }
     params = {"embed": src.pad_rows(take("model.embed_tokens.weight")), "layers": layers,
-              "final_norm": {"scale": take("model.norm.weight")}}
+              "final_norm": {"scale": norm("model.norm.weight")}}
     if m.untie_embeddings_and_output_weights:
         params["lm_head"] = src.pad_rows(take("lm_head.weight")).T
     elif "lm_head.weight" in src.t:
@@ -163,6 +168,8 @@ def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, pref
     h, g, k = m.num_attention_heads, m.query_groups, m.head_dim
     r = h // g
     P = {kk: np.asarray(v) for kk, v in _flatten(params).items()}
+    if m.apply_layernorm_1p:  # stored gamma - 1 -> Hugging Face's gamma
+        P.update({kk: v + 1.0 for kk, v in P.items() if kk.endswith("/scale")})
     out: dict[str, np.ndarray] = {}
 
     def put(name, x):
