@@ -56,7 +56,7 @@ from flax import nnx
 
 from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import stage_keys
-from mlm_jax.models.layers import compute_dtype
+from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
@@ -229,9 +229,9 @@ class Pipeline:
 
     def reduces_once(self, params: dict, batch: dict) -> bool:
         """Whether data-parallel gradients are accumulated per rank over the whole schedule and
-        reduced once after it: `parallelize`'s conditions (data parallel without dropout,
-        expert or context parallelism), and no dense MoE router or head aux (batch-wide
-        statistics that a per-rank body would change)."""
+        reduced once after it: `parallelize`'s conditions (data parallel without expert or
+        context parallelism), and no MoE router or head aux (batch-wide statistics that a
+        per-rank body would change)."""
         if not _reduces_once(self.cfg, self.mesh) or self.cfg.model.num_experts:
             return False
 
@@ -265,22 +265,26 @@ class Pipeline:
         rules = tuple((n, _without_data(a)) for n, a in active_rules()) if per_rank else active_rules()
 
         def body(layers_blk, shared, batch, key, scale, arrays):
-            with use_rules(rules):
+            # Per rank, dropout masks are drawn for this rank's rows of the global batch.
+            rows = jax.lax.axis_index(DATA) * batch["tokens"].shape[1] if per_rank else 0
+            with use_rules(rules), rows_from(rows):
                 stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
-            if per_rank:  # [1, ...] per rank, stacked over data outside
-                d_layers, d_shared = jax.tree.map(lambda g: g[None], (d_layers, d_shared))
+            if per_rank:  # [1, ...] per rank, stacked over data and summed outside
+                loss, d_layers, d_shared, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, d_shared, aux))
             return loss, d_layers, d_shared, aux
 
         rep = replicated()
+        stacked = per_rank_spec(rep) if per_rank else rep
         run = jax.shard_map(
             body, mesh=self.mesh,
             in_specs=(pipe_blocks(), rep, data_rows() if per_rank else rep, rep, rep, rep),
-            out_specs=(rep, per_rank_spec(pipe_blocks()) if per_rank else pipe_blocks(),
-                       per_rank_spec(rep) if per_rank else rep, rep),
+            out_specs=(stacked, per_rank_spec(pipe_blocks()) if per_rank else pipe_blocks(), stacked, stacked),
             axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
+        if per_rank:
+            loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), (loss, aux))
         return loss, ({**d_shared, "layers": d_layers} if train else None), aux
 
 
@@ -304,7 +308,6 @@ class _Stage:
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
-        self.axes = axes
         self.vary = functools.partial(_varying, axes=axes)
         layers_blk = jax.tree.map(self.vary, layers_blk)
         self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
@@ -476,17 +479,20 @@ class _Stage:
         return {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
 
     def run(self, arrays):
-        """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe."""
+        """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
+        in one collective (two independent ones could be reached in opposite orders, see
+        `tick`); per rank, the sums over `data` are left to the caller."""
         carry = self.init_carry()
         for p in self.program.phases:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
             step = functools.partial(self.tick, forward=p.forward, backward=p.backward)
             carry, _ = jax.lax.scan(step, carry, rows)
-        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), self.axes)
         if not self.train:
+            loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
             return loss, {}, {}, aux
+        loss, aux, d_shared = jax.lax.psum((carry["loss"], carry["aux"], carry["d_shared"]), PIPE)
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
-        return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE), aux
+        return loss, d_layers, d_shared, aux
 
 
 def _embed(model, tokens_bs, positions_bs, key):
