@@ -373,14 +373,20 @@ class _Stage:
         aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0)[3])
         return jax.tree.map(lambda a: self.vary(jnp.zeros(a.shape, a.dtype)), aux)
 
-    def init_carry(self) -> dict:
+    def init_carry(self, live) -> dict:
         def buffer(*lead):  # [*lead, b, s, d]
             spec = ACT_BUFFER if lead else ACT_BUFFER[1:]
             return self.vary(constrain(jnp.zeros((*lead, *self.act_shape), self.dtype), spec))
 
-        carry = {"x_recv": buffer(), "loss": self.vary(jnp.zeros((), jnp.float32)), "aux": self.aux_zeros()}
+        # The first tick must not start before the step's inputs are complete (the token count
+        # in `scale`, ZeRO's gathered params: collectives outside the shard_map, which a tick's
+        # ppermute could otherwise overtake on some devices; see `tick`): the initial carry
+        # depends on them, elementwise (`_after`), so no collective is added.
+        carry = {"x_recv": _after(live, buffer(), self.scale), "loss": self.vary(jnp.zeros((), jnp.float32)),
+                 "aux": self.aux_zeros()}
         if self.train:
-            zeros = lambda tree: jax.tree.map(lambda a: self.vary(jnp.zeros_like(a)), tree)  # noqa: E731
+            zeros = lambda tree: jax.tree.map(  # noqa: E731
+                lambda a: self.vary(_after(live, jnp.zeros_like(a), a)), tree)
             carry["stash"] = buffer(self.program.num_stash_slots)  # [slot, b, s, d]
             carry["g_recv"] = buffer()
             carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
@@ -482,7 +488,7 @@ class _Stage:
         """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
         in one collective (two independent ones could be reached in opposite orders, see
         `tick`); per rank, the sums over `data` are left to the caller."""
-        carry = self.init_carry()
+        carry = self.init_carry(arrays["b_stash"][0, self.stage] >= 0)  # always true at run time
         for p in self.program.phases:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
             step = functools.partial(self.tick, forward=p.forward, backward=p.backward)
