@@ -51,7 +51,7 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg.model, nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
-    tx = make_optimizer(cfg.optim, cfg.train.train_iters)
+    tx = make_optimizer(cfg.optim)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.model.vocab_size, (8, 257)).astype(np.int32)
     batch = {"tokens": jnp.asarray(toks[:, :-1]), "labels": jnp.asarray(toks[:, 1:]),

@@ -58,7 +58,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
-    # issue 14's implemented Megatron flags (norms, rope, LRs, gradient reduction, XLA overlap)
+    # Megatron's norm, rope, LR, gradient-reduction and XLA-overlap flags
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
     ("--rotary-percent", "model", "rotary_percent", "float", "rope on the first rotary-percent x head-dim channels of each head, the rest unrotated (default 1.0)"),
     ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),

@@ -59,15 +59,15 @@ class Scaler:
                 "hysteresis_tracker": jnp.asarray(self.hysteresis, jnp.int32)}
 
     def update(self, state: dict, found_inf) -> dict:
-        """The state after a step whose gradients overflowed (`found_inf`) or not."""
-        return update(self, state, found_inf)
+        """The state after a step whose gradients overflowed (`found_inf`) or not: Megatron's
+        DynamicGradScaler.update as a pure function (jnp-traceable); a static scaler's state
+        never changes."""
+        if self.static is not None:
+            return state
+        return _dynamic_update(self, state, found_inf)
 
 
-def update(rules: Scaler, state: dict, found_inf) -> dict:
-    """Megatron's DynamicGradScaler.update as a pure function (jnp-traceable); a static
-    scaler's state never changes."""
-    if rules.static is not None:
-        return state
+def _dynamic_update(rules: Scaler, state: dict, found_inf) -> dict:
     scale, growth, hyst = state["scale"], state["growth_tracker"], state["hysteresis_tracker"]
     # Overflow: back off once the hysteresis has run out.
     o_hyst = hyst - 1

@@ -132,13 +132,11 @@ def decoupled_config(cfg: OptimConfig) -> OptimConfig:
     return dataclasses.replace(cfg, lr=cfg.decoupled_lr, min_lr=min_lr)
 
 
-def make_optimizer(cfg: OptimConfig, train_iters: int | None = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """Clipping and AdamW with a unit learning rate: the step multiplies the updates by
     `lr_for(state's sample counter)` (`apply_lr`), since Megatron's scheduler is driven by
     consumed samples, which optax's update counter cannot see. The schedule slot stays (a
-    constant 1) so optimizer states keep their structure, and checkpoints with them.
-    `train_iters` is unused (kept for callers)."""
-    del train_iters
+    constant 1) so optimizer states keep their structure, and checkpoints with them."""
     schedule = lambda count: 1.0  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_grad) if cfg.clip_grad > 0 else optax.identity(),

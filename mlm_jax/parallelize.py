@@ -174,7 +174,7 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
     compute = jax.tree.map(to_sharding, compute_spec, is_leaf=is_spec)
     storage = jax.tree.map(to_sharding, storage_spec, is_leaf=is_spec)
     # 4. optimizer: moments follow the stored parameters; counters are replicated.
-    tx = make_optimizer(cfg.optim, cfg.train.train_iters)
+    tx = make_optimizer(cfg.optim)
     opt = optax.tree_map_params(
         tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), storage,
         transform_non_params=lambda _: NamedSharding(mesh, replicated()),

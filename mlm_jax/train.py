@@ -191,11 +191,11 @@ def build_state(cfg: Config, pz, found, log):
     return state, start
 
 
-def build_loaders(cfg: Config, pz, data, start, plan=None):
+def build_loaders(cfg: Config, pz, data, start, plan: RunPlan):
     """(training loader, validation loader or None), each continuing where `start` left off:
     the data order is a function of the sample index, so resuming continues it exactly
     (validation too: a checkpoint records how many validation batches were used). With a
-    batch-size schedule, `plan` (a batch_schedule.RunPlan) gives each iteration's batch."""
+    batch-size schedule, `plan` gives each iteration's batch."""
     from mlm_jax.data import BatchLoader, make_batch
 
     t, tokenizer = cfg.train, data.tokenizer
@@ -210,7 +210,7 @@ def build_loaders(cfg: Config, pz, data, start, plan=None):
         return {k: full[k] for k in keep}
 
     shape, sharding = pz.batch_shape(), pz.batch_sharding()
-    if plan is not None and plan.schedule.varies:  # loader index k serves iteration k + 1
+    if plan.schedule.varies:  # loader index k serves iteration k + 1
         loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
                              start_iteration=start.iteration, prefetch=cfg.data.prefetch,
                              end_iteration=t.train_iters,
@@ -267,13 +267,11 @@ class Loop:
     """
 
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
-                 throughput, log, plan=None):
+                 throughput, log, plan: RunPlan):
         import jax
 
         self.cfg, self.t, self.pz, self.state, self.start = cfg, cfg.train, pz, state, start
-        # Each iteration's global batch and consumed samples (constant, or a ramp-up).
-        self.plan = plan or RunPlan(batch_schedule(cfg), start.iteration, start.consumed_samples,
-                                    cfg.train.train_iters)
+        self.plan = plan  # each iteration's global batch and consumed samples (constant, or a ramp-up)
         self.loader, self.valid_loader, self.saver = loader, valid_loader, saver
         self.logger, self.inst, self.throughput, self.log = logger, inst, throughput, log
         self.seed_key = (jax.random.key(cfg.train.seed) if start.rng_key_data is None
@@ -565,8 +563,8 @@ def train(cfg: Config, log=print) -> dict:
         log(f"> stopped by Ctrl-C at iteration {loop.iteration}"
             + (f"; checkpoint saved to {saver.saved_paths[-1]}" if saver.saved_paths else ""))
         raise KeyboardInterrupt
-    valid = ("no validation" if loop.first_valid is None and loop.last_valid is None
-             else f"validation loss {loop.first_valid} -> {loop.last_valid}")
+    losses = [v for v in (loop.first_valid, loop.last_valid) if v is not None]
+    valid = f"validation loss {' -> '.join(map(str, losses))}" if losses else "no validation"
     log(f"> done: {valid}; run folder {run_dir}")
     return summary
 

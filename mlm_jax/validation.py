@@ -41,7 +41,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_samples(cfg, world_size)
     validate_numbers(cfg)
     validate_optimizer(cfg)
-    validate_issue14_flags(cfg)
+    validate_decoupled_lr_and_rotary(cfg)
     validate_loss_scaling(cfg)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
@@ -304,7 +304,7 @@ def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
                               "--attention-backend auto (cuDNN where it applies, XLA otherwise) or unfused")
 
 
-def validate_issue14_flags(cfg: Config) -> None:
+def validate_decoupled_lr_and_rotary(cfg: Config) -> None:
     """--decoupled-lr / --decoupled-min-lr bounds (Megatron's scheduler: 0 <= min <= max) and
     --rotary-percent: a fraction of the head whose channel count is even (rotate-half pairs)."""
     o, m = cfg.optim, cfg.model

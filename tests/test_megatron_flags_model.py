@@ -142,7 +142,7 @@ def _run(tx, params, grads_seq):
 def _run_ours(cfg: OptimConfig, params, grads_seq, train_iters=10):
     """What the train step does: `make_optimizer`'s unit-LR AdamW, then `apply_lr` with Megatron's
     schedule at each completed-update count (and the decoupled one with --decoupled-lr)."""
-    tx = make_optimizer(cfg, train_iters)
+    tx = make_optimizer(cfg)
     state = tx.init(params)
     for step, g in enumerate(grads_seq):
         updates, state = tx.update(g, state, params)

@@ -164,7 +164,7 @@ def test_upgrade_params_converts_version_1_params_and_optimizer_moments():
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
         assert a is b  # moved, not copied
     # AdamW's state holds mu and nu mirroring the params inside optax namedtuples.
-    tx = make_optimizer(OptimConfig(), 10)
+    tx = make_optimizer(OptimConfig())
     state_old = tx.init(old)
     state = upgrade_params(state_old, 1)
     assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
