@@ -1,30 +1,32 @@
-"""Pipeline schedule figures: ticks, bubble, per-device memory and step time per schedule and m.
+"""Pipeline schedule figures: cost, bubble, per-device memory and step time per schedule and m.
 
     python benchmarks/pipeline.py [--stages 4] [--microbatches 4 8 16] [--hidden 256]
         [--layers 8] [--seq 128] [--micro-batch 1] [--steps 3] [--out runs/benchmarks/pipeline.json]
 
 For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per stage) and each number of
 microbatches m, on P pipeline stages x the remaining devices as data parallel:
-  - ticks of the table and its idle fraction, against the formulas 2*(m*V + P - 1) and
-    (P-1)/(m*V + P - 1);
-  - the stage-input stash the runtime allocates (activation + gradient buffer slots, from the
-    table) and its bytes per device;
+  - the program the runtime compiles (mlm_jax/pipeline/lockstep.py): ticks, phases, and its
+    lockstep cost -- every tick of a phase runs the phase's forward and/or backward slot on every
+    stage, so the sum over phases of ticks x (F_c + B_c) with a stage forward costing 1 and a
+    backward 3 (the stage forward recomputed, then the backward: ~2 forwards), chunk costs /V --
+    against (m*V + P - 1) * 4 / V, what an asynchronous (Megatron, MPMD) executor of Megatron's
+    order takes in the same unit model. They are equal for every schedule. For reference, the
+    previous runtime (one action per tick, Megatron's table) cost the table's sum over ticks of
+    the slowest action ("one-action" column);
+  - the masked fraction of slot runs (a slot with no unit runs masked) against the bubble
+    formula (P-1)/(m*V + P - 1);
+  - the stage-input stash the runtime allocates (slots, from the program) and its bytes per
+    device: flat in m for 1F1B and interleaved, m for GPipe;
   - per-device temp bytes of the compiled forward-backward (`loss_and_grads`: the whole
     schedule; XLA's memory analysis, where params and batch are arguments, not temp), and its
     growth over the smallest m;
   - its wall time (median of --steps after a warm-up call) and tokens/s. The optimizer update
-    that follows in a train step does not depend on the schedule;
-  - the lockstep cost of the table: the runtime is one SPMD program, so a tick lasts as long as
-    its slowest action. With a forward costing 1 and a backward 3 (the stage forward recomputed,
-    then the backward: ~2 forwards), the sum over ticks of the slowest action, in units of one
-    stage forward, against (m*V + P - 1) * 4 / V, what an asynchronous (Megatron, MPMD)
-    executor of the same order takes in this unit model. 1F1B alternates F and B on
-    neighbouring stages, so its steady-state ticks all last a backward: its lockstep cost
-    exceeds GPipe's, whose ticks are all-forward or all-backward.
+    that follows in a train step does not depend on the schedule.
 
 Without --devices the run makes 8 fake CPU devices (set before jax is imported). On the fake
-CPU mesh every "device" shares the host's cores, so an idle stage frees its core for the busy
-ones: step time there tracks total work, not the bubble; the tick count is the bubble.
+CPU mesh every "device" shares the host's cores, so step time there tracks total work (the
+same for every schedule at the same m: a masked slot costs as much as a real one), not the
+bubble; the lockstep cost is what a device per stage would see.
 Prints a table and writes JSON.
 """
 
@@ -52,15 +54,16 @@ from mlm_jax.config import (  # noqa: E402
     Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize,
 )
 from mlm_jax.parallelize import parallelize  # noqa: E402
-from mlm_jax.pipeline import schedules  # noqa: E402
+from mlm_jax.pipeline import lockstep, schedules  # noqa: E402
 from mlm_jax.sharding import make_mesh  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 BACKWARD_COST = 3.0  # recompute (1 forward) + backward (~2 forwards)
 
 
-def lockstep_cost(table, V: int) -> float:
-    """Sum over ticks of the slowest stage's action, in units of one whole-stage forward."""
+def one_action_cost(table, V: int) -> float:
+    """The previous runtime (one action per tick, Megatron's table): sum over ticks of the
+    slowest stage's action, in units of one whole-stage forward."""
     cost = {"F": 1.0 / V, "B": BACKWARD_COST / V, "idle": 0.0}
     return sum(max(cost[a.kind] for a in row) for row in table)
 
@@ -118,14 +121,17 @@ def measure(args, schedule: str, V: int, m: int) -> dict:
         times.append(time.perf_counter() - t0)
     return {
         "schedule": schedule, "stages": P, "chunks": V, "microbatches": m, "data_parallel": dp,
-        "ticks": program.ticks, "ticks_formula": schedules.ideal_ticks(P, m, V),
-        "idle_fraction": schedules.idle_fraction(table),
+        "ticks": program.ticks,
+        "phases": [(p.ticks, p.forward, p.backward) for p in program.phases],
+        "masked_fraction": 1 - 2 * m * V * P / sum(p.ticks * P * (p.forward + p.backward)
+                                                   for p in program.phases),
         "idle_fraction_formula": schedules.ideal_idle_fraction(P, m, V),
-        "max_in_flight": max(schedules.max_in_flight(table)),
-        "lockstep_cost": lockstep_cost(table, V),
-        "async_cost": (m * V + P - 1) * (1.0 + BACKWARD_COST) / V,
-        "act_slots": program.num_act_slots, "grad_slots": program.num_grad_slots,
-        "stash_bytes": (program.num_act_slots + program.num_grad_slots) * slot_bytes,
+        "lockstep_cost": lockstep.lockstep_cost(table, V, 1.0, BACKWARD_COST),
+        "async_cost": lockstep.async_cost(P, m, V, 1.0, BACKWARD_COST),
+        "one_action_cost": one_action_cost(schedules.build_schedule(schedule, P, m, V), V),
+        "stash_slots": program.num_stash_slots,
+        "stash_per_stage": list(lockstep.stash_in_flight(table, P)),
+        "stash_bytes": program.num_stash_slots * slot_bytes,
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "compile_s": compile_s, "step_s": float(np.median(times)),
@@ -149,9 +155,9 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    header = (f"{'schedule':<16}{'m':>4}{'ticks':>7}{'idle':>8}{'formula':>9}{'slots a+g':>10}"
+    header = (f"{'schedule':<16}{'m':>4}{'ticks':>7}{'masked':>8}{'formula':>9}{'stash':>7}"
               f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}"
-              f"{'lockstep':>10}{'async':>7}")
+              f"{'lockstep':>10}{'async':>7}{'1-action':>10}")
     print(f"P={args.stages} stages, {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
     print(header)
@@ -166,12 +172,12 @@ def main() -> None:
             r["temp_growth_bytes"] = r["temp_bytes"] - base
             rows.append(r)
             name = schedule + (f" V={V}" if V > 1 else "")
-            print(f"{name:<16}{m:>4}{r['ticks']:>7}{r['idle_fraction']:>8.3f}"
-                  f"{r['idle_fraction_formula']:>9.3f}"
-                  f"{r['act_slots']:>6}+{r['grad_slots']:<3}{r['stash_bytes'] / 1024:>10.0f}"
+            print(f"{name:<16}{m:>4}{r['ticks']:>7}{r['masked_fraction']:>8.3f}"
+                  f"{r['idle_fraction_formula']:>9.3f}{r['stash_slots']:>7}{r['stash_bytes'] / 1024:>10.0f}"
                   f"{r['temp_bytes'] / 1024:>10.0f}{r['temp_growth_bytes'] / 1024:>+9.0f}"
                   f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
-                  f"{r['lockstep_cost']:>10.0f}{r['async_cost']:>7.0f}", flush=True)
+                  f"{r['lockstep_cost']:>10.0f}{r['async_cost']:>7.0f}{r['one_action_cost']:>10.0f}",
+                  flush=True)
     out = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "jax": jax.__version__,

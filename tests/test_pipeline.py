@@ -1,17 +1,19 @@
 """Pipeline parallelism computes the single-device model's loss and gradients (fp32).
 
-The runtime (mlm_jax/pipeline/runtime.py) executes the schedule tables of
-mlm_jax/pipeline/schedules.py in one shard_map over `pipe`. Checked here:
-  - pure Python: the compiled programs move every activation and gradient to the right buffer
-    slot and never overwrite a live one, for every schedule over a sweep of sizes; the layer
-    layout round-trips; invalid configurations fail naming their numbers;
+The runtime (mlm_jax/pipeline/runtime.py) executes the two-slot lockstep schedules of
+mlm_jax/pipeline/lockstep.py in one shard_map over `pipe`. Checked here:
+  - pure Python: the compiled programs feed every slot exactly the tensor it needs (what arrived
+    last tick, or its stash slot) and never overwrite a live stash slot, for every schedule over
+    a sweep of sizes; the stash is flat in m for 1F1B; the layer layout round-trips; invalid
+    configurations fail naming their numbers;
   - on the fake 8-device mesh: loss and every gradient leaf against one device, for pp=2 and
-    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with sequence parallelism (with dropout and
-    full recompute; and with the distributed optimizer and interleaving), an uneven split of
-    the Llama-style model (untied head); the
-    evaluation program; a 10-step training curve against pp=1; the compiled temp memory of
-    1F1B flat in the number of microbatches while GPipe's grows by one stashed activation per
-    microbatch; and no collective-permute but the pipeline's own two.
+    pp=4 with each schedule, pp=2 x tp=2 x dp=2 with the distributed optimizer, with sequence
+    parallelism (with dropout and full recompute; and with the distributed optimizer and
+    interleaving), an uneven split of the Llama-style model (untied head); the evaluation
+    program; a 10-step training curve against pp=1; the compiled temp memory of 1F1B flat in
+    the number of microbatches while GPipe's grows by one stashed activation per microbatch;
+    no collective-permute but the pipeline's own; and no data-parallel collective inside the
+    ticks (gradients reduced once per step).
 
 Tolerances are those of tests/test_parallel.py and for the same reason: loss within 2e-6
 absolute, each gradient leaf within 2e-6 of the leaf's largest reference magnitude (plus 1e-10
@@ -39,6 +41,7 @@ from mlm_jax.pipeline.layout import PipelineLayout
 from mlm_jax.pipeline.runtime import build_program
 from mlm_jax.sharding import make_mesh
 from mlm_jax.sharding.hlo import collectives
+from tests.test_compiled import _COLLECTIVE, _data_parallel_collectives_in_loops
 from tests.parallel_util import VOCAB, build, fixed_batch, grads_for, place, tiny_config, train_for, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
 
@@ -64,6 +67,9 @@ LAYOUTS = {
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True, use_distributed_optimizer=True,
                        virtual_pipeline_model_parallel_size=2), 2),
+    "pp2_tp2_dp2_zero": (  # 1F1B, distributed optimizer, tensor parallel without SP
+        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                       use_distributed_optimizer=True), 2),
     # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage (Llama-style).
     "pp4_uneven_1_2_2_3": (
         ParallelConfig(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
@@ -132,19 +138,45 @@ def test_evaluation_program_matches_single_device():
 
 
 def test_only_the_pipeline_permutes():
-    """Stages take different branches each tick, so a collective inside a branch must involve
-    only devices of one stage: all-reduce / all-gather over tensor or data do, a
-    collective-permute does not (XLA:CPU rendezvouses every device on it and deadlocks). The
-    only permutes are the two ppermutes per tick, of one [batch, seq/tensor, embed] each."""
+    """Stages take different branches of the embedding and head conds, so a collective inside a
+    branch must involve only devices of one stage: all-reduce / all-gather over tensor or data
+    do, a collective-permute does not (XLA:CPU rendezvouses every device on it and deadlocks).
+    The only permutes are the pipeline's: one per slot a phase runs (warmup: the activation,
+    steady: both, cooldown: the gradient), of one [batch, seq/tensor, embed] each."""
     pz = pipelined("pp2_tp2_dp2_sp_zero_interleaved")[0]
     state = pz.init(0)
     hlo = pz.loss_and_grads.lower(state["params"], place(pz, fixed_batch()),
                                   jax.random.key(0)).compile().as_text()
     permutes = [c for c in collectives(hlo) if c.kind == "collective-permute"]
-    assert len(permutes) == 2, [c.op_name for c in permutes]
+    program = pz.pipeline.program(pz.num_microbatches)
+    assert [(p.forward, p.backward) for p in program.phases] == [(1, 0), (1, 1), (0, 1)]
+    assert len(permutes) == 4, [c.op_name for c in permutes]  # one per used slot of each phase
     micro_rows_per_device = 2  # micro batch 2 per data-parallel rank
     assert all(c.op_name.endswith("ppermute") for c in permutes)
     assert all(c.shapes == ((micro_rows_per_device, 32 // 2, 64),) for c in permutes)
+
+
+@functools.cache
+def train_step_text(name: str) -> str:
+    pz = pipelined(name)[0]
+    state = pz.init(0)
+    return pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_tp2_dp2_zero", "pp2_tp2_dp2_sp", "pp2_tp2_dp2_sp_zero_interleaved"])
+def test_data_parallel_gradients_are_reduced_once_after_the_schedule(name):
+    """As for the plain step (tests/test_compiled.py): no collective over `data` inside the
+    tick scans (or the layer scans within them), with dropout too (its masks are drawn for each
+    rank's rows of the global batch); the gradient reduction (a reduce-scatter into ZeRO's
+    storage) and ZeRO's parameter gather run once, outside."""
+    pz = pipelined(name)[0]
+    assert pz.mesh.shape["data"] >= 2 and pz.num_microbatches >= 2
+    text = train_step_text(name)
+    assert _data_parallel_collectives_in_loops(pz, text) == []
+    outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line]
+    assert any(" all-reduce" in line or " reduce-scatter" in line for line in outside)
+    if pz.cfg.parallel.use_distributed_optimizer:
+        assert any(" all-gather" in line for line in outside)
 
 
 # --------------------------------------------------------------------------- training curve
@@ -232,15 +264,20 @@ def temp_bytes(schedule: str, m: int) -> int:
 
 def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     """A stashed stage input is [1 row, seq 32, embed 64] fp32 = 8 KiB per device. GPipe
-    stashes all m; 1F1B at most P = 2 whatever m. The schedule table itself grows with m by a
-    few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation)."""
+    stashes all m; 1F1B at most 2(P-1)-1 = 1 (P = 2) whatever m. The schedule arrays grow with m
+    by a few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation).
+    A two-slot tick holds a forward's and a backward's working set, so at small m 1F1B's temp
+    is above GPipe's (measured m=4: 1F1B 985 KiB, GPipe 953 KiB, 4 slots apart); from m of
+    about 8 on it is below, and the gap grows by a slot per microbatch."""
     slot = 1 * 32 * 64 * 4
     one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
     gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}  # benchmarks/pipeline.py has m = 8 too
     assert one_f_one_b[16] - one_f_one_b[4] < 1024, one_f_one_b
     assert abs(one_f_one_b[8] - one_f_one_b[4]) < 1024, one_f_one_b
     assert gpipe[16] - gpipe[4] >= 12 * slot, gpipe
-    assert gpipe[16] - one_f_one_b[16] >= (16 - 2) * slot, (gpipe, one_f_one_b)
+    assert gpipe[16] > one_f_one_b[16], (gpipe, one_f_one_b)
+    assert (gpipe[16] - one_f_one_b[16]) - (gpipe[4] - one_f_one_b[4]) >= 12 * slot, (gpipe, one_f_one_b)
+    assert one_f_one_b[4] - gpipe[4] <= 8 * slot, (gpipe, one_f_one_b)  # the two-slot tick's extra
 
 
 # --------------------------------------------------------------------------- programs (no devices)
@@ -253,50 +290,39 @@ PROGRAM_CASES = (
 
 
 def _interpret(program) -> None:
-    """Run a program on symbols: every buffer read must find exactly the tensor it needs."""
+    """Run a program on symbols as the runtime does: every slot must find exactly the tensor it
+    needs in what arrived last tick or in its stash slot, and a stash slot is only overwritten
+    after its backward read it."""
     P, V, a = program.num_stages, program.num_chunks, program.arrays
     last = P * V - 1
-    acts = [dict() for _ in range(P)]  # stage -> slot -> ('act', microbatch, virtual stage in)
-    grads = [dict() for _ in range(P)]  # stage -> slot -> ('grad', microbatch, virtual stage out)
+    x_recv, g_recv = [None] * P, [None] * P  # ('act', microbatch, v out) / ('grad', microbatch, v out)
+    stash = [dict() for _ in range(P)]  # stage -> slot -> ('act', microbatch, v out)
     for t in range(program.ticks):
         sent_fwd, sent_bwd = [None] * P, [None] * P
         for s in range(P):
-            kind, mb, c = (int(a[k][t, s]) for k in ("kind", "microbatch", "chunk"))
-            if kind == 0:
-                continue
-            v = c * P + s
-            if v > 0:  # the stage input, produced by virtual stage v-1
-                assert acts[s].get(int(a["act_slot"][t, s])) == ("act", mb, v - 1), (t, s)
-            if kind == 1:
+            if a["f_valid"][t, s]:
+                mb, v = int(a["f_mb"][t, s]), int(a["f_chunk"][t, s]) * P + s
+                if v > 0:
+                    assert x_recv[s] == ("act", mb, v - 1), (t, s, x_recv[s])
+                slot = int(a["f_stash"][t, s])
+                assert (slot >= 0) == (v > 0 and not program.forward_only), (t, s, slot)
+                if slot >= 0:
+                    assert slot not in stash[s] and slot < program.num_stash_slots, (t, s, slot)
+                    stash[s][slot] = x_recv[s]
                 sent_fwd[s] = ("act", mb, v)
             else:
+                assert a["f_stash"][t, s] == -1
+        for s in range(P):
+            if a["b_valid"][t, s]:
+                mb, v = int(a["b_mb"][t, s]), int(a["b_chunk"][t, s]) * P + s
+                if v > 0:
+                    assert stash[s].pop(int(a["b_stash"][t, s])) == ("act", mb, v - 1), (t, s)
                 if v < last:
-                    assert grads[s].get(int(a["grad_slot"][t, s])) == ("grad", mb, v + 1), (t, s)
+                    assert g_recv[s] == ("grad", mb, v + 1), (t, s, g_recv[s])
                 sent_bwd[s] = ("grad", mb, v)
-        for s in range(P):  # ppermute: s -> s+1 forward, s -> s-1 backward (ring)
-            for buffers, key, got in ((acts, "recv_act", sent_fwd[(s - 1) % P]),
-                                      (grads, "recv_grad", sent_bwd[(s + 1) % P])):
-                slot = int(a[key][t, s])
-                wanted = got is not None and (got[2] < last if key == "recv_act" else got[2] > 0)
-                assert (slot >= 0) == wanted, (t, s, key, got)
-                if slot >= 0:
-                    live = buffers[s].get(slot)
-                    assert live is None or _consumed(program, s, live, t), (t, s, slot, live)
-                    assert slot < (program.num_act_slots if key == "recv_act" else program.num_grad_slots)
-                    buffers[s][slot] = got
-
-
-def _consumed(program, stage, tensor, tick) -> bool:
-    """Has the last reader of `tensor` on `stage` run by the end of `tick`?"""
-    kind, mb, v_from = tensor
-    P = program.num_stages
-    v = v_from + 1 if kind == "act" else v_from - 1  # the virtual stage that reads it
-    reader = schedules.BACKWARD if not program.forward_only else schedules.FORWARD
-    for t in range(tick + 1):
-        action = program.table[t][stage]
-        if action.kind == reader and action.microbatch == mb and action.chunk * P + stage == v:
-            return True
-    return False
+        x_recv = [sent_fwd[(s - 1) % P] for s in range(P)]  # ppermute s -> s+1 (ring)
+        g_recv = [sent_bwd[(s + 1) % P] for s in range(P)]  # ppermute s -> s-1 (ring)
+    assert all(not st for st in stash)
 
 
 @pytest.mark.parametrize("name,P,m,V", PROGRAM_CASES)
@@ -306,10 +332,12 @@ def test_programs_route_every_tensor_to_its_reader(name, P, m, V):
 
 
 @pytest.mark.parametrize("P,m", list(itertools.product((2, 3, 4, 5), (1, 4, 8, 16))))
-def test_stash_is_bounded_by_P_for_1f1b_and_m_for_gpipe(P, m):
-    assert build_program("1f1b", P, m).num_act_slots <= P
-    assert build_program("gpipe", P, m).num_act_slots == m
-    assert build_program("1f1b", P, m).ticks == schedules.ideal_ticks(P, m)
+def test_stash_is_flat_in_m_for_1f1b_and_m_for_gpipe(P, m):
+    """1F1B's lockstep round trip on stage s is 2(P-1-s) ticks, so stage s holds up to
+    2(P-1-s)+1 inputs: the most on stage 1 (stage 0 re-embeds), 2P-3, whatever m. GPipe: m."""
+    assert build_program("1f1b", P, m).num_stash_slots == min(2 * P - 3, m)
+    assert build_program("gpipe", P, m).num_stash_slots == m
+    assert build_program("1f1b", P, m).ticks == m + 2 * P - 2
 
 
 def test_forward_only_program_ticks():

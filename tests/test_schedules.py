@@ -5,6 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.schedules import (
     IDLE,
     Action,
@@ -275,3 +276,74 @@ def test_build_schedule_dispatch():
     # One stage: no pipeline, no bubble.
     table = build_schedule("1f1b", 1, 3)
     assert len(table) == 6 and idle_fraction(table) == 0.0
+
+
+# --------------------------------------------------------------------------- two-slot lockstep
+
+
+@pytest.mark.parametrize("name,P,m,V", ALL_CASES)
+def test_two_slot_tables_are_valid_and_cost_the_asynchronous_bound(name, P, m, V):
+    """Every unit once per stage, each input produced exactly one tick before its use (the
+    last virtual stage's backward: after its forward, same tick), and the SPMD program's cost
+    (every tick of a phase runs the phase's slots on every stage) equals the asynchronous
+    executor's (m*V + P - 1)(F + B)/V, for F=1, B=3 and for F=1, B=2."""
+    table = lockstep.two_slot(name, P, m, V)
+    lockstep.validate(table, P, m, V)
+    lockstep.validate(lockstep.two_slot(name, P, m, V, forward_only=True), P, m, V, forward_only=True)
+    for backward in (3.0, 2.0):
+        assert lockstep.lockstep_cost(table, V, 1.0, backward) == pytest.approx(
+            lockstep.async_cost(P, m, V, 1.0, backward))
+    phases = [(p.ticks, p.forward, p.backward) for p in lockstep.phases(table)]
+    if name == "gpipe":
+        assert phases == ([(m + P - 1, True, False), (m + P - 1, False, True)])
+    else:  # warmup V*P-1, steady m*V - V*P + P, cooldown V*P-1 (no warmup/cooldown when P*V = 1)
+        edge = [(V * P - 1, True, False)] if P * V > 1 else []
+        assert phases == edge + [(m * V - V * P + P, True, True)] + [
+            (t, False, True) for t, _, _ in edge]
+
+
+@pytest.mark.parametrize("P,V", [(P, V) for P in range(1, 7) for V in (1, 2, 3) if P > 1 or V == 1])
+def test_two_slot_stash_is_flat_in_m(P, V):
+    """Stage s holds at most 2(V*P-1) - 2s + 1 stage inputs, the same for every m >= 2P;
+    GPipe holds m on every stage but the first (which re-embeds from the tokens)."""
+    name = "interleaved" if V > 1 else "1f1b"
+    held = {m: lockstep.stash_in_flight(lockstep.two_slot(name, P, m, V), P) for m in (2 * P, 4 * P, 8 * P)}
+    assert held[2 * P] == held[4 * P] == held[8 * P], held
+    assert all(h <= 2 * (V * P - 1) - 2 * s + 1 for s, h in enumerate(held[8 * P])), held
+    if V == 1:
+        assert lockstep.stash_in_flight(lockstep.two_slot("gpipe", P, 8), P) == (0,) + (8,) * (P - 1)
+
+
+def test_two_slot_unit_order_is_megatrons():
+    """Units in Megatron's interleaved order: per group of P microbatches, chunk by chunk."""
+    assert [lockstep.unit(k, 2, 2) for k in range(8)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert [lockstep.unit(k, 3, 1) for k in range(3)] == [(0, 0), (1, 0), (2, 0)]
+    fwd, bwd = lockstep.two_slot("1f1b", 2, 2)[1]  # tick 1: F1 on stage 0, F0 then B0 on stage 1
+    assert fwd == (Action("F", 1, 0), Action("F", 0, 0)) and bwd == (IDLE, Action("B", 0, 0))
+
+
+def test_two_slot_validator_rejects_broken_tables():
+    table = lockstep.two_slot("1f1b", 2, 2)
+    b0, b1, none = Action("B", 0, 0), Action("B", 1, 0), (IDLE, IDLE)
+    assert table[2][1] == (b0, b1) and table[3][1] == (b1, IDLE)
+    # B0 on stage 0 a tick late:
+    late = table[:2] + [(table[2][0], (IDLE, b1)), (none, (b0, IDLE)), (none, (b1, IDLE))]
+    with pytest.raises(ScheduleError, match=r"backward of microbatch 0 chunk 0 on stage 0 at tick 3 "
+                       r"needs backward of microbatch 0 chunk 0 on stage 1 at tick 2, it runs at 1"):
+        lockstep.validate(late, 2, 2)
+    with pytest.raises(ScheduleError, match="missing or extra"):
+        lockstep.validate(table[:-1], 2, 2)
+    with pytest.raises(ScheduleError, match="runs twice"):
+        lockstep.validate(table + table[-1:], 2, 2)
+    with pytest.raises(ValueError, match="multiple of P"):
+        lockstep.two_slot("interleaved", 4, 6, 2)
+
+
+def test_two_slot_render():
+    assert lockstep.render(lockstep.two_slot("1f1b", 2, 2)) == (
+        "stage 0 F: F0 | F1 .. | ..\n"
+        "stage 0 B: .. | .. B0 | B1\n"
+        "stage 1 F: .. | F0 F1 | ..\n"
+        "stage 1 B: .. | B0 B1 | .."
+    )

@@ -1,9 +1,11 @@
-"""Pipeline parallelism. Schedules are data (`schedules`): pure-Python tables of per-tick,
-per-stage actions for GPipe, 1F1B and interleaved 1F1B, which the runtime interprets.
+"""Pipeline parallelism. Schedules are data: `schedules` holds Megatron's per-stage orders for
+GPipe, 1F1B and interleaved 1F1B as one-action-per-tick tables (the asynchronous reference);
+`lockstep` their two-slot form (a forward slot and a backward slot per tick, by index
+arithmetic), which the runtime executes at the asynchronous schedule's cost. Both pure Python.
 
 `layout`: which layers each stage holds and how the stacked layer params are stored (pure
-Python). `runtime`: `Pipeline`, one shard_map over `pipe` executing any table; imported lazily
-so that the tables and the layout stay importable without jax.
+Python). `runtime`: `Pipeline`, one shard_map over `pipe` executing a two-slot table; imported
+lazily so that the tables and the layout stay importable without jax.
 """
 
 from mlm_jax.pipeline.schedules import (

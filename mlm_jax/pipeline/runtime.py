@@ -1,30 +1,38 @@
-"""The pipeline runtime: one SPMD program that executes any schedule table.
+"""The pipeline runtime: one SPMD program that executes a two-slot lockstep schedule.
 
-`schedules` says what each stage does in each tick; this module turns a table into int32
-arrays (`Program`) and runs them inside one `jax.shard_map` that is manual over `pipe` only
-(data, tensor and sequence sharding stay automatic inside each stage). There is no Python
-dispatch per microbatch: the program is a `lax.scan` over ticks, and in every tick each stage
-looks its action up in the arrays (indexed by `axis_index('pipe')`) and runs it through
-`lax.switch`: idle, forward or backward. Every tick then moves one activation forward and one
-gradient backward with `ppermute` (stage s -> s+1 and s -> s-1, wrapping around for the
-interleaved schedule's chunk hand-over), whether or not the neighbour needs it this tick.
+`lockstep` says which unit (microbatch, chunk) each stage runs in each tick's forward slot and
+backward slot; this module turns that into int32 arrays (`Program`) and runs them inside one
+`jax.shard_map` that is manual over `pipe` only (data, tensor and sequence sharding stay
+automatic inside each stage). There is no Python dispatch per microbatch and no per-tick choice
+of action: the program is one `lax.scan` per phase of the schedule (1F1B and interleaved:
+forward-only warmup, steady ticks with both slots, backward-only cooldown; GPipe: forwards then
+backwards; evaluation: forwards), and every tick runs the phase's slots on every stage. A slot
+with no unit in this tick runs masked on microbatch 0 (its loss and aux are dropped with
+`jnp.where`, its backward gets zero cotangents). After the slots, the activation moves to
+stage s+1 and the gradient to s-1 with `ppermute` (a ring: the interleaved schedule's chunk
+hand-over goes from the last stage to the first). So a tick costs F + B in the steady state and
+the whole program costs (m*V + P - 1)(F + B)/V, the asynchronous schedule's time (see
+`lockstep` and benchmarks/pipeline.py).
 
 Stages and their state
 ----------------------
 - Layer params are stacked [P*V*Lmax, ...] and sharded over `pipe` (see `layout`): each stage
-  sees its own [V, Lmax, ...] and picks chunk c per tick. Embedding, position embedding, final
-  norm and LM head are replicated over `pipe`; the first virtual stage embeds, the last one
-  runs the head and the loss. Their gradients are accumulated per stage and summed over `pipe`
-  once at the end of the step: that sum is also what adds the tied embedding's two gradients
-  (lookup on the first stage, LM head on the last).
-- A stage keeps the *inputs* of its forwards until their backward (the activation buffer), and
-  the gradients that arrived from its successor until it can use them (the gradient buffer).
-  Slots are assigned ahead of time from the table (`build_program`), so the buffers hold exactly
-  the schedule's peak: m microbatches for GPipe, about P for 1F1B (see `Program`).
-- The backward of a stage recomputes its forward with `jax.vjp` from the stashed input, and
+  sees its own [V, Lmax, ...] and picks chunk c per slot. Embedding, position embedding, final
+  norm and LM head are replicated over `pipe`; the first virtual stage embeds and the last one
+  runs the head and the loss, each behind a `lax.cond` on the virtual stage (open point: a
+  vocab-parallel embedding and head split over `pipe` would remove these two conds and the
+  replicated copies). Their gradients are accumulated per stage and summed over `pipe` once at
+  the end of the step: that sum is also what adds the tied embedding's two gradients (lookup on
+  the first stage, LM head on the last), as Megatron's embedding-group all-reduce does.
+- Every input a slot needs was produced exactly one tick earlier (`lockstep.validate` checks
+  it), so what arrives is used at once: no receive buffers. A stage keeps the *inputs* of its
+  forwards until their backward in a stash; slots are assigned ahead of time (`build_program`),
+  so the stash holds the schedule's peak: m for GPipe, flat in m for 1F1B (2(P-1-s)+1 on stage
+  s: the lockstep round trip) and interleaved.
+- The backward recomputes the stage's forward with `jax.vjp` from the stashed input, and
   applies the vjp at once. This is activation recomputation at stage granularity: one extra
   forward per microbatch (Megatron's full recompute costs the same), in exchange for stashing
-  one [batch, seq, embed] tensor per in-flight microbatch instead of every layer's activations.
+  one [batch, seq, embed] tensor per in-flight unit instead of every layer's activations.
   `--recompute-granularity` still applies inside the recomputed stage (it bounds the memory of
   the one vjp alive at a time).
 
@@ -48,15 +56,16 @@ from flax import nnx
 
 from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import stage_keys
-from mlm_jax.models.layers import compute_dtype
+from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms
-from mlm_jax.pipeline import schedules
+from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.sharding.mesh import PIPE
+from mlm_jax.parallelize import _reduces_once, _without_data
+from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
-from mlm_jax.sharding.specs import pipe_blocks, pipe_stored, replicated, stage_chunks
+from mlm_jax.sharding.specs import (data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored,
+                                    replicated, stage_chunks)
 
-KIND_IDLE, KIND_FORWARD, KIND_BACKWARD = (schedules.KIND_CODES[k] for k in ("idle", "F", "B"))
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
 
@@ -71,17 +80,17 @@ plan = pipeline_plan  # (schedule name, layer layout) of a config
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """A schedule table compiled for the runtime.
+    """A two-slot lockstep table (`lockstep`) compiled for the runtime.
 
-    arrays, each int32 [ticks, stages]:
-      kind, microbatch, chunk  the action (`schedules.to_arrays`);
-      act_slot                 activation-buffer slot holding this action's input (v > 0);
-      grad_slot                gradient-buffer slot holding a backward's output gradient
-                               (v < P*V-1; the last virtual stage starts from the loss);
-      recv_act, recv_grad      slot where the activation / gradient arriving at the end of
-                               this tick is written, -1 when nothing arrives.
-    A slot is taken when its tensor arrives and freed by the backward that uses it last, so
-    num_act_slots / num_grad_slots are the schedule's true peak of stashed microbatches.
+    arrays, each int32 [ticks, stages], per slot (f_ forward, b_ backward):
+      *_valid       1 where the slot has a unit (else it runs masked on microbatch 0, chunk 0);
+      *_mb, *_chunk the unit;
+      f_stash       stash slot that keeps this forward's input for its backward (-1: none, for
+                    the first virtual stage, which re-embeds, and in evaluation);
+      b_stash       stash slot the backward reads its stage input from.
+    A slot is taken by a forward and freed by its backward (forward slot before backward slot
+    within a tick), so num_stash_slots is the schedule's true peak of stashed stage inputs.
+    phases: runs of ticks that use the same slots; the runtime scans each with only those.
     """
 
     name: str
@@ -89,10 +98,10 @@ class Program:
     num_chunks: int
     num_microbatches: int
     forward_only: bool
-    table: schedules.Table
+    table: list
+    phases: tuple
     arrays: dict[str, np.ndarray]
-    num_act_slots: int
-    num_grad_slots: int
+    num_stash_slots: int
 
     @property
     def ticks(self) -> int:
@@ -117,9 +126,6 @@ class _Slots:
         self.owner[stage][key] = slot
         return slot
 
-    def find(self, stage: int, key) -> int:
-        return self.owner[stage][key]
-
     def release(self, stage: int, key) -> int:
         slot = self.owner[stage].pop(key)
         self.free[stage].append(slot)
@@ -132,43 +138,31 @@ class _Slots:
 
 @functools.cache
 def build_program(name: str, P: int, m: int, V: int = 1, forward_only: bool = False) -> Program:
-    """The table of schedule `name` (or its forwards only, for evaluation) with buffer slots."""
-    table = (schedules.forward_only(P, m, V) if forward_only
-             else schedules.build_schedule(name, P, m, V))
-    if not forward_only:
-        schedules.validate_schedule(table, P, m, V)
-    arrays = schedules.to_arrays(table)
-    T, last = len(table), P * V - 1
-    for key in ("act_slot", "grad_slot"):
-        arrays[key] = np.zeros((T, P), np.int32)
-    for key in ("recv_act", "recv_grad"):
-        arrays[key] = np.full((T, P), -1, np.int32)
-    acts, grads = _Slots(P), _Slots(P)
-    for t, row in enumerate(table):
-        # Reads (and frees) during the tick...
-        for s, a in enumerate(row):
-            if a.is_idle:
-                continue
-            v = a.chunk * P + s
-            key = (a.microbatch, a.chunk)
-            if v > 0:
-                done = a.kind == schedules.BACKWARD or forward_only
-                arrays["act_slot"][t, s] = (acts.release if done else acts.find)(s, key)
-            if a.kind == schedules.BACKWARD and v < last:
-                arrays["grad_slot"][t, s] = grads.release(s, key)
-        # ...then what the neighbours sent lands at the end of it.
-        for s, a in enumerate(row):
-            if a.is_idle:
-                continue
-            v = a.chunk * P + s
-            if a.kind == schedules.FORWARD and v < last:
-                dest, chunk = (s + 1) % P, a.chunk + (s == P - 1)
-                arrays["recv_act"][t, dest] = acts.take(dest, (a.microbatch, chunk))
-            if a.kind == schedules.BACKWARD and v > 0:
-                dest, chunk = (s - 1) % P, a.chunk - (s == 0)
-                arrays["recv_grad"][t, dest] = grads.take(dest, (a.microbatch, chunk))
-    return Program(name, P, V, m, forward_only, table, arrays,
-                   num_act_slots=max(acts.peak, 1), num_grad_slots=max(grads.peak, 1))
+    """The two-slot table of schedule `name` (or its forward phase, for evaluation), checked,
+    with its stash slots."""
+    table = lockstep.two_slot(name, P, m, V, forward_only)
+    lockstep.validate(table, P, m, V, forward_only)
+    T = len(table)
+    arrays = {k: np.zeros((T, P), np.int32) for k in
+              ("f_valid", "f_mb", "f_chunk", "b_valid", "b_mb", "b_chunk", "b_stash")}
+    arrays["f_stash"] = np.full((T, P), -1, np.int32)
+    stash = _Slots(P)
+    for t, (fwd, bwd) in enumerate(table):
+        for slot, row in (("f", fwd), ("b", bwd)):  # forward slot first: it stores, then B reads
+            for s, a in enumerate(row):
+                if a.is_idle:
+                    continue
+                arrays[f"{slot}_valid"][t, s] = 1
+                arrays[f"{slot}_mb"][t, s], arrays[f"{slot}_chunk"][t, s] = a.microbatch, a.chunk
+                if forward_only or a.chunk * P + s == 0:
+                    continue
+                key = (a.microbatch, a.chunk)
+                if slot == "f":
+                    arrays["f_stash"][t, s] = stash.take(s, key)
+                else:
+                    arrays["b_stash"][t, s] = stash.release(s, key)
+    return Program(name, P, V, m, forward_only, table, tuple(lockstep.phases(table)), arrays,
+                   num_stash_slots=max(stash.peak, 1))
 
 
 # --------------------------------------------------------------------------- runtime
@@ -180,11 +174,12 @@ def _varying_axes(x) -> frozenset:
     return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
 
 
-def _varying(x):
-    """Mark `x` as varying over `pipe` (a no-op if it already is)."""
-    if PIPE in _varying_axes(x):
-        return x
-    return jax.lax.pcast(x, PIPE, to="varying")
+def _varying(x, axes=(PIPE,)):
+    """Mark `x` as varying over the manual `axes` (a no-op for those it already varies over)."""
+    for axis in axes:
+        if axis not in _varying_axes(x):
+            x = jax.lax.pcast(x, axis, to="varying")
+    return x
 
 
 class Pipeline:
@@ -230,8 +225,26 @@ class Pipeline:
         params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
-        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs)
+        per_rank = self.reduces_once(params, batch)
+        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank)
+        if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
+            grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
+
+    def reduces_once(self, params: dict, batch: dict) -> bool:
+        """Whether data-parallel gradients are accumulated per rank over the whole schedule and
+        reduced once after it: `parallelize`'s conditions (data parallel without expert or
+        context parallelism), and no MoE router or head aux (batch-wide statistics that a
+        per-rank body would change)."""
+        if not _reduces_once(self.cfg, self.mesh) or self.cfg.model.num_experts:
+            return False
+
+        def head_aux():
+            _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
+            x = jnp.zeros((B, S, self.cfg.model.hidden_size), compute_dtype(self.cfg.model))
+            return nnx.merge(self.graphdef, params).head(x, batch["labels"][0], batch["loss_mask"][0])[1]
+
+        return not jax.tree.leaves(jax.eval_shape(head_aux))
 
     def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
         """Sum of masked token losses of the batch, no dropout (evaluation)."""
@@ -239,27 +252,43 @@ class Pipeline:
         program = self.program(batch["tokens"].shape[0], forward_only=True)
         return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
-    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None):
-        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map."""
+    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None,
+             per_rank: bool = False):
+        """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
+
+        per_rank: the shard_map is manual over `data` too (tensor stays GSPMD's): each rank runs
+        the schedule on its own rows and returns its unreduced gradients stacked [dp/data, ...],
+        so no data-parallel collective runs inside the ticks."""
         train = not program.forward_only
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
         use_dropout = key is not None
         key = jax.random.key(0) if key is None else key
+        axes = (PIPE, DATA) if per_rank else (PIPE,)
+        rules = tuple((n, _without_data(a)) for n, a in active_rules()) if per_rank else active_rules()
 
         def body(layers_blk, shared, batch, key, scale, arrays):
-            stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale)
-            return stage.run(arrays)
+            # Per rank, dropout masks are drawn for this rank's rows of the global batch.
+            rows = jax.lax.axis_index(DATA) * batch["tokens"].shape[1] if per_rank else 0
+            with use_rules(rules), rows_from(rows):
+                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
+                loss, d_layers, d_shared, aux = stage.run(arrays)
+            if per_rank:  # [1, ...] per rank, stacked over data and summed outside
+                loss, d_layers, d_shared, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, d_shared, aux))
+            return loss, d_layers, d_shared, aux
 
         rep = replicated()
+        stacked = per_rank_spec(rep) if per_rank else rep
         run = jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(pipe_blocks(), rep, rep, rep, rep, rep),
-            out_specs=(rep, pipe_blocks(), rep, rep),
-            axis_names=frozenset({PIPE}),
+            in_specs=(pipe_blocks(), rep, data_rows() if per_rank else rep, rep, rep, rep),
+            out_specs=(stacked, per_rank_spec(pipe_blocks()) if per_rank else pipe_blocks(), stacked, stacked),
+            axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
+        if per_rank:
+            loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), (loss, aux))
         return loss, ({**d_shared, "layers": d_layers} if train else None), aux
 
 
@@ -271,7 +300,7 @@ class _Stage:
     """
 
     def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
-                 layers_blk, shared, batch, key, scale):
+                 layers_blk, shared, batch, key, scale, axes=(PIPE,)):
         L = pipeline.layout
         self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
         self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
@@ -281,17 +310,23 @@ class _Stage:
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
         self.stage = jax.lax.axis_index(PIPE)
+        # Everything a stage accumulates varies over the manual axes: the gradients of the
+        # (invariant) params are then this stage's and this rank's own, with no implicit psum.
+        self.vary = functools.partial(_varying, axes=axes)
+        layers_blk = jax.tree.map(self.vary, layers_blk)
         self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
         # Per-stage gradients of the replicated params stay per stage until the final psum.
-        self.shared = jax.tree.map(_varying, shared)
+        self.shared = jax.tree.map(self.vary, shared)
         _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
         self.act_shape = (B, S, pipeline.cfg.model.hidden_size)
         self.dtype = compute_dtype(pipeline.cfg.model)
-        self.zeros_act = _varying(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
+        self.zeros_act = self.vary(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
 
-    def forward(self, layers_c, shared, x_in, mb_in, v, mb):
+    def forward(self, layers_c, shared, x_in, mb_in, v, mb, with_head: bool = True):
         """One virtual stage on one microbatch: (output [b, s, d], its loss share, its layers'
-        MoE loss term (value 0, gradient of the MoE losses: every stage's counts), aux)."""
+        MoE loss term (value 0, gradient of the MoE losses: every stage's counts), aux).
+        with_head=False (a training forward slot: the backward slot's recompute counts the
+        loss) skips the head: loss and head aux are zero."""
         model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
         k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
         positions = mb_in["position_ids"]
@@ -303,18 +338,20 @@ class _Stage:
 
         def head():
             loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-            return jax.tree.map(_varying, (loss_sum * self.scale, aux))  # as no_head's
+            return jax.tree.map(self.vary, (loss_sum * self.scale, aux))  # as no_head's
 
         def no_head():
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
-            return jax.tree.map(_varying, zeros)
+            return jax.tree.map(self.vary, zeros)
 
-        loss, aux = jax.lax.cond(v == self.last, head, no_head)
+        loss, aux = jax.lax.cond(v == self.last, head, no_head) if with_head else no_head()
         # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
         # the stages); the microbatch counter only on the last virtual stage.
         if moe_aux:
             moe_aux["moe_microbatches"] = jnp.where(v == self.last, 1.0, 0.0)
-        return y, loss, moe_term * self.scale, jax.tree.map(_varying, {**aux, **moe_aux})
+        # moe_term is varying whenever it depends on the layers; without MoE it is a constant 0,
+        # made varying so that the backward slot's masked cotangent (varying) fits it.
+        return y, loss, self.vary(moe_term * self.scale), jax.tree.map(self.vary, {**aux, **moe_aux})
 
     # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
     # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
@@ -338,84 +375,134 @@ class _Stage:
         layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
         mb_0 = jax.tree.map(lambda x: x[0], self.batch)
         aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0)[3])
-        return jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), aux)
+        return jax.tree.map(lambda a: self.vary(jnp.zeros(a.shape, a.dtype)), aux)
 
-    def init_carry(self) -> dict:
-        def buffer(slots):  # [slot, b, s, d]
-            return _varying(constrain(jnp.zeros((slots, *self.act_shape), self.dtype), ACT_BUFFER))
+    def init_carry(self, live) -> dict:
+        def buffer(*lead):  # [*lead, b, s, d]
+            spec = ACT_BUFFER if lead else ACT_BUFFER[1:]
+            return self.vary(constrain(jnp.zeros((*lead, *self.act_shape), self.dtype), spec))
 
-        carry = {"acts": buffer(self.program.num_act_slots), "loss": _varying(jnp.zeros((), jnp.float32)),
+        # The first tick must not start before the step's inputs are complete (the token count
+        # in `scale`, ZeRO's gathered params: collectives outside the shard_map, which a tick's
+        # ppermute could otherwise overtake on some devices; see `tick`): the initial carry
+        # depends on them, elementwise (`_after`), so no collective is added.
+        carry = {"x_recv": _after(live, buffer(), self.scale), "loss": self.vary(jnp.zeros((), jnp.float32)),
                  "aux": self.aux_zeros()}
         if self.train:
-            zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), tree)  # noqa: E731
-            carry["grads_in"] = buffer(self.program.num_grad_slots)
+            zeros = lambda tree: jax.tree.map(  # noqa: E731
+                lambda a: self.vary(_after(live, jnp.zeros_like(a), a)), tree)
+            carry["stash"] = buffer(self.program.num_stash_slots)  # [slot, b, s, d]
+            carry["g_recv"] = buffer()
             carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
             carry["d_shared"] = self.pin_shared(zeros(self.shared))
         return carry
 
-    def action(self, carry, a: dict):
-        """This tick's action -> (sent forward, sent backward, loss, aux, d_layers_c, d_shared).
-
-        Branches see only this tick's tensors and return this tick's deltas: a branch that
-        passed the buffers or accumulators through would copy them every tick."""
-        mb, c = a["microbatch"], a["chunk"]
-        v = c * self.P + self.stage
+    def unit(self, a: dict, slot: str):
+        """(microbatch, chunk, virtual stage, valid, microbatch inputs, chunk layers) of a slot."""
+        mb, c, valid = a[f"{slot}_mb"], a[f"{slot}_chunk"], a[f"{slot}_valid"] > 0
         mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
         if self.V == 1:  # a static index: no per-tick copy of the stage's weights
             layers_c = jax.tree.map(lambda x: x[0], self.layers_vl)  # [Lmax, ...]
         else:
             layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
                                     self.layers_vl)  # [Lmax, ...]
-        shared, zeros_act = self.shared, self.zeros_act
-        x_in = carry["acts"][a["act_slot"]]  # [b, s, d]
-        g_in = carry["grads_in"][a["grad_slot"]] if self.train else None  # [b, s, d]
+        return mb, c, c * self.P + self.stage, valid, mb_in, layers_c
 
-        def idle():
-            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-            return (zeros_act, zeros_act, _varying(jnp.zeros((), jnp.float32)), self.aux_zeros(),
-                    zeros(layers_c), zeros(shared))
-
-        def forward():  # aux is counted here, once per microbatch (not in the recompute)
-            y, loss, _, aux = self.forward(layers_c, shared, x_in, mb_in, v, mb)
-            *_, d_lc, d_sh = idle()
-            return y, zeros_act, loss, aux, d_lc, d_sh
-
-        def backward():
-            (_, loss, moe_term), vjp = jax.vjp(
-                lambda lp, sp, x: self.forward(lp, sp, x, mb_in, v, mb)[:3], layers_c, shared, x_in)
-            at_loss = v == self.last
-            g_y = jnp.where(at_loss, jnp.zeros_like(x_in), g_in)
-            # The MoE losses of this stage's layers are part of the objective on every stage.
-            d_lc, d_sh, d_x = vjp((g_y, jnp.where(at_loss, 1.0, 0.0).astype(loss.dtype),
-                                   jnp.ones_like(moe_term)))
-            return zeros_act, d_x, jnp.zeros_like(loss), self.aux_zeros(), d_lc, self.pin_shared(d_sh)
-
-        return jax.lax.switch(a["kind"], [idle, forward, backward] if self.train else [idle, forward])
-
-    def tick(self, carry, row):
-        a = {k: r[self.stage] for k, r in row.items()}  # this stage's action, scalars
-        send_fwd, send_bwd, loss, aux, d_lc, d_sh = self.action(carry, a)
-        carry = {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
+    def forward_slot(self, carry, a: dict):
+        """The forward of this tick's unit on the input that arrived last tick.
+        Training: stashes the input for the backward; -> (carry, y, None). Evaluation: runs the
+        head too; -> (carry, y, (loss, aux)), masked when the slot has no unit."""
+        mb, _, v, valid, mb_in, layers_c = self.unit(a, "f")
+        x_in = carry["x_recv"]  # [b, s, d]
+        y, loss, _, aux = self.forward(layers_c, self.shared, x_in, mb_in, v, mb, with_head=not self.train)
         if self.train:
-            carry["d_layers"] = self.pin_layers(
-                jax.tree.map(lambda acc, d: acc.at[a["chunk"]].add(d), carry["d_layers"], d_lc))
-            carry["d_shared"] = self.pin_shared(jax.tree.map(jnp.add, carry["d_shared"], d_sh))
+            return {**carry, "stash": _land(carry["stash"], a["f_stash"], x_in)}, y, None
+        return carry, y, _masked(valid, (loss, aux))
+
+    def backward_slot(self, a: dict, x_in, g_recv):
+        """Recompute the unit's forward from its stashed input `x_in` and apply its vjp to the
+        gradient that arrived last tick (the loss's, on the last virtual stage).
+        -> (d_layers of the chunk, d_shared, d_x, (loss, aux)). A masked slot gets zero
+        cotangents, so its gradients are exactly zero. The loss and aux are counted here, from
+        the recompute: once per unit, and the forward slot needs no head."""
+        mb, _, v, valid, mb_in, layers_c = self.unit(a, "b")
+
+        def run(lp, sp, x):
+            y, loss, moe_term, aux = self.forward(lp, sp, x, mb_in, v, mb)
+            return (y, loss, moe_term), aux
+
+        (_, loss, moe_term), vjp, aux = jax.vjp(run, layers_c, self.shared, x_in, has_aux=True)
+        at_loss = v == self.last
+        g_y = jnp.where(valid & ~at_loss, g_recv, jnp.zeros_like(x_in))
+        # The MoE losses of this stage's layers are part of the objective on every stage.
+        d_lc, d_sh, d_x = vjp((g_y, self.vary(jnp.where(valid & at_loss, 1.0, 0.0).astype(loss.dtype)),
+                               self.vary(jnp.where(valid, 1.0, 0.0).astype(moe_term.dtype))))
+        return d_lc, self.pin_shared(d_sh), d_x, _masked(valid, (loss, aux))
+
+    def accumulate(self, carry, a: dict, d_lc, d_sh):
+        """Add one backward's gradients to the accumulators ([V, Lmax, ...] and shared)."""
+        c = 0 if self.V == 1 else a["b_chunk"]  # a static index when there is one chunk
+        d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc)
+        d_shared = jax.tree.map(jnp.add, carry["d_shared"], d_sh)
+        return {**carry, "d_layers": self.pin_layers(d_layers), "d_shared": self.pin_shared(d_shared)}
+
+    def tick(self, carry, row, forward: bool, backward: bool):
+        """One tick of a phase: the forward slot, then the backward slot (each only if the phase
+        uses it), then the activation goes to stage s+1 and then the gradient to s-1.
+
+        Every device must reach the collectives in the same order. The slots hold their own
+        (tensor and sequence parallelism, inside the layer scans and the embedding and head
+        conds), and XLA:CPU runs independent thunks concurrently: the forward slot's layer scan
+        and the backward slot's recompute, both with the same all-gather, ran side by side and
+        paired up across devices wrongly (a deadlock; an optimization barrier orders the
+        schedule, not the thunk executor). `_after` makes the order a data dependency: the
+        backward slot waits for the forward's output, the activation's send for the
+        backward's input gradient (the end of its chain), the gradient's send for the
+        activation's."""
+        a = {k: r[self.stage] for k, r in row.items()}  # this stage's slots, scalars
         ring = range(self.P)
-        got_act = jax.lax.ppermute(send_fwd, PIPE, [(i, (i + 1) % self.P) for i in ring])
-        carry["acts"] = _land(carry["acts"], a["recv_act"], got_act)
-        if self.train:
-            got_grad = jax.lax.ppermute(send_bwd, PIPE, [(i, (i - 1) % self.P) for i in ring])
-            carry["grads_in"] = _land(carry["grads_in"], a["recv_grad"], got_grad)
+        live = a["b_stash"] >= 0  # always true; the compiler cannot know it
+        if forward:
+            carry, y, counted = self.forward_slot(carry, a)
+            if counted is not None:  # evaluation: after the head's collectives
+                carry = self.count(carry, counted)
+                y = _after(live, y, carry["loss"])
+        if backward:
+            x_b = carry["stash"][a["b_stash"]]  # [b, s, d], read after the forward slot stored
+            if forward:
+                x_b = _after(live, x_b, y)
+            d_lc, d_sh, d_x, counted = self.backward_slot(a, x_b, carry["g_recv"])
+            carry = self.count(self.accumulate(carry, a, d_lc, d_sh), counted)
+            if forward:
+                y = _after(live, y, d_x)  # d_x ends the backward's chain of collectives
+        if forward:
+            carry["x_recv"] = jax.lax.ppermute(y, PIPE, [(i, (i + 1) % self.P) for i in ring])
+        if backward:
+            if forward:
+                d_x = _after(live, d_x, carry["x_recv"])
+            carry["g_recv"] = jax.lax.ppermute(d_x, PIPE, [(i, (i - 1) % self.P) for i in ring])
         return carry, None
 
+    @staticmethod
+    def count(carry, counted):
+        loss, aux = counted
+        return {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
+
     def run(self, arrays):
-        """The scan over ticks; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe."""
-        carry, _ = jax.lax.scan(self.tick, self.init_carry(), arrays)
-        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
+        """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
+        in one collective (two independent ones could be reached in opposite orders, see
+        `tick`); per rank, the sums over `data` are left to the caller."""
+        carry = self.init_carry(arrays["b_stash"][0, self.stage] >= 0)  # always true at run time
+        for p in self.program.phases:
+            rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
+            step = functools.partial(self.tick, forward=p.forward, backward=p.backward)
+            carry, _ = jax.lax.scan(step, carry, rows)
         if not self.train:
+            loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
             return loss, {}, {}, aux
+        loss, aux, d_shared = jax.lax.psum((carry["loss"], carry["aux"], carry["d_shared"]), PIPE)
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
-        return loss, d_layers, jax.lax.psum(carry["d_shared"], PIPE), aux
+        return loss, d_layers, d_shared, aux
 
 
 def _embed(model, tokens_bs, positions_bs, key):
@@ -428,6 +515,18 @@ def _embed(model, tokens_bs, positions_bs, key):
     ctx = dict(rules).get("context_seq")
     with use_rules(tuple((n, ctx if n == "seq" else a) for n, a in rules)):
         return model.embed_tokens(tokens_bs, positions_bs, key)
+
+
+def _after(live, x, dep):
+    """`x`, available only once `dep` (a tensor shaped and laid out like `x`, or a scalar) is:
+    a select on a predicate that is always true at run time. Elementwise, so it adds no
+    collective under any sharding of `x`."""
+    return jnp.where(live, x, dep.astype(x.dtype))
+
+
+def _masked(valid, tree):
+    """`tree` where the slot is valid, zeros where it ran masked."""
+    return jax.tree.map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), tree)
 
 
 def _land(buf, slot, value):

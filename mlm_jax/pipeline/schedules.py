@@ -2,11 +2,12 @@
 
 A schedule is a table: a list of ticks, each tick a tuple with one `Action` per pipeline stage.
 An action is a forward ('F') or backward ('B') of one microbatch on one model chunk, or idle.
-The runtime only interprets the table (`to_arrays` gives it int32 arrays); everything here is
-pure Python and is tested without devices.
+These are Megatron's per-stage orders, the reference an asynchronous executor runs; the runtime
+executes their two-slot lockstep form (`lockstep`), which costs the same time. Everything here
+is pure Python and is tested without devices.
 
-Timing model (the synchronous SPMD executor the runtime implements)
-------------------------------------------------------------------
+Timing model (one action per stage per tick)
+--------------------------------------------
 - P stages; each stage holds V model chunks. Chunk c on stage s is virtual stage v = c*P + s,
   so a microbatch's forward walks v = 0 .. P*V-1 (wrapping from the last stage back to the first
   between chunks) and its backward walks back down.

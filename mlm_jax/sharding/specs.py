@@ -13,7 +13,7 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from mlm_jax.sharding.mesh import PIPE
+from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec
 
 MICROBATCHED = (None, "batch", "context_seq")  # [microbatch, batch, seq]
@@ -58,3 +58,15 @@ def stage_chunks(spec: P) -> P:
     """A stage's layer leaf seen as [V, Lmax, ...] inside the pipeline (dim 0 of `spec` is the
     stacked layers dim, here split into the two leading, unsharded dims)."""
     return P(None, None, *tuple(spec)[1:])
+
+
+def data_rows() -> P:
+    """A shard_map in spec for a batch [microbatch, batch, seq]: rows split over `data` (the
+    pipeline's per-rank schedule; context and expert are 1 there)."""
+    return P(None, DATA)
+
+
+def per_rank(spec: P) -> P:
+    """A shard_map out spec: a new leading dim over `data` (one entry per data-parallel rank,
+    summed once outside), then `spec`."""
+    return P(DATA, *spec)
