@@ -263,8 +263,6 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return None
     if dict(mesh.shape)[DATA] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        return "not applied: the pipeline reduces its gradients in fp32"
     if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
         return ("not applied: with MoE, expert or context parallelism the gradients are reduced "
                 "in fp32 inside the step")

@@ -60,7 +60,7 @@ from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.parallelize import _reduces_once, _without_data
+from mlm_jax.parallelize import _reduce_over_ranks, _reduces_once, _without_data
 from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
 from mlm_jax.sharding.specs import (data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored,
@@ -228,7 +228,7 @@ class Pipeline:
         per_rank = self.reduces_once(params, batch)
         loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank)
         if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
-            grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
+            return loss, _reduce_over_ranks(grads, param_sharding, self.cfg.parallel.grad_reduce_in_bf16), aux
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
 
     def reduces_once(self, params: dict, batch: dict) -> bool:
