@@ -264,12 +264,14 @@ def test_grad_reduce_in_bf16_reduces_in_bf16(tmp_path):
         assert bf16["bf16"] >= n_params and bf16.get("f32", 0) < 16, counts  # f32: the loss, token count
 
 
-def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding():
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(pipeline_model_parallel_size=2)],
+                         ids=["dp8", "pp2_dp4"])
+def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding(parallel):
     """Loss identical (the loss is reduced separately); every gradient leaf within bf16's
-    rounding of the 8 per-rank gradients and their sums: |diff| <= 2^-6 x the leaf's largest
-    fp32 gradient. And not identical: the flag does take effect."""
-    loss32, g32 = grads_for(ParallelConfig(), 1)
-    loss16, g16 = grads_for(ParallelConfig(grad_reduce_in_bf16=True), 1)
+    rounding of the per-rank gradients and their sums: |diff| <= 2^-6 x the leaf's largest
+    fp32 gradient. And not identical: the flag does take effect (the pipeline's one reduction too)."""
+    loss32, g32 = grads_for(parallel, 1)
+    loss16, g16 = grads_for(dataclasses.replace(parallel, grad_reduce_in_bf16=True), 1)
     assert loss16 == loss32
     differs = False
     for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):
