@@ -47,6 +47,11 @@ if "--devices" not in sys.argv:
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if "--devices" not in sys.argv:
+    from mlm_jax.xla_flags import cpu_collective_threads  # noqa: E402  (before jax starts)
+
+    cpu_collective_threads(8)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

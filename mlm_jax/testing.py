@@ -11,8 +11,11 @@ def fake_devices(n: int = 8) -> list:
     """
     import jax
 
+    from mlm_jax import xla_flags
+
     if n < 1:
         raise ValueError(f"fake_devices needs n >= 1, got {n}")
+    xla_flags.cpu_collective_threads(n)  # read when the CPU client starts (it may already have)
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -576,19 +577,24 @@ def use_every_cpu_core() -> None:
     """One XLA CPU device per core, unless the user chose: a single CPU device runs on about one
     core, so the default run would otherwise leave the rest idle. `MLM_JAX_CPU_DEVICES=N` asks
     for N devices (XLA_FLAGS' --xla_force_host_platform_device_count wins when both are set).
-    GPUs are unaffected."""
+    With several, XLA:CPU's thread pool is sized for their collectives
+    (`xla_flags.cpu_collective_threads`). GPUs are unaffected."""
     import jax
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        return
+    from mlm_jax import xla_flags
+
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     asked = os.environ.get("MLM_JAX_CPU_DEVICES")
     count = max(1, os.cpu_count() or 1)
-    if asked is not None:
+    if forced:
+        count = int(forced.group(1))
+    elif asked is not None:
         if not asked.strip().isdigit() or int(asked) < 1:
             raise UsageError(f"MLM_JAX_CPU_DEVICES={asked!r}: must be a whole number of CPU devices, 1 or more")
         count = int(asked)
-    jax.config.update("jax_num_cpu_devices", count)
+    xla_flags.cpu_collective_threads(count)
+    if not forced:
+        jax.config.update("jax_num_cpu_devices", count)
 
 
 @errors.cli

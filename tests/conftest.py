@@ -8,6 +8,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's thread pool sized for 8 devices' collectives (a too-small pool deadlocks, see there).
+from mlm_jax.xla_flags import cpu_collective_threads  # noqa: E402  (imports no jax)
+
+cpu_collective_threads(8)
 # Compiles dominate the suite's time; cache them across runs (a clean CI run starts cold).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -450,15 +450,14 @@ class _Stage:
         """One tick of a phase: the forward slot, then the backward slot (each only if the phase
         uses it), then the activation goes to stage s+1 and then the gradient to s-1.
 
-        Every device must reach the collectives in the same order. The slots hold their own
-        (tensor and sequence parallelism, inside the layer scans and the embedding and head
-        conds), and XLA:CPU runs independent thunks concurrently: the forward slot's layer scan
-        and the backward slot's recompute, both with the same all-gather, ran side by side and
-        paired up across devices wrongly (a deadlock; an optimization barrier orders the
-        schedule, not the thunk executor). `_after` makes the order a data dependency: the
-        backward slot waits for the forward's output, the activation's send for the
-        backward's input gradient (the end of its chain), the gradient's send for the
-        activation's."""
+        The slots hold collectives of their own (tensor and sequence parallelism, inside the
+        layer scans and the embedding and head conds), and XLA:CPU runs independent operations
+        concurrently, each waiting collective holding a thread of its intra-op pool: too many
+        at once starved the pool and deadlocked the fake CPU mesh (see
+        `xla_flags.cpu_collective_threads`, the fix). `_after` also chains the slots, so a
+        device has one chain of collectives in flight: the backward slot waits for the
+        forward's output, the activation's send for the backward's input gradient (the end of
+        its chain), the gradient's send for the activation's."""
         a = {k: r[self.stage] for k, r in row.items()}  # this stage's slots, scalars
         ring = range(self.P)
         live = a["b_stash"] >= 0  # always true; the compiler cannot know it
