@@ -49,7 +49,7 @@ from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtyp
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
-from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT
+from mlm_jax.sharding.mesh import DATA, EXPERT
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
                                     zero_spec)
 from mlm_jax.sharding.specs import batch_spec, replicated
@@ -232,28 +232,39 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without expert or context parallelism.
+    `_reduce_once_loss_and_grads`): data parallel without expert parallelism.
 
     Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
-    rank running its own rows draws the masks one device draws for them. Expert and context
-    parallelism run hand-written shard_map pieces and batch-wide aux losses, which a per-rank body
-    would change.
+    rank running its own rows draws the masks one device draws for them. Context parallelism's
+    ring attention is a shard_map over every axis not yet manual, so it nests in the per-rank
+    body as it nests in the pipeline's. Expert parallelism's dispatch and the MoE router's
+    batch-wide aux losses would change in a per-rank body (the router's statistics are over the
+    whole batch here, where Megatron's are per rank).
     """
     sizes = dict(mesh.shape)
-    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and sizes[CONTEXT] == 1
+    return sizes[DATA] > 1 and sizes[EXPERT] == 1
 
 
-def _gather_once(params, sh: _Shardings, dtype):
+def _gather_once(params, storage, compute, dtype):
     """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
     dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
-    bf16 parameter copy); `dtype` None: everything in fp32. The cast is pinned to the storage
-    sharding, or propagation would replicate the fp32 input and gather that."""
+    bf16 parameter copy) and widened back to fp32 after the gather, which is exact: the model
+    re-casts them, so a gradient taken at the result is an fp32 gradient of the same step.
+    `dtype` None: everything in fp32. The cast is pinned to the storage sharding, or propagation
+    would replicate the fp32 input and gather that."""
     if dtype is None:
-        return jax.lax.with_sharding_constraint(params, sh.compute)
+        return jax.lax.with_sharding_constraint(params, compute)
     low = jax.tree_util.tree_map_with_path(
         lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
-    low = jax.lax.with_sharding_constraint(low, sh.storage)  # cast on the shards...
-    return jax.lax.with_sharding_constraint(low, sh.compute)  # ...then gathered
+    low = jax.lax.with_sharding_constraint(low, storage)  # cast on the shards...
+    gathered = jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), gathered, params)
+
+
+def zero_gather_dtype(cfg: Config):
+    """The dtype ZeRO's parameter all-gather sends the compute-dtype leaves in (see
+    `_gather_once`): the compute dtype under ZeRO, else None (no gather to shrink)."""
+    return compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
 
 
 def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
@@ -264,7 +275,7 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     if dict(mesh.shape)[DATA] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
-        return ("not applied: with MoE, expert or context parallelism the gradients are reduced "
+        return ("not applied: with MoE or expert parallelism the gradients are reduced "
                 "in fp32 inside the step")
     return None
 
@@ -302,7 +313,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
     """
     def run(params, batch, key, loss_scale=None):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        compute = _gather_once(params, sh, gather_dtype)  # gathered once
+        compute = _gather_once(params, sh.storage, sh.compute, gather_dtype)  # gathered once
 
         def loss_fn(prm, mb, mb_key, norm):
             tokens, scale = norm
@@ -324,7 +335,6 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
                     prm, mb, jax.random.fold_in(key, index), norm)
                 return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
-            prm = jax.tree.map(lambda x: x.astype(jnp.float32), prm)  # exact: the model re-casts
             zeros = jax.tree.map(jnp.zeros_like, prm)
             num_micro = mbs["tokens"].shape[0]
             rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
@@ -438,8 +448,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        gather_dtype = compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, gather_dtype,
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, zero_gather_dtype(cfg),
                                                      cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 

@@ -29,6 +29,7 @@ LAYOUTS = {
     "dp8_zero": (ParallelConfig(use_distributed_optimizer=True), 1),
     "dp8_dropout": (ParallelConfig(), 1, (("hidden_dropout", 0.1), ("attention_dropout", 0.1))),
     "dp8_zero_bf16": (ParallelConfig(use_distributed_optimizer=True), 1, (("bf16", True),)),
+    "cp2_zero": (ParallelConfig(context_parallel_size=2, use_distributed_optimizer=True), 1),  # dp4 x cp2
 }
 
 
@@ -195,7 +196,7 @@ def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16"])
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside."""
@@ -205,7 +206,7 @@ def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(comp
     outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line
                and any(len({i // 1 for i in g}) > 1 for g in _groups(line, pz.mesh.devices.size))]
     assert outside, "the gradient reduction must still happen, once, after the loop"
-    if name.startswith("dp8_zero"):  # ZeRO: the parameters are gathered once, before the loop
+    if "zero" in name:  # ZeRO: the parameters are gathered once, before the loop
         assert any(" all-gather" in line for line in outside)
 
 
@@ -214,8 +215,8 @@ import jax
 jax.config.update("jax_enable_compilation_cache", False)  # compile here, so that XLA dumps
 from mlm_jax.config import ParallelConfig
 from tests.parallel_util import build, fixed_batch, place
-for bf16 in (False, True):
-    pz = build(ParallelConfig(use_distributed_optimizer=True), 1, bf16=bf16)
+for pp, bf16 in ((1, False), (1, True), (2, True)):
+    pz = build(ParallelConfig(use_distributed_optimizer=True, pipeline_model_parallel_size=pp), 1, bf16=bf16)
     pz.train_step.lower(pz.init(0), place(pz, fixed_batch()), jax.random.key(0)).compile()
 """
 
@@ -238,19 +239,22 @@ def test_zero_gathers_bf16_parameters_under_bf16(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     dumps = sorted(glob.glob(str(tmp_path / "*jit_train_step*before_float-normalization-bf16.txt")))
-    assert len(dumps) == 2, dumps  # fp32 step, then bf16 step
+    assert len(dumps) == 3, dumps  # fp32 step, bf16 step, bf16 pp2 step
 
     def gathers(path):
         lines = open(path).read().splitlines()
         return [re.search(r"= (\w+)\[([\d,]*)\]", x).groups() for x in lines
                 if re.search(r" all-gather(-start)?\(", x) and "/while/body/" not in x]
 
-    fp32, bf16 = gathers(dumps[0]), gathers(dumps[1])
+    fp32 = gathers(dumps[0])
     assert fp32 and {t for t, _ in fp32} == {"f32"}
-    # every stacked weight, the embedding [512, 64] and the position table [32, 64]
-    matrices = [t for t, dims in bf16 if dims.count(",") >= 2 or dims in ("512,64", "32,64")]
-    assert len(matrices) >= 6 and set(matrices) == {"bf16"}, bf16
-    assert ("f32", "2,64") in bf16, bf16  # the norms' scales stay fp32
+    for dump in dumps[1:]:  # without and with the pipeline (pp2: each stage gathers its layers)
+        bf16 = gathers(dump)
+        # every stacked weight, the embedding [512, 64] and the position table [32, 64]
+        matrices = [t for t, dims in bf16 if dims.count(",") >= 2 or dims in ("512,64", "32,64")]
+        assert len(matrices) >= 6 and set(matrices) == {"bf16"}, (dump, bf16)
+        assert any(t == "f32" and dims.endswith(",64") and dims.count(",") == 1 and dims != "32,64"
+                   and dims != "512,64" for t, dims in bf16), (dump, bf16)  # the norms' scales stay fp32
 
 
 def test_group_parser_flags_the_per_microbatch_reduction():

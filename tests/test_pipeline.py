@@ -430,3 +430,16 @@ def test_valid_pipeline_configs_pass_and_pick_megatrons_default_schedule():
     cfg = _finalize(pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=2)
     assert plan(cfg)[1].layers_per_vstage == (2, 2, 2, 2)
     _finalize(pipeline_schedule="1f1b")  # a schedule with pp=1 is harmless: no pipeline
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_zero_bf16_parameter_gather_changes_only_the_bytes(pp):
+    """Under --bf16, ZeRO gathers the weights in bf16 once per step (HLO: `test_compiled`), with
+    and without the pipeline. The model rounds the same fp32 weights to bf16 either way, so the
+    loss and every gradient equal the same step without ZeRO (dp4 x pp2, dp8)."""
+    bf16 = (("bf16", True),) + (MODEL if pp > 1 else ())
+    plain = ParallelConfig(pipeline_model_parallel_size=pp)
+    loss, grads = grads_for(plain, 1, model=bf16)
+    zero_loss, zero_grads = grads_for(dataclasses.replace(plain, use_distributed_optimizer=True), 1, model=bf16)
+    assert abs(zero_loss - loss) <= 1e-6, (zero_loss, loss)
+    assert_trees_close(grads, zero_grads, 1e-6)

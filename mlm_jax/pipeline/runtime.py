@@ -60,7 +60,7 @@ from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.parallelize import _reduce_over_ranks, _reduces_once, _without_data
+from mlm_jax.parallelize import _gather_once, _reduce_over_ranks, _reduces_once, _without_data, zero_gather_dtype
 from mlm_jax.sharding.mesh import DATA, PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
 from mlm_jax.sharding.specs import (data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored,
@@ -222,7 +222,8 @@ class Pipeline:
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         if loss_scale is not None:
             total_tokens = total_tokens / loss_scale  # the `scale` below: loss_scale / tokens
-        params = jax.lax.with_sharding_constraint(params, compute_sharding)  # ZeRO: all-gather
+        # ZeRO: the one all-gather per step, the weights in bf16 under --bf16 (see _gather_once).
+        params = _gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
         per_rank = self.reduces_once(params, batch)
