@@ -86,6 +86,21 @@ def test_dropout_masks_do_not_depend_on_the_data_parallel_split():
 # parameter by whole steps. Losses within 1e-5. (Adam is blind to a gradient's scale, which is
 # why the gradient test above, not this one, is the sharp check.)
 PARAM_ATOL = 1e-4
+# An entry whose first gradient is zero within the gradient tests' own tolerance (GRAD_RTOL of
+# its leaf's largest: rounding noise, e.g. embed[382, 0] at 2.6e-9 against a row median of
+# 2.6e-3, a cancellation) sits in Adam's eps regime: its step is lr * g / (|g| + 1e-8), so
+# rounding alone moves it by a sizeable fraction of lr (measured: 1.07e-4 after the attention's
+# einsums changed shape, that gradient 2.6e-9 on one device and 4.5e-9 on dp2 x tp4). Those few
+# entries are held to Adam's own bound instead, at most 2 * lr per step away (lr = 1e-3 in
+# `tiny_config`); every other entry to PARAM_ATOL.
+NOISE_GRAD = GRAD_RTOL
+ADAM_BOUND = 5 * 2 * 1e-3
+
+
+def _noise_entries(ref_grads: dict) -> dict:
+    """Entries with a nonzero gradient within NOISE_GRAD of their leaf's largest (an exact zero is
+    no noise: Adam leaves it unmoved everywhere)."""
+    return jax.tree.map(lambda g: (g != 0) & (np.abs(g) < NOISE_GRAD * np.max(np.abs(g))), ref_grads)
 
 
 @pytest.mark.parametrize("name", ["dp2_tp4_sp", "zero1_dp4_tp2"])
@@ -94,4 +109,11 @@ def test_five_optimizer_steps_give_the_same_parameters(name):
     losses, params = train_for(*LAYOUTS[name])
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert ref_losses[-1] < ref_losses[0]
-    assert_trees_close(unpad(ref_params), unpad(params), rtol=0.0, atol=PARAM_ATOL)
+    noise = unpad(_noise_entries(grads_for(*REFERENCE, single_device=True)[1]))
+    ref, got = unpad(ref_params), unpad(params)
+    # 136 of 134,144 here: the analytically-zero key bias (128) and 8 cancellations.
+    assert sum(int(n.sum()) for n in jax.tree.leaves(noise)) <= 2e-3 * sum(n.size for n in jax.tree.leaves(noise))
+    assert all(np.all(np.abs(r - g)[n] <= ADAM_BOUND) for r, g, n in
+               zip(jax.tree.leaves(ref), jax.tree.leaves(got), jax.tree.leaves(noise)))
+    assert_trees_close(ref, jax.tree.map(lambda r, g, n: np.where(n, r, g), ref, got, noise),
+                       rtol=0.0, atol=PARAM_ATOL)

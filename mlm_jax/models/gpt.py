@@ -248,6 +248,8 @@ class GPT(nnx.Module):
         logits = constrain(logits, ("batch", "context_seq", "vocab"))
         # Padding columns can never be the answer; masking them keeps the softmax (and so the
         # loss and every gradient) independent of how much padding the layout needs.
+        if logits.shape[-1] == self.cfg.vocab_size:
+            return logits  # no padding: no select over every logit (forward and backward)
         real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size
         return jnp.where(real, logits, PADDED_LOGIT)
 

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from mlm_jax.models.attention import _scores, attention, causal_mask
-from mlm_jax.models.layers import dropout
+from mlm_jax.models.attention import attention, causal_mask
+from mlm_jax.models.layers import dropout, fp32_einsum
 from mlm_jax.parallel.chunks import local_order, seq_order
 from mlm_jax.sharding.mesh import CONTEXT
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
@@ -49,6 +49,10 @@ COMM_TYPES = ("p2p", "allgather", "a2a")
 NEG = -1e30  # a finite "minus infinity": fully masked rows stay NaN-free in value and gradient
 
 _ACTIVE: list[str] = []
+
+
+# q k^T [b, g, r, s, t] in fp32 from compute-dtype q [b, s, g, r, k] and k [b, t, g, k].
+_scores = fp32_einsum("bsgrk,btgk->bgrst", "bgrst,btgk->bsgrk", "bgrst,bsgrk->btgk")
 
 
 class use_comm_type:
