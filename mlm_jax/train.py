@@ -592,7 +592,8 @@ def use_every_cpu_core() -> None:
         if not asked.strip().isdigit() or int(asked) < 1:
             raise UsageError(f"MLM_JAX_CPU_DEVICES={asked!r}: must be a whole number of CPU devices, 1 or more")
         count = int(asked)
-    xla_flags.cpu_collective_threads(count)
+    if not xla_flags.gpu_run():
+        xla_flags.cpu_collective_threads(count)
     if not forced:
         jax.config.update("jax_num_cpu_devices", count)
 

@@ -64,7 +64,7 @@ def apply(parallel: ParallelConfig, environ=os.environ) -> list[str]:
 
 
 # XLA:CPU's intra-op pool threads per in-process device (see `cpu_collective_threads`).
-CPU_POOL_THREADS_PER_DEVICE = 8
+CPU_POOL_THREADS_PER_DEVICE = 4
 
 
 def cpu_collective_threads(devices: int, environ=os.environ) -> int | None:

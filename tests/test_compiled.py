@@ -208,6 +208,8 @@ def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(comp
     assert outside, "the gradient reduction must still happen, once, after the loop"
     if "zero" in name:  # ZeRO: the parameters are gathered once, before the loop
         assert any(" all-gather" in line for line in outside)
+    if name.startswith("cp"):  # p2p context parallelism still rings its K/V blocks in the per-rank body
+        assert any(re.search(r" collective-permute(-start)?\(", line) for line in text.splitlines())
 
 
 _GATHER_WORKER = """

@@ -29,7 +29,7 @@ def _pool_threads() -> int:
 
 def test_pool_sized_per_device_unless_the_user_chose():
     env = {}
-    assert xla_flags.cpu_collective_threads(8, env) == max(os.cpu_count(), 64) and env == {"NPROC": str(max(os.cpu_count(), 64))}
+    assert xla_flags.cpu_collective_threads(8, env) == max(os.cpu_count(), 32) and env == {"NPROC": str(max(os.cpu_count(), 32))}
     env = {"NPROC": "12"}
     assert xla_flags.cpu_collective_threads(8, env) is None and env == {"NPROC": "12"}
     env = {}
@@ -40,8 +40,8 @@ def test_the_suite_runs_with_the_sized_pool():
     import jax
 
     jax.jit(lambda x: x + 1)(1.0).block_until_ready()  # the CPU client exists
-    assert os.environ["NPROC"] == str(max(os.cpu_count(), 64))
-    assert _pool_threads() >= 64
+    assert os.environ["NPROC"] == str(max(os.cpu_count(), 32))
+    assert _pool_threads() >= 32
 
 
 def test_the_command_sizes_the_pool_for_its_cpu_devices():
@@ -56,4 +56,4 @@ def test_the_command_sizes_the_pool_for_its_cpu_devices():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     devices, nproc, threads = map(int, out.stdout.split())
-    assert (devices, nproc) == (3, max(os.cpu_count(), 24)) and threads >= 24
+    assert (devices, nproc) == (3, max(os.cpu_count(), 12)) and threads >= 12

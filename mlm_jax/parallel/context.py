@@ -42,7 +42,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from mlm_jax.models.attention import attention, causal_mask
 from mlm_jax.models.layers import dropout, fp32_einsum
 from mlm_jax.parallel.chunks import local_order, seq_order
-from mlm_jax.sharding.mesh import CONTEXT
+from mlm_jax.sharding.mesh import CONTEXT, PIPE
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -316,7 +316,10 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
     c = context_size()
     mesh = jax.sharding.get_abstract_mesh()
     axes = _manual_axes(mesh)
-    in_pipeline = len(axes) < len(mesh.axis_names)
+    # Inside the pipeline's stage body (`pipe` manual already) p2p gathers its blocks instead of
+    # ringing them; nested only in the per-rank body of the once-per-step gradient reduction
+    # (`data` manual), the ring runs as at top level.
+    in_pipeline = PIPE in mesh.axis_names and PIPE not in axes
     specs = (_spec(("batch", "context_seq", "heads", "head_dim"), axes),
              _spec(("batch", "context_seq", "kv_heads", "head_dim"), axes),
              _spec(("batch", "context_seq"), axes))
