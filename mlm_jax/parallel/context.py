@@ -205,12 +205,11 @@ def _late_block(q_bsgrk, q_idx, seg, block, k_idx, rate, key):
 
 def _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, *, c: int, rate: float):
     """The ring's blockwise merge with the C blocks all-gathered once: the p2p path inside a
-    pipeline stage. There the stage runs in a `lax.switch` branch that only some stages take,
-    and XLA:CPU pairs a collective-permute in such a branch with the wrong peer op (the
-    pipeline runtime's docstring has the same warning); all-gather is safe there and receives
-    the same C-1 blocks, without the ring's overlap. Full blocks with masks, no causal skip: a
-    `lax.switch` on the rank here leaves rank-derived residuals that Shardy rejects inside the
-    pipeline's recomputed stage."""
+    pipeline stage, where the ring itself does not lower (its `lax.switch` on the source rank
+    leaves rank-derived residuals that Shardy's verifier rejects inside the pipeline's recomputed
+    stage: checked again with the two-slot runtime, jax 0.10). All-gather receives the same C-1
+    blocks, without the ring's overlap. Full blocks with masks, no causal skip, for the same
+    reason."""
     s = q.shape[1]
     k_all = jax.lax.all_gather(k, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
     v_all = jax.lax.all_gather(v, CONTEXT, axis=0, tiled=False)  # [c, b, s/c, g, k]
