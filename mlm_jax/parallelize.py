@@ -239,7 +239,7 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     ring attention is a shard_map over every axis not yet manual, so it nests in the per-rank
     body as it nests in the pipeline's. Expert parallelism's dispatch and the MoE router's
     batch-wide aux losses would change in a per-rank body (the router's statistics are over the
-    whole batch here, where Megatron's are per rank).
+    whole batch here, where Megatron's default aux loss counts each rank's tokens).
     """
     sizes = dict(mesh.shape)
     return sizes[DATA] > 1 and sizes[EXPERT] == 1
