@@ -234,9 +234,9 @@ class Pipeline:
 
     def reduces_once(self, params: dict, batch: dict) -> bool:
         """Whether data-parallel gradients are accumulated per rank over the whole schedule and
-        reduced once after it: `parallelize`'s conditions (data parallel without expert or
-        context parallelism), and no MoE router or head aux (batch-wide statistics that a
-        per-rank body would change)."""
+        reduced once after it: `parallelize`'s conditions (data parallel without expert
+        parallelism), and no MoE router or head aux (batch-wide statistics that a per-rank body
+        would change)."""
         if not _reduces_once(self.cfg, self.mesh) or self.cfg.model.num_experts:
             return False
 
@@ -383,9 +383,9 @@ class _Stage:
             spec = ACT_BUFFER if lead else ACT_BUFFER[1:]
             return self.vary(constrain(jnp.zeros((*lead, *self.act_shape), self.dtype), spec))
 
-        # The first tick must not start before the step's inputs are complete (the token count
-        # in `scale`, ZeRO's gathered params: collectives outside the shard_map, which a tick's
-        # ppermute could otherwise overtake on some devices; see `tick`): the initial carry
+        # The first tick starts after the step's inputs are complete (the token count in
+        # `scale`, ZeRO's gathered params: collectives outside the shard_map), so a device never
+        # has those and a tick's collectives in flight at once (see `tick`): the initial carry
         # depends on them, elementwise (`_after`), so no collective is added.
         carry = {"x_recv": _after(live, buffer(), self.scale), "loss": self.vary(jnp.zeros((), jnp.float32)),
                  "aux": self.aux_zeros()}
@@ -490,8 +490,8 @@ class _Stage:
 
     def run(self, arrays):
         """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
-        in one collective (two independent ones could be reached in opposite orders, see
-        `tick`); per rank, the sums over `data` are left to the caller."""
+        in one collective (one collective in flight, see `tick`); per rank, the sums over
+        `data` are left to the caller."""
         carry = self.init_carry(arrays["b_stash"][0, self.stage] >= 0)  # always true at run time
         for p in self.program.phases:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
