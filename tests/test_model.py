@@ -143,6 +143,40 @@ def test_dropout_is_keyed_and_off_without_a_key():
     assert not np.allclose(model(TOKENS), model(TOKENS, dropout_key=k1))
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_fused_loss_gives_autodiffs_loss_and_gradients(monkeypatch, chunks):
+    """The LM head + loss as one op (gradient computed in the forward, the rows in chunks)
+    against autodiff of the plain head and cross-entropy: padded vocab, loss-masked tokens.
+    fp32: loss within 1e-6 relative, each gradient within 1e-6 of its largest entry."""
+    from mlm_jax.models import gpt
+
+    monkeypatch.setattr(gpt, "_MIN_CHUNK_ROWS", 4)
+    monkeypatch.setattr(gpt, "_CHUNK_LOGITS", {"cpu": 2 * 32 * 384 // chunks})
+    assert gpt._row_chunks(2, 32, 384) == chunks
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((384, 64)) * 0.3, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 300, (2, 32)), jnp.int32)
+    weights = jnp.asarray(rng.random((2, 32)) > 0.2, jnp.float32)
+
+    def plain(x, w, weights):
+        logits = jnp.einsum("bsd,vd->bsv", x, w)
+        logits = jnp.where(jnp.arange(384) < 300, logits, PADDED_LOGIT)
+        return jnp.sum(gpt.cross_entropy(logits, labels) * weights)
+
+    def fused(x, w, weights):
+        return gpt.linear_cross_entropy(x, w, labels, weights, 300)
+
+    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(x, w, weights)
+    got, got_grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(x, w, weights)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert float(jax.jit(fused)(x, w, weights)) == pytest.approx(float(want), rel=1e-6)  # no grad
+    for name, g, r in zip(["x", "w", "weights"], got_grads, want_grads):
+        err = float(jnp.max(jnp.abs(g - r)))
+        assert err <= 1e-6 * float(jnp.max(jnp.abs(r))), (name, err)
+    assert not np.any(np.asarray(got_grads[1][300:]))  # padding rows of the head: no gradient
+
+
 # The version-1 layer leaves, all directly under `layers` (before the Attention/MLP split).
 V1_LAYER_LEAVES = {"norm1", "wqkv", "bqkv", "wo", "bo", "norm2", "w1", "b1", "w2", "b2"}
 

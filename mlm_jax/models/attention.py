@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
-from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, rotary, zeros
+from mlm_jax.models.layers import add_bias, cast, dropout, normal, param, row_offset, rotary, rows_from, zeros
 from mlm_jax.sharding.rules import constrain
 
 XLA, CUDNN = "xla", "cudnn"
@@ -88,40 +88,94 @@ def causal_mask(q_pos_bs, k_pos_bt, q_seg_bs=None, k_seg_bt=None) -> jax.Array:
     return mask
 
 
-# q k^T [b, g, r*s, t] in fp32 from compute-dtype q [b, g, r*s, k] and k [b, g, t, k].
-_scores = fp32_einsum("bgqk,bgtk->bgqt", "bgqt,bgtk->bgqk", "bgqt,bgqk->bgtk")
-
-
-def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key) -> jax.Array:
+def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff: bool = False) -> jax.Array:
     """softmax(q k^T / sqrt(k) + mask) v, grouped-query aware; softmax in fp32.
 
     Heads-major 4-d operands: each group's r query heads are folded into its rows
     ([b, g, r*s, k]), so K/V are never repeated and every product and the softmax are plain
     [b, g, rows, t] batched matrices. XLA:CPU runs these ~10% faster per step of workload W than
-    the same math on [b, g, r, s, t] (benchmarks/RESULTS.md)."""
+    the same math on [b, g, r, s, t] (benchmarks/RESULTS.md). `autodiff`: the core without its
+    custom VJP (autodiff keeps the probabilities; see `attention`'s `inputs_only`)."""
     b, s, h, k = q_bshk.shape
-    t, g = k_btgk.shape[1], k_btgk.shape[2]
+    g = k_btgk.shape[2]
     r = h // g
     q = q_bshk.reshape(b, s, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * s, k)
-    scores = _scores(q, k_btgk.transpose(0, 2, 1, 3))  # [b, g, r*s, t] fp32
-    scores = scores / math.sqrt(k)
     mask = jnp.tile(mask_bst, (1, r, 1))[:, None]  # [b or 1, 1, r*s, t]: row r*s_i + j is query j
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # [b, g, r*s, t]
-    probs = dropout(probs, rate, key).astype(v_btgk.dtype)
-    out = jnp.einsum("bgqt,bgtk->bgqk", probs, v_btgk.transpose(0, 2, 1, 3))  # [b, g, r*s, k]
+    core = _attend_plain if autodiff else _attend
+    out = core(q, k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3), mask, key,
+               row_offset(), rate)
     return out.reshape(b, g, r, s, k).transpose(0, 3, 1, 2, 4).reshape(b, s, h, k)
+
+
+def _probs(q, k, mask, lse=None):
+    """Softmax probabilities [b, g, q, t] (fp32) and, without `lse`, their log-normaliser
+    [b, g, q, 1]; with it (the backward) the probabilities are exp(scores - lse)."""
+    scores = jnp.einsum("bgqk,bgtk->bgqt", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
+    if lse is not None:
+        return jnp.exp(scores - lse), lse
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    exp = jnp.exp(scores - top)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    return exp / total, top + jnp.log(total)
+
+
+def _attend_plain(q, k, v, mask, key, row0, rate):
+    with rows_from(row0):
+        probs = dropout(_probs(q, k, mask)[0], rate, key).astype(v.dtype)
+    return jnp.einsum("bgqt,bgtk->bgqk", probs, v)
+
+
+def _attend_forward(q, k, v, mask, key, row0, rate):
+    probs, lse = _probs(q, k, mask)
+    with rows_from(row0):
+        probs = dropout(probs, rate, key)
+    out = jnp.einsum("bgqt,bgtk->bgqk", probs.astype(v.dtype), v)
+    return out, (q, k, v, mask, key, row0, lse, out)
+
+
+def _attend_backward(rate, residuals, d_out):
+    """The softmax's backward from the saved log-normaliser: the [b, g, q, t] probabilities
+    are recomputed (one product and one exp), never kept between forward and backward."""
+    q, k, v, mask, key, row0, lse, out = residuals
+    probs, _ = _probs(q, k, mask, lse)
+    d_probs = jnp.einsum("bgqk,bgtk->bgqt", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    with rows_from(row0):  # the forward's mask again (a function of the key and the global rows)
+        dropped = dropout(probs, rate, key).astype(v.dtype)
+        d_probs = dropout(d_probs, rate, key)  # through the dropout: the same mask and scale
+    d_v = jnp.einsum("bgqt,bgqk->bgtk", dropped, d_out.astype(v.dtype),
+                     preferred_element_type=jnp.float32).astype(v.dtype)
+    # softmax: d_scores = p * (d_p - sum_t d_p p), and sum_t d_p p = sum_k d_out out.
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    d_scores = (probs * (d_probs - row) / math.sqrt(q.shape[-1])).astype(q.dtype)
+    d_q = jnp.einsum("bgqt,bgtk->bgqk", d_scores, k, preferred_element_type=jnp.float32)
+    d_k = jnp.einsum("bgqt,bgqk->bgtk", d_scores, q, preferred_element_type=jnp.float32)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v, None, None, None
+
+
+# The XLA attention core on heads-major operands, q [b, g, rows, k], k and v [b, g, t, k], mask
+# [b or 1, 1, rows, t], the dropout key and the global index of row 0 (`rows_from`): like a fused (flash) kernel it keeps only the output and the softmax's
+# log-normaliser [b, g, rows] for the backward, not the [b, g, rows, t] probabilities; products
+# in the compute dtype with fp32 accumulation, the softmax in fp32.
+_attend = jax.custom_vjp(_attend_plain, nondiff_argnums=(6,))
+_attend.defvjp(_attend_forward, _attend_backward)
 
 
 def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=None, k_seg_bt=None,
               *, backend: str = XLA, dropout_rate: float = 0.0, dropout_key=None,
-              recompute: bool = False) -> jax.Array:
+              inputs_only: bool = False) -> jax.Array:
     """Attention output [b, s, h, k] for queries [b, s, h, k] and keys/values [b, t, g, k].
 
     Positions ([b or 1, s] and [b or 1, t] ints) order the tokens causally; None for both means
     the plain order, the queries being the last s of the t keys. Segment ids (documents) restrict
-    attention to equal ids. `recompute` keeps the XLA path's [b, h, s, t] scores out of memory
-    (Megatron's selective recompute). `backend` is XLA or CUDNN (see `choose_backend`).
+    attention to equal ids. Neither backend keeps the [b, h, s, t] probabilities for the backward
+    (the XLA core recomputes them from the softmax's log-normaliser, cuDNN's kernel likewise), so
+    Megatron's selective recompute is what every run does. `backend` is XLA or CUDNN (see
+    `choose_backend`). `inputs_only`: the XLA core keeps only its inputs for the backward and
+    recomputes the rest by autodiff (`jax.checkpoint`, no custom VJP); context parallelism's
+    gather and all-to-all ask for it: inside their shard_map nested in a pipeline stage, the
+    custom VJP's saved output and log-normaliser leave the shard_map as residuals, which Shardy's
+    verifier rejects there ("manual axes come before free axes").
     """
     s, t = q_bshk.shape[1], k_btgk.shape[1]
     if backend == CUDNN:
@@ -136,8 +190,10 @@ def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=Non
         k_pos_bt = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
         q_pos_bs = k_pos_bt[:, t - s:]  # [1, s]
     mask_bst = causal_mask(q_pos_bs, k_pos_bt, q_seg_bs, k_seg_bt)
-    core = jax.checkpoint(_xla_attention, static_argnums=(4,)) if recompute else _xla_attention
-    return core(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
+    if inputs_only:
+        return jax.checkpoint(_xla_attention, static_argnums=(4, 6))(
+            q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key, True)
+    return _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
 
 
 class Attention(nnx.Module):
@@ -189,8 +245,7 @@ class Attention(nnx.Module):
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=dropout_on)
         o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
-                      dropout_rate=cfg.attention_dropout, dropout_key=key,
-                      recompute=cfg.recompute_granularity == "selective")  # [b, s, h, k]
+                      dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, k]
         return self._project_out(o)
 
     def _project_out(self, o_bshk) -> jax.Array:

@@ -113,6 +113,12 @@ def rows_from(offset):
         _ROW_OFFSET.pop()
 
 
+def row_offset() -> jax.Array:
+    """The current global index of row 0 (0 outside `rows_from`), as an int32 array: for a
+    custom VJP, whose backward is traced apart and so must receive it as an argument."""
+    return jnp.asarray(_ROW_OFFSET[-1] if _ROW_OFFSET else 0, jnp.int32)
+
+
 def _fmix32(h):
     """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
     h = h ^ (h >> 16)

@@ -3,7 +3,8 @@ recomputed in the backward pass instead of kept from the forward.
 
 `--recompute-granularity` (Megatron's two plus two of mlm_jax's):
   full       each checkpointed layer keeps only its input; the rest is recomputed;
-  selective  attention's [b, h, s, t] scores are recomputed (applied in attention.py);
+  selective  attention's [b, h, s, t] probabilities are recomputed: what every run does here
+             (no attention backend keeps them for the backward, see models/attention.py);
   dots       (mlm_jax) every matmul output with no batch dims (the q/k/v, output, MLP and
              head projections) is kept; everything else (norms, GELU, attention scores and
              softmax, dropout) is recomputed: most of full's saving for a fraction of its cost;

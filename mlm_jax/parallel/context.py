@@ -239,7 +239,7 @@ def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = Fa
     q_idx = local_order(rank, c, s, jnp)[None]  # [1, s/c]
     k_idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
     return attention(q, k_all, v_all, q_idx, k_idx, seg, seg_all, dropout_rate=rate,
-                     dropout_key=_key(key, rank), recompute=True)
+                     dropout_key=_key(key, rank), inputs_only=True)
 
 
 def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
@@ -253,7 +253,7 @@ def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
     seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
     idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
     o = attention(to_heads(q), to_heads(k), to_heads(v), idx, idx, seg_all, seg_all,
-                  dropout_rate=rate, dropout_key=_key(key, rank), recompute=True)  # [b, s, h/c, k]
+                  dropout_rate=rate, dropout_key=_key(key, rank), inputs_only=True)  # [b, s, h/c, k]
     return jax.lax.all_to_all(o, CONTEXT, split_axis=1, concat_axis=2, tiled=True)  # [b, s/c, h, k]
 
 
