@@ -3,7 +3,8 @@
 Runs the model's attention on fp32 causal GQA inputs [1, s, h, k] (K/V with g groups) and
 times jit(grad) of a fixed projection of the output (forward + backward), median of `--steps`
 runs after a warm-up; per-device temp memory from the compiled program's memory analysis.
-Rows: `xla` (the plain backend, one device), `xla+recompute` (the selective-recompute path),
+Rows: `xla` (the plain backend, one device: its custom VJP keeps the output and the softmax's
+log-normaliser), `xla inputs-only` (autodiff under `jax.checkpoint`: context parallelism's path),
 `cudnn` (NVIDIA GPU only), then `cp C p2p|allgather|a2a` on C fake devices (the sequence split
 over `context` in the load-balanced chunk order). Prints a markdown table, writes JSON.
 
@@ -63,8 +64,8 @@ def grad_of(attn):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def plain_row(backend, recompute, args, steps):
-    fn = grad_of(lambda q, k, v: attention(q, k, v, backend=backend, recompute=recompute))
+def plain_row(backend, inputs_only, args, steps):
+    fn = grad_of(lambda q, k, v: attention(q, k, v, backend=backend, inputs_only=inputs_only))
     return measure(lambda q, k, v, w: fn(q, k, v, w), args, steps)
 
 
@@ -97,7 +98,7 @@ def main():
     for seq in [int(s) for s in a.seqs.split(",")]:
         args = inputs(seq, a.heads, a.groups, a.head_dim)
         cases = [] if a.only_cp else [("xla", lambda: plain_row(XLA, False, args, a.steps)),
-                                      ("xla+recompute", lambda: plain_row(XLA, True, args, a.steps))]
+                                      ("xla inputs-only", lambda: plain_row(XLA, True, args, a.steps))]
         if on_nvidia_gpu() and not a.only_cp:
             bf = tuple(x.astype(jnp.bfloat16) for x in args)
             cases.append(("cudnn", lambda: plain_row(CUDNN, False, bf, a.steps)))
