@@ -46,6 +46,7 @@ from mlm_jax.config import Config, num_microbatches
 from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
 from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
+from mlm_jax.models.moe import rows_split
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
@@ -232,17 +233,21 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without expert parallelism.
+    `_reduce_once_loss_and_grads`): data parallel without expert parallelism, and a MoE only
+    when dropless.
 
     Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
     rank running its own rows draws the masks one device draws for them. Context parallelism's
     ring attention is a shard_map over every axis not yet manual, so it nests in the per-rank
-    body as it nests in the pipeline's. Expert parallelism's dispatch and the MoE router's
-    batch-wide aux losses would change in a per-rank body (the router's statistics are over the
-    whole batch here, where Megatron's default aux loss counts each rank's tokens).
+    body as it nests in the pipeline's. A dropless MoE router keeps its whole-microbatch
+    statistics there (`moe.rows_split`: the counts are summed over the ranks, a few scalars per
+    layer); capacity dropping is a whole-microbatch decision per expert, and expert
+    parallelism's dispatch is not written for a per-rank body: both keep the per-microbatch
+    reduction.
     """
     sizes = dict(mesh.shape)
-    return sizes[DATA] > 1 and sizes[EXPERT] == 1
+    dropping = cfg.model.num_experts and cfg.model.moe_expert_capacity_factor is not None
+    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and not dropping
 
 
 def _gather_once(params, storage, compute, dtype):
@@ -274,9 +279,9 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return None
     if dict(mesh.shape)[DATA] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
-    if not _reduces_once(cfg, mesh) or cfg.model.num_experts:
-        return ("not applied: with MoE or expert parallelism the gradients are reduced "
-                "in fp32 inside the step")
+    if not _reduces_once(cfg, mesh) or (cfg.model.num_experts and cfg.parallel.pipeline_model_parallel_size > 1):
+        return ("not applied: with expert parallelism, MoE capacity dropping or MoE in a pipeline "
+                "the gradients are reduced in fp32 inside the step")
     return None
 
 
@@ -322,32 +327,35 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
 
         first = jax.tree.map(lambda x: x[0], batch)
         norm = (total_tokens, loss_scale)  # one replicated argument of the shard_map (scale may be None)
-        if jax.tree.leaves(jax.eval_shape(loss_fn, compute, first, key, norm)[1]):
+        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, compute, first, key, norm)[1])
+        if any(not name.startswith("moe_") for name in aux0):  # MoE metrics are rank shares
             return fallback(params, batch, key, loss_scale)
         inner = tuple((n, _without_data(a)) for n, a in active_rules())
+        rows_total = batch["tokens"].shape[1]
 
         def per_rank(prm, mbs, key, norm):
             # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
             def micro(carry, xs):
-                grads_acc, loss_acc = carry
+                grads_acc, loss_acc, aux_acc = carry
                 mb, index = xs
-                (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                     prm, mb, jax.random.fold_in(key, index), norm)
-                return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+                return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, _sum_aux(aux_acc, aux)), None
 
             zeros = jax.tree.map(jnp.zeros_like, prm)
-            num_micro = mbs["tokens"].shape[0]
-            rows = jax.lax.axis_index(DATA) * mbs["tokens"].shape[1]  # this rank's first row
-            with use_rules(inner), rows_from(rows):
-                (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
-                                                (mbs, jnp.arange(num_micro)))
+            num_micro, rows_here = mbs["tokens"].shape[:2]
+            rows = jax.lax.axis_index(DATA) * rows_here  # this rank's first row
+            with use_rules(inner), rows_from(rows), rows_split(DATA, rows_total // rows_here):
+                (grads, loss, aux), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), aux0),
+                                                     (mbs, jnp.arange(num_micro)))
             # [1, ...] per rank: stacked over data outside, summed there once.
-            return jax.tree.map(lambda g: g[None], grads), loss[None]
+            return jax.tree.map(lambda g: g[None], (grads, loss, aux))
 
         stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
-                                out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
-        grads, loss = stacked(compute, batch, key, norm)
-        return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), {}  # the one dp reduction
+                                out_specs=P(DATA), axis_names={DATA}, check_vma=False)
+        grads, loss, aux = stacked(compute, batch, key, norm)
+        aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)  # each rank holds its share
+        return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), aux  # the one dp reduction
 
     return run
 

@@ -30,6 +30,8 @@ LAYOUTS = {
     "dp8_dropout": (ParallelConfig(), 1, (("hidden_dropout", 0.1), ("attention_dropout", 0.1))),
     "dp8_zero_bf16": (ParallelConfig(use_distributed_optimizer=True), 1, (("bf16", True),)),
     "cp2_zero": (ParallelConfig(context_parallel_size=2, use_distributed_optimizer=True), 1),  # dp4 x cp2
+    "dp8_moe": (ParallelConfig(), 1, (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01),
+                                      ("moe_z_loss_coeff", 0.001))),  # dropless
 }
 
 
@@ -196,13 +198,25 @@ def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero"])
+def _largest_result(line: str) -> int:
+    """Elements of the largest array a collective instruction's line produces."""
+    result = line.split("=", 1)[1].split(_COLLECTIVE.search(line).group(1))[0]
+    return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", result))
+
+
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero", "dp8_moe"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
-    microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside."""
+    microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside.
+    A dropless MoE's router sums its counts over the ranks in the loop: [experts] and scalars."""
     pz, text = compiled_text[name]
     assert pz.num_microbatches >= 2 and pz.mesh.shape[DATA] >= 2
-    assert _data_parallel_collectives_in_loops(pz, text) == []
+    in_loops = _data_parallel_collectives_in_loops(pz, text)
+    if name.endswith("moe"):
+        experts = pz.cfg.model.num_experts
+        assert in_loops and all(_largest_result(line) <= experts for line in in_loops), in_loops
+        in_loops = []
+    assert in_loops == []
     outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line
                and any(len({i // 1 for i in g}) > 1 for g in _groups(line, pz.mesh.devices.size))]
     assert outside, "the gradient reduction must still happen, once, after the loop"

@@ -293,8 +293,11 @@ def test_grad_reduce_in_bf16_says_where_it_does_not_apply():
     assert note(ParallelConfig(tensor_model_parallel_size=8)).startswith("no effect: the data-parallel size is 1")
     assert note(ParallelConfig(pipeline_model_parallel_size=2)) is None  # the pipeline reduces once too
     assert note(ParallelConfig(context_parallel_size=2)) is None  # context parallelism reduces once too
-    for parallel in (ParallelConfig(), ParallelConfig(expert_model_parallel_size=2)):
-        assert note(parallel, num_experts=4).startswith("not applied: with MoE or expert parallelism")
+    assert note(ParallelConfig(), num_experts=4) is None  # a dropless MoE reduces once per step too
+    not_applied = "not applied: with expert parallelism, MoE capacity dropping or MoE in a pipeline"
+    assert note(ParallelConfig(expert_model_parallel_size=2), num_experts=4).startswith(not_applied)
+    assert note(ParallelConfig(), num_experts=4, moe_expert_capacity_factor=1.0).startswith(not_applied)
+    assert note(ParallelConfig(pipeline_model_parallel_size=2), num_experts=4).startswith(not_applied)
     assert note(ParallelConfig(), hidden_dropout=0.1) is None  # dropout reduces once per step too
     cfg = finalize(tiny_config(ParallelConfig(), 1), 8)
     assert bf16_grad_reduce_note(cfg, make_mesh(cfg.parallel)) is None  # not asked for

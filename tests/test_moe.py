@@ -223,6 +223,12 @@ LAYOUTS = {
     "ep4_capacity_padded": (ParallelConfig(expert_model_parallel_size=4), 1,
                             MOE + (("moe_expert_capacity_factor", 1.0), ("moe_token_drop_policy", "position"),
                                    ("moe_pad_expert_input_to_capacity", True))),
+    # Without expert parallelism a dropless MoE reduces its gradients once per step: each data
+    # rank runs its own rows, the router's counts summed over the ranks (moe.rows_split).
+    "dp8_reduce_once": (ParallelConfig(), 1, MOE),
+    "dp2_tp4_sp_zero_reduce_once_seq_aux": (
+        ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, use_distributed_optimizer=True), 4,
+        MOE + (("moe_router_load_balancing_type", "seq_aux_loss"), ("swiglu", True))),
 }
 
 
@@ -380,11 +386,19 @@ def test_aux_metrics_reach_the_train_step_and_format():
     assert ref["moe_microbatches"] == got["moe_microbatches"] == 2.0
     for key in ref:
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
-    r = aux_record(ref)
+    ref_dropping = ref
+    # Dropless on dp8 (gradients reduced once, each rank reporting its share): the same metrics.
+    model = dict(MOE)
+    ref, got = metrics(ParallelConfig(), 8, True), metrics(ParallelConfig(), 1, False)
+    assert ref["moe_microbatches"] == pytest.approx(got["moe_microbatches"]) and got["moe_microbatches"] == pytest.approx(2.0)
+    for key in ref:
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    assert aux_record(got)["moe_imbalance"] > 1.0 and aux_record(got)["moe_dropped_fraction"] == 0.0
+    r = aux_record(ref_dropping)
     assert r["moe_load_balancing_loss"] > 0 and r["moe_z_loss"] > 0
     # The busiest expert's kept load over the ideal T K / E: capped at the capacity factor.
     assert r["moe_imbalance"] == pytest.approx(0.75)
     assert 0 < r["moe_dropped_fraction"] < 1  # capacity 0.75 drops some
-    line = format_aux(ref)
+    line = format_aux(ref_dropping)
     assert "load balancing loss" in line and "dropped tokens" in line
     assert format_aux({}) == "" and aux_record({"tokens": 3.0}) == {}

@@ -2,7 +2,9 @@
 z losses, capacity dropping) and grouped experts, optionally with a shared expert.
 
 The router runs on every token of the microbatch (GSPMD: the statistics and the capacity are
-those of the whole microbatch, so every parallel layout computes the same function). The token
+those of the whole microbatch, so every parallel layout computes the same function; where the
+step runs each data-parallel rank's rows on their own to reduce gradients once, `rows_split`
+sums the router's counts over the ranks so that the statistics stay the whole microbatch's). The token
 dispatch to the experts, their grouped matmul and the combine live in
 `mlm_jax/models/moe_dispatch.py` (shard_map over `expert`, all-to-all or all-gather).
 
@@ -24,6 +26,7 @@ Shape letters: t token, e expert, k top-k choice, d embed, f expert mlp, b batch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -49,6 +52,35 @@ class Routing:
     weights_tk: jax.Array
     kept_tk: jax.Array
     stats: dict
+
+
+_SPLIT: list = []  # stack of (axis name, ranks): this program holds one rank's rows (rows_split)
+
+
+@contextlib.contextmanager
+def rows_split(axis: str, ranks: int):
+    """Trace the body as one of `ranks` ranks of a microbatch split by rows over the manual mesh
+    axis `axis` (parallelize's reduce-once step). The router's statistics stay those of the whole
+    microbatch: the counts the losses need are summed over the ranks (a psum of a few scalars
+    per layer, no gradient through it) and every reported loss and metric becomes this rank's
+    share, so that summing the ranks' losses, gradients and metrics gives the whole
+    microbatch's. Dropless routing only (capacity is a whole-microbatch decision)."""
+    _SPLIT.append((axis, ranks))
+    try:
+        yield
+    finally:
+        _SPLIT.pop()
+
+
+def _whole(x):
+    """The whole microbatch's sum of a per-rank statistic `x` (no gradient through it)."""
+    if not _SPLIT:
+        return x
+    return jax.lax.psum(jax.lax.stop_gradient(x), _SPLIT[-1][0])
+
+
+def _ranks() -> int:
+    return _SPLIT[-1][1] if _SPLIT else 1
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -81,13 +113,14 @@ def load_balancing_loss(cfg: ModelConfig, scores_bse, chosen_bse) -> jax.Array:
     kind, E, K = cfg.moe_router_load_balancing_type, cfg.num_experts, cfg.moe_router_topk
     if kind == "none" or cfg.moe_aux_loss_coeff == 0.0:
         return jnp.zeros((), jnp.float32)
-    if kind == "seq_aux_loss":
-        s = scores_bse.shape[1]
+    b, s = scores_bse.shape[:2]
+    if kind == "seq_aux_loss":  # a mean over sequences: a rank's share is its sequences' sum / all
         f_be = jnp.sum(chosen_bse, axis=1) * E / (s * K)  # [b, E]
-        return cfg.moe_aux_loss_coeff * jnp.mean(jnp.sum(f_be * jnp.mean(scores_bse, axis=1), -1))
-    T = scores_bse.shape[0] * scores_bse.shape[1]
-    f_e = jnp.sum(chosen_bse, axis=(0, 1)) * E / (T * K)  # [E]
-    p_e = jnp.mean(scores_bse, axis=(0, 1))  # [E]
+        per_seq = jnp.sum(f_be * jnp.mean(scores_bse, axis=1), -1)  # [b]
+        return cfg.moe_aux_loss_coeff * jnp.sum(per_seq) / (b * _ranks())
+    T = b * s * _ranks()  # the whole microbatch's tokens
+    f_e = _whole(jnp.sum(chosen_bse, axis=(0, 1))) * E / (T * K)  # [E]
+    p_e = jnp.sum(scores_bse, axis=(0, 1)) / T  # [E], this rank's share of the mean
     return cfg.moe_aux_loss_coeff * jnp.sum(f_e * p_e)
 
 
@@ -95,7 +128,8 @@ def z_loss(cfg: ModelConfig, logits_te) -> jax.Array:
     """Router z-loss (ST-MoE): coeff x mean over tokens of logsumexp(logits)^2."""
     if not cfg.moe_z_loss_coeff:
         return jnp.zeros((), jnp.float32)
-    return cfg.moe_z_loss_coeff * jnp.mean(jnp.square(jax.nn.logsumexp(logits_te, axis=-1)))
+    lse_sq = jnp.square(jax.nn.logsumexp(logits_te, axis=-1))
+    return cfg.moe_z_loss_coeff * jnp.sum(lse_sq) / (lse_sq.shape[0] * _ranks())
 
 
 def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
@@ -127,15 +161,16 @@ def route(cfg: ModelConfig, logits_bse) -> Routing:
     chosen_te = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32), axis=1)  # [T, E]
     lb = load_balancing_loss(cfg, scores_te.reshape(b, s, E), chosen_te.reshape(b, s, E))
     kept_tk = keep_mask(cfg, probs_tk, experts_tk)
-    counts_e = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1))
-    total = float(b * s * cfg.moe_router_topk)
+    counts_e = _whole(jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1)))
+    total = float(b * s * cfg.moe_router_topk * _ranks())
+    share = 1.0 / _ranks()  # the whole microbatch's figures below, split evenly over the ranks
     stats = {
         "load_balancing_loss": lb,
         "z_loss": z_loss(cfg, logits_te),
         # Busiest expert's tokens over the mean (1.0: perfectly balanced).
-        "imbalance": jnp.max(counts_e) / (total / E),
-        "dropped_fraction": 1.0 - jnp.sum(counts_e) / total,
-        "moe_layers": jnp.ones((), jnp.float32),
+        "imbalance": share * jnp.max(counts_e) / (total / E),
+        "dropped_fraction": share * (1.0 - jnp.sum(counts_e) / total),
+        "moe_layers": jnp.full((), share, jnp.float32),
     }
     weights_tk = jnp.where(kept_tk, probs_tk, 0.0)
     return Routing(experts_tk, weights_tk, kept_tk, stats)
@@ -219,7 +254,8 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
     MoE losses (Megatron adds them with the same effect through its aux-loss autoscaler)."""
     if not stats:
         return jnp.zeros((), jnp.float32), {}
-    w = jnp.sum(loss_mask_bs).astype(jnp.float32) * (stats["load_balancing_loss"] + stats["z_loss"])
+    tokens = _whole(jnp.sum(loss_mask_bs).astype(jnp.float32))  # the whole microbatch's
+    w = tokens * (stats["load_balancing_loss"] + stats["z_loss"])
     # Sums (over layers here, over microbatches and pipeline stages by the step); `aux_record`
     # turns them into means.
     metrics = {
@@ -228,6 +264,6 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
         "moe_imbalance": jax.lax.stop_gradient(stats["imbalance"]),
         "moe_dropped_fraction": jax.lax.stop_gradient(stats["dropped_fraction"]),
         "moe_layers": jax.lax.stop_gradient(stats["moe_layers"]),
-        "moe_microbatches": jnp.ones((), jnp.float32),
+        "moe_microbatches": jnp.full((), 1.0 / _ranks(), jnp.float32),
     }
     return w - jax.lax.stop_gradient(w), metrics
