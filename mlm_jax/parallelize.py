@@ -279,9 +279,9 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return None
     if dict(mesh.shape)[DATA] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
-    if not _reduces_once(cfg, mesh) or (cfg.model.num_experts and cfg.parallel.pipeline_model_parallel_size > 1):
-        return ("not applied: with expert parallelism, MoE capacity dropping or MoE in a pipeline "
-                "the gradients are reduced in fp32 inside the step")
+    if not _reduces_once(cfg, mesh):
+        return ("not applied: with expert parallelism or MoE capacity dropping the gradients are "
+                "reduced in fp32 inside the step")
     return None
 
 

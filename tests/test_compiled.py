@@ -183,14 +183,45 @@ def _groups(line: str, n: int) -> list[list[int]]:
     return moved.reshape(-1, int(np.prod([sizes[i] for i in reduced]))).tolist()
 
 
+def _lines_in_loops(text: str) -> list[str]:
+    """The instructions of every computation a while loop runs (its body and condition, and
+    what they call, transitively), from the compiled HLO text. (An instruction's op_name is no
+    guide: XLA's combiners merge the metadata of what they merge.)"""
+    comps, current = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            current = head.group(1)
+            comps[current] = []
+        elif current is not None:
+            comps[current].append(line)
+
+    def callees(lines, keys=r"body|condition|calls|to_apply"):
+        out = set()
+        for line in lines:
+            out.update(re.findall(rf"(?:{keys})=%([\w.\-]+)", line))
+            for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", line):
+                out.update(re.findall(r"%([\w.\-]+)", group))
+        return out
+
+    todo = callees([x for lines in comps.values() for x in lines if " while(" in x], r"body|condition")
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo |= callees(comps.get(name, []))
+    return [x for name in seen for x in comps.get(name, [])]
+
+
 def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     """Collectives inside a while loop (microbatch scan or layer scan) whose groups span
     devices at different `data` coordinates."""
     data_dim = pz.mesh.axis_names.index(DATA)
     coord = {d.id: idx[data_dim] for idx, d in np.ndenumerate(pz.mesh.devices)}
     bad = []
-    for line in text.splitlines():
-        if not _COLLECTIVE.search(line) or "/while/body/" not in line:
+    for line in _lines_in_loops(text):
+        if not _COLLECTIVE.search(line):
             continue
         groups = _groups(line, pz.mesh.devices.size)
         if any(len({coord[i] for i in g}) > 1 for g in groups):
@@ -199,8 +230,12 @@ def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
 
 
 def _largest_result(line: str) -> int:
-    """Elements of the largest array a collective instruction's line produces."""
-    result = line.split("=", 1)[1].split(_COLLECTIVE.search(line).group(1))[0]
+    """Elements of the largest array a collective instruction's line produces (a line cut
+    before the instruction's name counts every shape on it: never fewer)."""
+    result = line.split("=", 1)[1]
+    found = _COLLECTIVE.search(line)
+    if found:
+        result = result.split(found.group(0))[0]
     return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", result))
 
 

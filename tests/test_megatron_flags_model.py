@@ -294,10 +294,10 @@ def test_grad_reduce_in_bf16_says_where_it_does_not_apply():
     assert note(ParallelConfig(pipeline_model_parallel_size=2)) is None  # the pipeline reduces once too
     assert note(ParallelConfig(context_parallel_size=2)) is None  # context parallelism reduces once too
     assert note(ParallelConfig(), num_experts=4) is None  # a dropless MoE reduces once per step too
-    not_applied = "not applied: with expert parallelism, MoE capacity dropping or MoE in a pipeline"
+    assert note(ParallelConfig(pipeline_model_parallel_size=2), num_experts=4) is None  # in the pipeline too
+    not_applied = "not applied: with expert parallelism or MoE capacity dropping"
     assert note(ParallelConfig(expert_model_parallel_size=2), num_experts=4).startswith(not_applied)
     assert note(ParallelConfig(), num_experts=4, moe_expert_capacity_factor=1.0).startswith(not_applied)
-    assert note(ParallelConfig(pipeline_model_parallel_size=2), num_experts=4).startswith(not_applied)
     assert note(ParallelConfig(), hidden_dropout=0.1) is None  # dropout reduces once per step too
     cfg = finalize(tiny_config(ParallelConfig(), 1), 8)
     assert bf16_grad_reduce_note(cfg, make_mesh(cfg.parallel)) is None  # not asked for

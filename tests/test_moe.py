@@ -229,6 +229,7 @@ LAYOUTS = {
     "dp2_tp4_sp_zero_reduce_once_seq_aux": (
         ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, use_distributed_optimizer=True), 4,
         MOE + (("moe_router_load_balancing_type", "seq_aux_loss"), ("swiglu", True))),
+    "dp4_pp2_reduce_once": (ParallelConfig(pipeline_model_parallel_size=2), 2, MOE),
 }
 
 
@@ -388,12 +389,15 @@ def test_aux_metrics_reach_the_train_step_and_format():
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     ref_dropping = ref
     # Dropless on dp8 (gradients reduced once, each rank reporting its share): the same metrics.
+    # And on dp4 x pp2, where the pipeline's ranks reduce once too.
     model = dict(MOE)
-    ref, got = metrics(ParallelConfig(), 8, True), metrics(ParallelConfig(), 1, False)
-    assert ref["moe_microbatches"] == pytest.approx(got["moe_microbatches"]) and got["moe_microbatches"] == pytest.approx(2.0)
-    for key in ref:
-        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
-    assert aux_record(got)["moe_imbalance"] > 1.0 and aux_record(got)["moe_dropped_fraction"] == 0.0
+    ref = metrics(ParallelConfig(), 8, True)
+    for parallel, micro in ((ParallelConfig(), 1), (ParallelConfig(pipeline_model_parallel_size=2), 2)):
+        got = metrics(parallel, micro, False)
+        assert got["moe_microbatches"] == pytest.approx(2.0), parallel
+        for key in ref:
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (parallel, key)
+        assert aux_record(got)["moe_imbalance"] > 1.0 and aux_record(got)["moe_dropped_fraction"] == 0.0
     r = aux_record(ref_dropping)
     assert r["moe_load_balancing_loss"] > 0 and r["moe_z_loss"] > 0
     # The busiest expert's kept load over the ideal T K / E: capped at the capacity factor.
@@ -402,3 +406,18 @@ def test_aux_metrics_reach_the_train_step_and_format():
     line = format_aux(ref_dropping)
     assert "load balancing loss" in line and "dropped tokens" in line
     assert format_aux({}) == "" and aux_record({"tokens": 3.0}) == {}
+
+
+def test_dropless_moe_pipeline_reduces_data_parallel_gradients_once():
+    """dp4 x pp2, dropless: inside the tick scans the only collectives over `data` are the
+    router's count sums ([experts] and scalars); the gradient reduction runs after the schedule."""
+    from tests.parallel_util import build, fixed_batch, place
+    from tests.test_compiled import _COLLECTIVE, _data_parallel_collectives_in_loops, _largest_result
+
+    pz = build(ParallelConfig(pipeline_model_parallel_size=2), 2, **dict(MOE))
+    assert pz.mesh.shape["data"] == 4 and pz.num_microbatches >= 2
+    text = pz.train_step.lower(pz.init(0), place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+    in_loops = _data_parallel_collectives_in_loops(pz, text)
+    assert in_loops and all(_largest_result(line) <= 4 for line in in_loops), in_loops
+    outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line]
+    assert any(" all-reduce" in line and _largest_result(line) > 4 for line in outside)

@@ -46,6 +46,7 @@ layer index) exactly as `parallelize` does, so pipelined and unpipelined runs dr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -57,7 +58,7 @@ from flax import nnx
 from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import stage_keys
 from mlm_jax.models.layers import compute_dtype, rows_from
-from mlm_jax.models.moe import aux_terms
+from mlm_jax.models.moe import aux_terms, rows_split
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.parallelize import _gather_once, _reduce_over_ranks, _reduces_once, _without_data, zero_gather_dtype
@@ -235,9 +236,10 @@ class Pipeline:
     def reduces_once(self, params: dict, batch: dict) -> bool:
         """Whether data-parallel gradients are accumulated per rank over the whole schedule and
         reduced once after it: `parallelize`'s conditions (data parallel without expert
-        parallelism), and no MoE router or head aux (batch-wide statistics that a per-rank body
-        would change)."""
-        if not _reduces_once(self.cfg, self.mesh) or self.cfg.model.num_experts:
+        parallelism, a MoE only dropless: its router's counts are summed over the ranks, see
+        `moe.rows_split`), and no head aux (batch-wide statistics that a per-rank body would
+        change)."""
+        if not _reduces_once(self.cfg, self.mesh):
             return False
 
         def head_aux():
@@ -271,8 +273,10 @@ class Pipeline:
 
         def body(layers_blk, shared, batch, key, scale, arrays):
             # Per rank, dropout masks are drawn for this rank's rows of the global batch.
+            # A dropless MoE router keeps the whole microbatch's statistics (summed over data).
             rows = jax.lax.axis_index(DATA) * batch["tokens"].shape[1] if per_rank else 0
-            with use_rules(rules), rows_from(rows):
+            split = rows_split(DATA, dict(self.mesh.shape)[DATA]) if per_rank else contextlib.nullcontext()
+            with use_rules(rules), rows_from(rows), split:
                 stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
             if per_rank:  # [1, ...] per rank, stacked over data and summed outside
@@ -349,7 +353,7 @@ class _Stage:
         # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
         # the stages); the microbatch counter only on the last virtual stage.
         if moe_aux:
-            moe_aux["moe_microbatches"] = jnp.where(v == self.last, 1.0, 0.0)
+            moe_aux["moe_microbatches"] = jnp.where(v == self.last, moe_aux["moe_microbatches"], 0.0)
         # moe_term is varying whenever it depends on the layers; without MoE it is a constant 0,
         # made varying so that the backward slot's masked cotangent (varying) fits it.
         return y, loss, self.vary(moe_term * self.scale), jax.tree.map(self.vary, {**aux, **moe_aux})
