@@ -1,6 +1,14 @@
 """Tests run on a fake 8-device CPU mesh; the flags must be set before jax is imported."""
 
 import os
+import signal
+
+# The Ctrl-C tests send SIGINT to this process and to the runs they start. A non-interactive
+# shell starts a background job with SIGINT ignored, children inherit that, and a run with
+# SIGINT ignored rightly leaves it ignored (nohup): started that way, the suite would test
+# nothing. Take SIGINT back, as a foreground process has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ["XLA_FLAGS"] = (
     # Tests check correctness, not speed: cheaper CPU codegen shortens every compile.
