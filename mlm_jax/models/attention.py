@@ -154,9 +154,10 @@ def _attend_backward(rate, residuals, d_out):
 
 
 # The XLA attention core on heads-major operands, q [b, g, rows, k], k and v [b, g, t, k], mask
-# [b or 1, 1, rows, t], the dropout key and the global index of row 0 (`rows_from`): like a fused (flash) kernel it keeps only the output and the softmax's
-# log-normaliser [b, g, rows] for the backward, not the [b, g, rows, t] probabilities; products
-# in the compute dtype with fp32 accumulation, the softmax in fp32.
+# [b or 1, 1, rows, t], the dropout key and the global index of row 0 (`rows_from`). Like a
+# fused (flash) kernel it keeps only the output and the softmax's log-normaliser [b, g, rows]
+# for the backward, not the [b, g, rows, t] probabilities; products in the compute dtype with
+# fp32 accumulation, the softmax in fp32.
 _attend = jax.custom_vjp(_attend_plain, nondiff_argnums=(6,))
 _attend.defvjp(_attend_forward, _attend_backward)
 
