@@ -50,7 +50,7 @@ from mlm_jax.models.moe import rows_split
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
-from mlm_jax.sharding.mesh import DATA, EXPERT
+from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
                                     zero_spec)
 from mlm_jax.sharding.specs import batch_spec, replicated
@@ -233,21 +233,24 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel without expert parallelism, and a MoE only
-    when dropless.
+    `_reduce_once_loss_and_grads`): data parallel (expert parallelism is carved out of it), and a
+    MoE only when dropless.
 
     Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
     rank running its own rows draws the masks one device draws for them. Context parallelism's
     ring attention is a shard_map over every axis not yet manual, so it nests in the per-rank
     body as it nests in the pipeline's. A dropless MoE router keeps its whole-microbatch
     statistics there (`moe.rows_split`: the counts are summed over the ranks, a few scalars per
-    layer); capacity dropping is a whole-microbatch decision per expert, and expert
-    parallelism's dispatch is not written for a per-rank body: both keep the per-microbatch
-    reduction.
+    layer). With expert parallelism the per-rank body is manual over `expert` too: each rank
+    holds its own experts and rows, and the dispatch's all-to-all (tokens, not gradients) runs
+    in it (`moe_dispatch.dispatch_and_combine`). Capacity dropping is a whole-microbatch decision
+    per expert, and inside a pipeline stage the dispatch runs every expert on the gathered
+    microbatch (no per-rank experts): both keep the per-microbatch reduction.
     """
     sizes = dict(mesh.shape)
     dropping = cfg.model.num_experts and cfg.model.moe_expert_capacity_factor is not None
-    return sizes[DATA] > 1 and sizes[EXPERT] == 1 and not dropping
+    ep_in_pipeline = sizes[EXPERT] > 1 and sizes[PIPE] > 1
+    return sizes[DATA] * sizes[EXPERT] > 1 and not dropping and not ep_in_pipeline
 
 
 def _gather_once(params, storage, compute, dtype):
@@ -277,11 +280,11 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     was not asked for. It applies only to the once-per-step reduction (`_reduces_once`)."""
     if not cfg.parallel.grad_reduce_in_bf16:
         return None
-    if dict(mesh.shape)[DATA] == 1:
+    if dict(mesh.shape)[DATA] * dict(mesh.shape)[EXPERT] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     if not _reduces_once(cfg, mesh):
-        return ("not applied: with expert parallelism or MoE capacity dropping the gradients are "
-                "reduced in fp32 inside the step")
+        return ("not applied: with MoE capacity dropping, or expert parallelism in a pipeline, the "
+                "gradients are reduced in fp32 inside the step")
     return None
 
 
@@ -330,11 +333,13 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, compute, first, key, norm)[1])
         if any(not name.startswith("moe_") for name in aux0):  # MoE metrics are rank shares
             return fallback(params, batch, key, loss_scale)
-        inner = tuple((n, _without_data(a)) for n, a in active_rules())
+        ranks = _rank_axes(sh.compute)
+        inner = tuple((n, _without_data(a, ranks)) for n, a in active_rules())
         rows_total = batch["tokens"].shape[1]
 
         def per_rank(prm, mbs, key, norm):
-            # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
+            # Manual over `data` (and `expert`; tensor still GSPMD's): mbs [m, b, s] holds this
+            # rank's rows, prm this rank's experts.
             def micro(carry, xs):
                 grads_acc, loss_acc, aux_acc = carry
                 mb, index = xs
@@ -344,15 +349,18 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
 
             zeros = jax.tree.map(jnp.zeros_like, prm)
             num_micro, rows_here = mbs["tokens"].shape[:2]
-            rows = jax.lax.axis_index(DATA) * rows_here  # this rank's first row
-            with use_rules(inner), rows_from(rows), rows_split(DATA, rows_total // rows_here):
+            rows = jax.lax.axis_index(ranks) * rows_here  # this rank's first row
+            with use_rules(inner), rows_from(rows), rows_split(ranks, rows_total // rows_here):
                 (grads, loss, aux), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), aux0),
                                                      (mbs, jnp.arange(num_micro)))
-            # [1, ...] per rank: stacked over data outside, summed there once.
+            # [1, ...] per rank: stacked over the ranks outside, summed there once.
             return jax.tree.map(lambda g: g[None], (grads, loss, aux))
 
-        stacked = jax.shard_map(per_rank, in_specs=(P(), P(None, DATA), P(), P()),
-                                out_specs=P(DATA), axis_names={DATA}, check_vma=False)
+        held = jax.tree.map(lambda sharding: _only(sharding.spec, ranks), sh.compute)  # the experts
+        stacked = jax.shard_map(
+            per_rank, in_specs=(held, P(None, ranks), P(), P()),
+            out_specs=(jax.tree.map(lambda spec: _stacked_over(spec, ranks), held), P(ranks), P(ranks)),
+            axis_names=set(ranks), check_vma=False)
         grads, loss, aux = stacked(compute, batch, key, norm)
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)  # each rank holds its share
         return jnp.sum(loss), _reduce_over_ranks(grads, sh.storage, bf16), aux  # the one dp reduction
@@ -360,14 +368,35 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
     return run
 
 
-def _without_data(axes):
-    """A rule's mesh axes without `data` (manual inside the per-rank shard_map)."""
-    if axes == DATA:
-        return None
-    if isinstance(axes, tuple):
-        rest = tuple(a for a in axes if a != DATA)
-        return rest[0] if len(rest) == 1 else (rest or None)
-    return axes
+def _without_data(axes, manual=(DATA,)):
+    """A rule's mesh axes without `manual` (default `data`: manual inside the per-rank shard_map)."""
+    return _pick(axes, lambda a: a not in manual)
+
+
+def _pick(axes, keep):
+    """A rule's or spec entry's mesh axes (None, a name or a tuple) cut to those `keep` accepts."""
+    kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and keep(a))
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def _rank_axes(compute) -> tuple[str, ...]:
+    """The mesh axes the per-rank body is manual over: `data`, and `expert` where the mesh has
+    expert parallelism (the batch rows are split over both)."""
+    mesh = jax.tree.leaves(compute)[0].mesh
+    return (DATA, EXPERT) if dict(mesh.shape)[EXPERT] > 1 else (DATA,)
+
+
+def _only(spec: P, axes) -> P:
+    """`spec` cut to the mesh axes `axes` (the in spec of a shard_map manual over `axes`)."""
+    return P(*(_pick(entry, lambda a: a in axes) for entry in spec))
+
+
+def _stacked_over(spec: P, ranks) -> P:
+    """The out spec of one per-rank gradient leaf held as `spec` (manual axes only): a new
+    leading dim over the rank axes that hold partial sums of it (`data` alone for an expert's
+    weights, which only their own `expert` rank holds; every rank axis for the rest)."""
+    held = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return P(_pick(ranks, lambda a: a not in held), *spec)
 
 
 def _train_step(cfg: Config, tx, loss_grads_aux):

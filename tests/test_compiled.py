@@ -17,7 +17,7 @@ import pytest
 
 from mlm_jax.config import ParallelConfig
 from mlm_jax.sharding.hlo import collectives, count
-from mlm_jax.sharding.mesh import DATA
+from mlm_jax.sharding.mesh import DATA, EXPERT
 from tests.parallel_util import SEQ, build, fixed_batch, place
 
 MICRO = 2
@@ -32,6 +32,12 @@ LAYOUTS = {
     "cp2_zero": (ParallelConfig(context_parallel_size=2, use_distributed_optimizer=True), 1),  # dp4 x cp2
     "dp8_moe": (ParallelConfig(), 1, (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01),
                                       ("moe_z_loss_coeff", 0.001))),  # dropless
+    # dp4 x ep2 and dp2 x ep2 x tp2 + ZeRO, dropless, all-to-all dispatch
+    "ep2_moe": (ParallelConfig(expert_model_parallel_size=2), 1, (("num_experts", 4), ("moe_router_topk", 2),
+                                                                  ("moe_aux_loss_coeff", 0.01))),
+    "ep2_tp2_zero_moe": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
+                                        use_distributed_optimizer=True), 2,
+                         (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01))),
 }
 
 
@@ -216,9 +222,10 @@ def _lines_in_loops(text: str) -> list[str]:
 
 def _data_parallel_collectives_in_loops(pz, text: str) -> list[str]:
     """Collectives inside a while loop (microbatch scan or layer scan) whose groups span
-    devices at different `data` coordinates."""
-    data_dim = pz.mesh.axis_names.index(DATA)
-    coord = {d.id: idx[data_dim] for idx, d in np.ndenumerate(pz.mesh.devices)}
+    devices at different `data` coordinates (or `expert` ones: expert parallelism is carved out
+    of data parallelism, its ranks hold their own rows)."""
+    dims = [pz.mesh.axis_names.index(a) for a in (DATA, EXPERT) if a in pz.mesh.axis_names]
+    coord = {d.id: tuple(idx[i] for i in dims) for idx, d in np.ndenumerate(pz.mesh.devices)}
     bad = []
     for line in _lines_in_loops(text):
         if not _COLLECTIVE.search(line):
@@ -239,16 +246,21 @@ def _largest_result(line: str) -> int:
     return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", result))
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero", "dp8_moe"])
+@pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero", "dp8_moe",
+                                  "ep2_moe", "ep2_tp2_zero_moe"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside.
-    A dropless MoE's router sums its counts over the ranks in the loop: [experts] and scalars."""
+    A dropless MoE's router sums its counts over the ranks in the loop: [experts] and scalars;
+    with expert parallelism the dispatch's all-to-alls (tokens) run there too, over `expert`."""
     pz, text = compiled_text[name]
     assert pz.num_microbatches >= 2 and pz.mesh.shape[DATA] >= 2
     in_loops = _data_parallel_collectives_in_loops(pz, text)
     if name.endswith("moe"):
         experts = pz.cfg.model.num_experts
+        dispatch = [line for line in in_loops if " all-to-all(" in line]
+        assert bool(dispatch) == name.startswith("ep"), dispatch  # the tokens go to their experts
+        in_loops = [line for line in in_loops if line not in dispatch]
         assert in_loops and all(_largest_result(line) <= experts for line in in_loops), in_loops
         in_loops = []
     assert in_loops == []

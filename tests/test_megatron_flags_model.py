@@ -264,14 +264,17 @@ def test_grad_reduce_in_bf16_reduces_in_bf16(tmp_path):
         assert bf16["bf16"] >= n_params and bf16.get("f32", 0) < 16, counts  # f32: the loss, token count
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(pipeline_model_parallel_size=2)],
-                         ids=["dp8", "pp2_dp4"])
-def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding(parallel):
+@pytest.mark.parametrize("parallel, model", [
+    (ParallelConfig(), ()), (ParallelConfig(pipeline_model_parallel_size=2), ()),
+    (ParallelConfig(expert_model_parallel_size=2), (("num_experts", 4), ("moe_router_topk", 2)))],
+    ids=["dp8", "pp2_dp4", "ep2_dp4_moe"])
+def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding(parallel, model):
     """Loss identical (the loss is reduced separately); every gradient leaf within bf16's
     rounding of the per-rank gradients and their sums: |diff| <= 2^-6 x the leaf's largest
-    fp32 gradient. And not identical: the flag does take effect (the pipeline's one reduction too)."""
-    loss32, g32 = grads_for(parallel, 1)
-    loss16, g16 = grads_for(dataclasses.replace(parallel, grad_reduce_in_bf16=True), 1)
+    fp32 gradient. And not identical: the flag does take effect (the pipeline's one reduction
+    too, and expert parallelism's: experts over data, the rest over data x expert)."""
+    loss32, g32 = grads_for(parallel, 1, model=model)
+    loss16, g16 = grads_for(dataclasses.replace(parallel, grad_reduce_in_bf16=True), 1, model=model)
     assert loss16 == loss32
     differs = False
     for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):
@@ -295,8 +298,11 @@ def test_grad_reduce_in_bf16_says_where_it_does_not_apply():
     assert note(ParallelConfig(context_parallel_size=2)) is None  # context parallelism reduces once too
     assert note(ParallelConfig(), num_experts=4) is None  # a dropless MoE reduces once per step too
     assert note(ParallelConfig(pipeline_model_parallel_size=2), num_experts=4) is None  # in the pipeline too
-    not_applied = "not applied: with expert parallelism or MoE capacity dropping"
-    assert note(ParallelConfig(expert_model_parallel_size=2), num_experts=4).startswith(not_applied)
+    assert note(ParallelConfig(expert_model_parallel_size=2), num_experts=4) is None  # expert parallel too
+    assert note(ParallelConfig(expert_model_parallel_size=8), num_experts=8) is None  # data 1, expert 8
+    not_applied = "not applied: with MoE capacity dropping, or expert parallelism in a pipeline,"
+    assert note(ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+                num_experts=4).startswith(not_applied)
     assert note(ParallelConfig(), num_experts=4, moe_expert_capacity_factor=1.0).startswith(not_applied)
     assert note(ParallelConfig(), hidden_dropout=0.1) is None  # dropout reduces once per step too
     cfg = finalize(tiny_config(ParallelConfig(), 1), 8)

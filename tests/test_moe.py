@@ -223,8 +223,9 @@ LAYOUTS = {
     "ep4_capacity_padded": (ParallelConfig(expert_model_parallel_size=4), 1,
                             MOE + (("moe_expert_capacity_factor", 1.0), ("moe_token_drop_policy", "position"),
                                    ("moe_pad_expert_input_to_capacity", True))),
-    # Without expert parallelism a dropless MoE reduces its gradients once per step: each data
-    # rank runs its own rows, the router's counts summed over the ranks (moe.rows_split).
+    # A dropless MoE reduces its gradients once per step: each data rank runs its own rows, the
+    # router's counts summed over the ranks (moe.rows_split); so do the ep layouts above (each
+    # data x expert rank its rows and experts), but not ep2_pp2 and capacity dropping.
     "dp8_reduce_once": (ParallelConfig(), 1, MOE),
     "dp2_tp4_sp_zero_reduce_once_seq_aux": (
         ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, use_distributed_optimizer=True), 4,
@@ -389,10 +390,12 @@ def test_aux_metrics_reach_the_train_step_and_format():
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     ref_dropping = ref
     # Dropless on dp8 (gradients reduced once, each rank reporting its share): the same metrics.
-    # And on dp4 x pp2, where the pipeline's ranks reduce once too.
+    # And on dp4 x pp2, where the pipeline's ranks reduce once too, and on dp4 x ep2 (each
+    # data x expert rank its share).
     model = dict(MOE)
     ref = metrics(ParallelConfig(), 8, True)
-    for parallel, micro in ((ParallelConfig(), 1), (ParallelConfig(pipeline_model_parallel_size=2), 2)):
+    for parallel, micro in ((ParallelConfig(), 1), (ParallelConfig(pipeline_model_parallel_size=2), 2),
+                            (ParallelConfig(expert_model_parallel_size=2), 1)):
         got = metrics(parallel, micro, False)
         assert got["moe_microbatches"] == pytest.approx(2.0), parallel
         for key in ref:

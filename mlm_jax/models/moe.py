@@ -184,7 +184,8 @@ def zero_stats() -> dict:
 class MoE(nnx.Module):
     """[batch, seq, embed] -> [batch, seq, embed] through the top-k of E experts (+ a shared
     expert); returns (output, statistics). Expert weights: w1 [E, d, (2,) f], w2 [E, f, d], the
-    experts dim over `expert`, f over `tensor` (expert tensor parallelism = tensor size)."""
+    experts dim over `expert`, f over `tensor` (expert tensor parallelism = tensor size); b2 [E, d]
+    whole."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, E, std = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.init_method_std
@@ -197,7 +198,9 @@ class MoE(nnx.Module):
         self.w2 = param(rngs, normal(out_std), (E, f, d), ("experts", "mlp", "embed"))
         if cfg.add_bias_linear:
             self.b1 = param(None, zeros, (E, *w1_shape[2:]), ("experts", *w1_names[2:]))
-            self.b2 = param(None, zeros, (E, d), ("experts", "embed"))
+            # Whole on every expert rank: it is applied outside the dispatch, by global expert id
+            # (small: E x d).
+            self.b2 = param(None, zeros, (E, d), (None, "embed"))
         else:
             self.b1 = self.b2 = None
         shared = cfg.moe_shared_expert_intermediate_size

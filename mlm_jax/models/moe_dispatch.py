@@ -142,7 +142,9 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> [b, s, d].
 
     Inside parallelize's step (activation rules active): a shard_map over data, expert and
-    tensor; otherwise all experts on all tokens here."""
+    tensor, or over tensor alone inside the per-rank body of a step that reduces gradients once
+    (already manual over data and expert: this rank's rows and experts); otherwise all experts
+    on all tokens here."""
     b, s, d = y_bsd.shape
     rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -152,7 +154,11 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
-    if getattr(mesh, "manual_axes", ()) or uneven:
+    outer = frozenset(getattr(mesh, "manual_axes", ()))
+    # Manual over `expert` already (parallelize's per-rank body, see `_reduces_once`): the rows
+    # and experts here are this rank's own; the shard_map below adds `tensor`.
+    per_rank = EXPERT in outer and sizes[EXPERT] > 1
+    if (outer and not per_rank) or uneven:
         # Nested in the pipeline's shard_map: jax's partial evaluation of a nested shard_map
         # gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
@@ -169,7 +175,7 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     # per expert.
     cap = _row_capacity(cfg, b * s)
     w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
-    manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a)
+    manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a) - outer
 
     def body(x, e, w, w1_, w2_, b1_):
         bl = x.shape[0]
@@ -180,32 +186,51 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
             out = _allgather(*args, ep)
         else:
             out = _alltoall(*args, ep)
-        return jax.lax.psum(out, TENSOR).reshape(bl, s, d)
+        return (_sum_over_tensor(out) if outer else jax.lax.psum(out, TENSOR)).reshape(bl, s, d)
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
-    fn = _recomputing_shard_map(body, specs, tok_spec, manual)
+    fn = _recomputing_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
     # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
     # manual computation an operand sharded over a free axis ahead of the manual ones.
     pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
     return fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
 
 
-def _recomputing_shard_map(body, in_specs, out_spec, manual):
+@jax.custom_vjp
+def _sum_over_tensor(partial):
+    """psum over `tensor` whose cotangent is the output's, unchanged: each rank's partial sum
+    gets it whole. What a vma-checked shard_map derives for psum; unchecked (nested in the
+    per-rank body, which does not check) psum would transpose to a second psum, scaling the
+    expert gradients by the tensor size."""
+    return jax.lax.psum(partial, TENSOR)
+
+
+_sum_over_tensor.defvjp(lambda partial: (jax.lax.psum(partial, TENSOR), None), lambda _, g: (g,))
+
+
+def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     """shard_map(body) whose backward is a second shard_map that recomputes the forward
     (jax.vjp inside it) instead of passing residuals between the two. Nested in the pipeline's
     shard_map, jax gives residuals a sharding Shardy rejects (the outer manual axis `pipe` as a
     free axis ahead of `data`); recomputing also keeps the [rows, d] buffers out of memory.
-    Argument 1 (expert ids, integers) gets no cotangent."""
-    fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual)
+    Argument 1 (expert ids, integers) gets no cotangent. check_vma False: nested in a shard_map
+    that does not check them (parallelize's per-rank body)."""
+    fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual,
+                            check_vma=check_vma)
+
+    diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
 
     def bwd_body(args, g):
         x, e, w, w1, w2, b1 = args
         _, vjp = jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
-        return vjp(g)
+        grads = vjp(g)
+        if check_vma:
+            return grads
+        # Unchecked, the sum over the ranks of an input they all hold whole is ours to take.
+        return tuple(None if d is None else _sum_over(d, manual - _spec_axes(sp)) for d, sp in zip(grads, diff_specs))
 
-    diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
     bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
-                            axis_names=manual)
+                            axis_names=manual, check_vma=check_vma)
 
     @jax.custom_vjp
     def fn(*args):
@@ -220,6 +245,14 @@ def _recomputing_shard_map(body, in_specs, out_spec, manual):
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def _spec_axes(spec) -> set:
+    return {a for entry in (spec or ()) for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
+
+
+def _sum_over(x, axes):
+    return jax.lax.psum(x, tuple(sorted(axes))) if axes else x
 
 
 def _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):

@@ -235,10 +235,10 @@ class Pipeline:
 
     def reduces_once(self, params: dict, batch: dict) -> bool:
         """Whether data-parallel gradients are accumulated per rank over the whole schedule and
-        reduced once after it: `parallelize`'s conditions (data parallel without expert
-        parallelism, a MoE only dropless: its router's counts are summed over the ranks, see
-        `moe.rows_split`), and no head aux (batch-wide statistics that a per-rank body would
-        change)."""
+        reduced once after it: `parallelize`'s conditions (data parallel, a MoE only dropless:
+        its router's counts are summed over the ranks, see `moe.rows_split`; no expert
+        parallelism: inside a stage the dispatch runs every expert on the whole microbatch), and
+        no head aux (batch-wide statistics that a per-rank body would change)."""
         if not _reduces_once(self.cfg, self.mesh):
             return False
 
