@@ -50,10 +50,10 @@ from mlm_jax.models.moe import rows_split
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
-from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE
+from mlm_jax.sharding.mesh import DATA, EXPERT
 from mlm_jax.sharding.rules import (activation_rules, active_rules, logical_to_spec, param_rules, use_rules,
                                     zero_spec)
-from mlm_jax.sharding.specs import batch_spec, replicated
+from mlm_jax.sharding.specs import batch_spec, manual_part, pick_axes, replicated, rows_over, stacked_per_rank
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # + segment_ids with reset mask
 
@@ -244,13 +244,11 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     layer). With expert parallelism the per-rank body is manual over `expert` too: each rank
     holds its own experts and rows, and the dispatch's all-to-all (tokens, not gradients) runs
     in it (`moe_dispatch.dispatch_and_combine`). Capacity dropping is a whole-microbatch decision
-    per expert, and inside a pipeline stage the dispatch runs every expert on the gathered
-    microbatch (no per-rank experts): both keep the per-microbatch reduction.
+    per expert: it keeps the per-microbatch reduction.
     """
     sizes = dict(mesh.shape)
     dropping = cfg.model.num_experts and cfg.model.moe_expert_capacity_factor is not None
-    ep_in_pipeline = sizes[EXPERT] > 1 and sizes[PIPE] > 1
-    return sizes[DATA] * sizes[EXPERT] > 1 and not dropping and not ep_in_pipeline
+    return sizes[DATA] * sizes[EXPERT] > 1 and not dropping
 
 
 def _gather_once(params, storage, compute, dtype):
@@ -283,8 +281,7 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     if dict(mesh.shape)[DATA] * dict(mesh.shape)[EXPERT] == 1:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     if not _reduces_once(cfg, mesh):
-        return ("not applied: with MoE capacity dropping, or expert parallelism in a pipeline, the "
-                "gradients are reduced in fp32 inside the step")
+        return "not applied: with MoE capacity dropping the gradients are reduced in fp32 inside the step"
     return None
 
 
@@ -333,7 +330,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, compute, first, key, norm)[1])
         if any(not name.startswith("moe_") for name in aux0):  # MoE metrics are rank shares
             return fallback(params, batch, key, loss_scale)
-        ranks = _rank_axes(sh.compute)
+        ranks = _rank_axes(jax.tree.leaves(sh.compute)[0].mesh)
         inner = tuple((n, _without_data(a, ranks)) for n, a in active_rules())
         rows_total = batch["tokens"].shape[1]
 
@@ -356,10 +353,10 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
             # [1, ...] per rank: stacked over the ranks outside, summed there once.
             return jax.tree.map(lambda g: g[None], (grads, loss, aux))
 
-        held = jax.tree.map(lambda sharding: _only(sharding.spec, ranks), sh.compute)  # the experts
+        held = jax.tree.map(lambda sharding: manual_part(sharding.spec, ranks), sh.compute)  # the experts
         stacked = jax.shard_map(
-            per_rank, in_specs=(held, P(None, ranks), P(), P()),
-            out_specs=(jax.tree.map(lambda spec: _stacked_over(spec, ranks), held), P(ranks), P(ranks)),
+            per_rank, in_specs=(held, rows_over(ranks), P(), P()),
+            out_specs=(jax.tree.map(lambda spec: stacked_per_rank(spec, ranks), held), P(ranks), P(ranks)),
             axis_names=set(ranks), check_vma=False)
         grads, loss, aux = stacked(compute, batch, key, norm)
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)  # each rank holds its share
@@ -370,33 +367,13 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
 
 def _without_data(axes, manual=(DATA,)):
     """A rule's mesh axes without `manual` (default `data`: manual inside the per-rank shard_map)."""
-    return _pick(axes, lambda a: a not in manual)
+    return pick_axes(axes, lambda a: a not in manual)
 
 
-def _pick(axes, keep):
-    """A rule's or spec entry's mesh axes (None, a name or a tuple) cut to those `keep` accepts."""
-    kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and keep(a))
-    return kept[0] if len(kept) == 1 else (kept or None)
-
-
-def _rank_axes(compute) -> tuple[str, ...]:
+def _rank_axes(mesh) -> tuple[str, ...]:
     """The mesh axes the per-rank body is manual over: `data`, and `expert` where the mesh has
     expert parallelism (the batch rows are split over both)."""
-    mesh = jax.tree.leaves(compute)[0].mesh
     return (DATA, EXPERT) if dict(mesh.shape)[EXPERT] > 1 else (DATA,)
-
-
-def _only(spec: P, axes) -> P:
-    """`spec` cut to the mesh axes `axes` (the in spec of a shard_map manual over `axes`)."""
-    return P(*(_pick(entry, lambda a: a in axes) for entry in spec))
-
-
-def _stacked_over(spec: P, ranks) -> P:
-    """The out spec of one per-rank gradient leaf held as `spec` (manual axes only): a new
-    leading dim over the rank axes that hold partial sums of it (`data` alone for an expert's
-    weights, which only their own `expert` rank holds; every rank axis for the rest)."""
-    held = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
-    return P(_pick(ranks, lambda a: a not in held), *spec)
 
 
 def _train_step(cfg: Config, tx, loss_grads_aux):

@@ -215,6 +215,8 @@ LAYOUTS = {
                             MOE + (("swiglu", True), ("moe_shared_expert_intermediate_size", 64))),
     "ep2_pp2": (ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2,
                 MOE + (("moe_router_load_balancing_type", "seq_aux_loss"),)),
+    "ep2_tp2_pp2": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
+                                   pipeline_model_parallel_size=2), 4, MOE + (("swiglu", True),)),
     "ep2_mixed_pattern": (ParallelConfig(expert_model_parallel_size=2), 1,
                           MOE + (("num_layers", 3), ("moe_layer_freq", (0, 1, 1)))),
     # (With the probs policy this layout's loss is 2.4e-6 off at the suite's XLA opt level 0,
@@ -411,16 +413,22 @@ def test_aux_metrics_reach_the_train_step_and_format():
     assert format_aux({}) == "" and aux_record({"tokens": 3.0}) == {}
 
 
-def test_dropless_moe_pipeline_reduces_data_parallel_gradients_once():
-    """dp4 x pp2, dropless: inside the tick scans the only collectives over `data` are the
-    router's count sums ([experts] and scalars); the gradient reduction runs after the schedule."""
+@pytest.mark.parametrize("ep", [1, 2], ids=["dp4_pp2", "dp2_ep2_pp2"])
+def test_dropless_moe_pipeline_reduces_data_parallel_gradients_once(ep):
+    """dp4 x pp2 and dp2 x ep2 x pp2, dropless: inside the tick scans the only collectives over
+    `data` (or `expert`) are the router's count sums ([experts] and scalars) and, with expert
+    parallelism, the dispatch's all-to-alls of tokens; the gradient reduction runs after the
+    schedule."""
     from tests.parallel_util import build, fixed_batch, place
     from tests.test_compiled import _COLLECTIVE, _data_parallel_collectives_in_loops, _largest_result
 
-    pz = build(ParallelConfig(pipeline_model_parallel_size=2), 2, **dict(MOE))
-    assert pz.mesh.shape["data"] == 4 and pz.num_microbatches >= 2
+    pz = build(ParallelConfig(pipeline_model_parallel_size=2, expert_model_parallel_size=ep), 2, **dict(MOE))
+    assert pz.mesh.shape["data"] * ep == 4 and pz.num_microbatches >= 2
     text = pz.train_step.lower(pz.init(0), place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
     in_loops = _data_parallel_collectives_in_loops(pz, text)
+    dispatch = [line for line in in_loops if " all-to-all(" in line]
+    assert bool(dispatch) == (ep > 1), dispatch  # each rank's tokens go to their experts' ranks
+    in_loops = [line for line in in_loops if line not in dispatch]
     assert in_loops and all(_largest_result(line) <= 4 for line in in_loops), in_loops
     outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and "/while/body/" not in line]
     assert any(" all-reduce" in line and _largest_result(line) > 4 for line in outside)

@@ -17,6 +17,10 @@ The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by
 with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
 With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
 
+Where the step reduces gradients once per step (dropless routing), its per-rank body is already
+manual over data and expert: the dispatch nests a shard_map over `tensor` alone there, or, in the
+pipeline's per-rank schedule, runs its collectives without one (`tensor` then stays GSPMD's).
+
 Outside a mesh (single-device model code, tests) the same functions run on all tokens with
 every expert local. Shape letters: t token, k choice, r row (= token x choice), e expert,
 d embed, f expert mlp, g expert-parallel rank.
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.sharding.mesh import EXPERT, TENSOR
+from mlm_jax.sharding.mesh import EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -155,12 +159,14 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
     outer = frozenset(getattr(mesh, "manual_axes", ()))
-    # Manual over `expert` already (parallelize's per-rank body, see `_reduces_once`): the rows
-    # and experts here are this rank's own; the shard_map below adds `tensor`.
+    # Manual over `expert` already (the per-rank bodies of a step that reduces gradients once,
+    # see `parallelize._reduces_once`): the rows and experts here are this rank's own; the
+    # shard_map below adds `tensor` (in parallelize's body; the pipeline's: no shard_map).
     per_rank = EXPERT in outer and sizes[EXPERT] > 1
     if (outer and not per_rank) or uneven:
-        # Nested in the pipeline's shard_map: jax's partial evaluation of a nested shard_map
-        # gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of `data`), and
+        # Nested in the pipeline's shard_map but not per rank (capacity dropping, or no expert
+        # parallelism): jax's partial evaluation of a nested shard_map gives its residuals a
+        # sharding Shardy rejects (`pipe`, free, ahead of `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
         # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
         # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
@@ -174,6 +180,14 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
     # per expert.
     cap = _row_capacity(cfg, b * s)
+    if per_rank and PIPE in outer:
+        # The pipeline's per-rank schedule: a shard_map nested in the layer scan there fails
+        # Shardy's verifier, so the dispatch's collectives run right here and `tensor` stays
+        # GSPMD's (it sums the experts' [rows, d] partial outputs before the combine).
+        args = (cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1), weights_bsk.reshape(b * s, -1),
+                w1, w2, b1, cap)
+        out = _allgather(*args, ep) if cfg.moe_token_dispatcher_type == "allgather" else _alltoall(*args, ep)
+        return out.reshape(b, s, d)
     w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
     manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a) - outer
 

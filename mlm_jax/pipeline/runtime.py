@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +62,12 @@ from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms, rows_split
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.parallelize import _gather_once, _reduce_over_ranks, _reduces_once, _without_data, zero_gather_dtype
-from mlm_jax.sharding.mesh import DATA, PIPE
+from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_data,
+                                 zero_gather_dtype)
+from mlm_jax.sharding.mesh import PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules
-from mlm_jax.sharding.specs import (data_rows, per_rank as per_rank_spec, pipe_blocks, pipe_stored,
-                                    replicated, stage_chunks)
+from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_stored, replicated, rows_over,
+                                    stacked_per_rank, stage_chunks)
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
@@ -259,36 +261,45 @@ class Pipeline:
              per_rank: bool = False):
         """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
 
-        per_rank: the shard_map is manual over `data` too (tensor stays GSPMD's): each rank runs
-        the schedule on its own rows and returns its unreduced gradients stacked [dp/data, ...],
-        so no data-parallel collective runs inside the ticks."""
+        per_rank: the shard_map is manual over `data` too, and over `expert` with expert
+        parallelism (tensor stays GSPMD's): each rank runs the schedule on its own rows (and
+        experts) and returns its unreduced gradients stacked [ranks, ...] (see
+        `specs.stacked_per_rank`), so no data-parallel collective runs inside the ticks."""
         train = not program.forward_only
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
         use_dropout = key is not None
         key = jax.random.key(0) if key is None else key
-        axes = (PIPE, DATA) if per_rank else (PIPE,)
-        rules = tuple((n, _without_data(a)) for n, a in active_rules()) if per_rank else active_rules()
+        ranks = _rank_axes(self.mesh) if per_rank else ()
+        axes = (PIPE, *ranks)
+        rules = tuple((n, _without_data(a, ranks)) for n, a in active_rules())
+        if per_rank:  # a stage's own experts: the layer leaves' `expert` split is manual too
+            layer_specs = jax.tree.map(lambda sp: manual_part(sp, axes), specs["layers"])
+            specs = jax.tree.map(lambda sp: auto_part(sp, ranks), specs)
+        else:
+            layer_specs = pipe_blocks()
 
         def body(layers_blk, shared, batch, key, scale, arrays):
             # Per rank, dropout masks are drawn for this rank's rows of the global batch.
-            # A dropless MoE router keeps the whole microbatch's statistics (summed over data).
-            rows = jax.lax.axis_index(DATA) * batch["tokens"].shape[1] if per_rank else 0
-            split = rows_split(DATA, dict(self.mesh.shape)[DATA]) if per_rank else contextlib.nullcontext()
+            # A dropless MoE router keeps the whole microbatch's statistics (summed over the ranks).
+            rows = jax.lax.axis_index(ranks) * batch["tokens"].shape[1] if per_rank else 0
+            num_ranks = math.prod(dict(self.mesh.shape)[a] for a in ranks)
+            split = rows_split(ranks, num_ranks) if per_rank else contextlib.nullcontext()
             with use_rules(rules), rows_from(rows), split:
                 stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
-            if per_rank:  # [1, ...] per rank, stacked over data and summed outside
+            if per_rank:  # [1, ...] per rank, stacked over the ranks and summed outside
                 loss, d_layers, d_shared, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, d_shared, aux))
             return loss, d_layers, d_shared, aux
 
         rep = replicated()
-        stacked = per_rank_spec(rep) if per_rank else rep
+        stacked = stacked_per_rank(rep, ranks) if per_rank else rep
+        d_layer_specs = jax.tree.map(lambda sp: stacked_per_rank(sp, ranks), layer_specs) if per_rank else layer_specs
         run = jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(pipe_blocks(), rep, data_rows() if per_rank else rep, rep, rep, rep),
-            out_specs=(stacked, per_rank_spec(pipe_blocks()) if per_rank else pipe_blocks(), stacked, stacked),
+            in_specs=(layer_specs, rep, rows_over(ranks) if per_rank else rep, rep, rep, rep),
+            out_specs=(stacked, d_layer_specs, stacked, stacked),
             axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)

@@ -13,7 +13,7 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from mlm_jax.sharding.mesh import DATA, PIPE
+from mlm_jax.sharding.mesh import PIPE
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec
 
 MICROBATCHED = (None, "batch", "context_seq")  # [microbatch, batch, seq]
@@ -60,13 +60,33 @@ def stage_chunks(spec: P) -> P:
     return P(None, None, *tuple(spec)[1:])
 
 
-def data_rows() -> P:
-    """A shard_map in spec for a batch [microbatch, batch, seq]: rows split over `data` (the
-    pipeline's per-rank schedule; context and expert are 1 there)."""
-    return P(None, DATA)
+def pick_axes(axes, keep):
+    """A rule's or spec entry's mesh axes (None, a name or a tuple) cut to those `keep` accepts."""
+    kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and keep(a))
+    return kept[0] if len(kept) == 1 else (kept or None)
 
 
-def per_rank(spec: P) -> P:
-    """A shard_map out spec: a new leading dim over `data` (one entry per data-parallel rank,
-    summed once outside), then `spec`."""
-    return P(DATA, *spec)
+def manual_part(spec: P, axes) -> P:
+    """`spec` cut to the mesh axes `axes` (the in spec of a shard_map manual over `axes`)."""
+    return P(*(pick_axes(entry, lambda a: a in axes) for entry in spec))
+
+
+def auto_part(spec: P, manual) -> P:
+    """`spec` without the mesh axes `manual` (a sharding constraint inside a shard_map manual
+    over them)."""
+    return P(*(pick_axes(entry, lambda a: a not in manual) for entry in spec))
+
+
+def rows_over(ranks) -> P:
+    """A shard_map in spec for a batch [microbatch, batch, seq]: rows split over the mesh axes
+    `ranks` (a per-rank body's own rows)."""
+    return P(None, ranks)
+
+
+def stacked_per_rank(spec: P, ranks) -> P:
+    """A shard_map out spec for one per-rank partial sum of a leaf held as `spec` (manual axes
+    only): a new leading dim over the rank axes that hold partial sums of it (`data` alone for
+    an expert's weights, which only their own `expert` rank holds; every rank axis for the
+    rest), summed once outside."""
+    held = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return P(pick_axes(ranks, lambda a: a not in held), *spec)
