@@ -138,11 +138,10 @@ def test_evaluation_program_matches_single_device():
 
 
 def test_only_the_pipeline_permutes():
-    """Stages take different branches of the embedding and head conds, so a collective inside a
-    branch must involve only devices of one stage: all-reduce / all-gather over tensor or data
-    do, a collective-permute does not (XLA:CPU rendezvouses every device on it and deadlocks).
-    The only permutes are the pipeline's: one per slot a phase runs (warmup: the activation,
-    steady: both, cooldown: the gradient), of one [batch, seq/tensor, embed] each."""
+    """The only permutes are the pipeline's: one per slot a phase runs (warmup: the activation,
+    steady: both, cooldown: the gradient), of one [batch, seq/tensor, embed] each (with
+    sequence parallelism GSPMD could lay the vocab-parallel lookup or the gradient accumulators
+    out with permutes of its own, every tick)."""
     pz = pipelined("pp2_tp2_dp2_sp_zero_interleaved")[0]
     state = pz.init(0)
     hlo = pz.loss_and_grads.lower(state["params"], place(pz, fixed_batch()),
@@ -177,6 +176,16 @@ def test_data_parallel_gradients_are_reduced_once_after_the_schedule(name):
     assert any(" all-reduce" in line or " reduce-scatter" in line for line in outside)
     if pz.cfg.parallel.use_distributed_optimizer:
         assert any(" all-gather" in line for line in outside)
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_interleaved_v2", "pp2_tp2_dp2_sp", "pp4_uneven_1_2_2_3"])
+def test_the_schedule_runs_without_conditionals(name):
+    """No `lax.cond` / `lax.switch` per tick (a GPU reads each conditional's predicate on the
+    host): the embedding, the head and an uneven split's padding rows are selected by masks,
+    with one or several chunks per stage. The step before this had 10 conditionals (pp2_1f1b)."""
+    text = train_step_text(name)
+    assert " while(" in text  # the tick scans are there
+    assert " conditional(" not in text
 
 
 # --------------------------------------------------------------------------- training curve

@@ -156,8 +156,9 @@ class GPT(nnx.Module):
         `first` (int or traced) is the global index of the first of them: per-layer dropout keys
         are folded from it, so a pipeline stage holding layers [first, first + n) draws the
         unpipelined model's masks. `count` (None: all) is how many rows are real layers; rows
-        past it are padding (uneven pipeline splits) and pass the activation through (lax.cond:
-        no compute spent on them).
+        past it are padding (uneven pipeline splits) and pass the activation through: they run
+        and their output is dropped (a select, no conditional per layer; in the pipeline's
+        lockstep ticks a stage with fewer layers would only wait for the one with the most).
         """
         if self.mixed:
             return self._run_mixed(x_bsd, positions_bs, segment_ids_bs, key)
@@ -173,7 +174,9 @@ class GPT(nnx.Module):
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            y, stats = layer() if count is None else jax.lax.cond(index < count, layer, lambda: (x, stats0))
+            y, stats = layer()
+            if count is not None:  # a padding row: the input through, no statistics
+                y, stats = jax.tree.map(lambda out, skip: jnp.where(index < count, out, skip), (y, stats), (x, stats0))
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
         # --recompute-granularity / -method / -num-layers (mlm_jax/models/recompute.py)

@@ -18,12 +18,19 @@ Stages and their state
 ----------------------
 - Layer params are stacked [P*V*Lmax, ...] and sharded over `pipe` (see `layout`): each stage
   sees its own [V, Lmax, ...] and picks chunk c per slot. Embedding, position embedding, final
-  norm and LM head are replicated over `pipe`; the first virtual stage embeds and the last one
-  runs the head and the loss, each behind a `lax.cond` on the virtual stage (open point: a
-  vocab-parallel embedding and head split over `pipe` would remove these two conds and the
-  replicated copies). Their gradients are accumulated per stage and summed over `pipe` once at
-  the end of the step: that sum is also what adds the tied embedding's two gradients (lookup on
-  the first stage, LM head on the last), as Megatron's embedding-group all-reduce does.
+  norm and LM head are replicated over `pipe`. The embedding's output is used on the first
+  virtual stage only and the head's loss on the last only, by a select on the virtual stage:
+  every stage runs both (the head in the backward slot; forward slots of a training step
+  skip it), so the program holds no conditional (on a GPU each one reads its predicate on the
+  host) and the other stages' results get zero cotangents, hence exactly zero gradients. In
+  lockstep that costs no time: a tick lasts as long as its slowest stage, the last one, which
+  runs the head anyway; nor memory: one SPMD program reserves the same buffers on every
+  device, a conditional's branches included. Padding rows of an uneven split run and are
+  dropped the same way (`GPT.run_layers_aux`). (Open point: a
+  vocab-parallel embedding and head split over `pipe` would also remove the replicated
+  copies.) Their gradients are accumulated per stage and summed over `pipe` once at the end of
+  the step: that sum is also what adds the tied embedding's two gradients (lookup on the first
+  stage, LM head on the last), as Megatron's embedding-group all-reduce does.
 - Every input a slot needs was produced exactly one tick earlier (`lockstep.validate` checks
   it), so what arrives is used at once: no receive buffers. A stage keeps the *inputs* of its
   forwards until their backward in a stash; slots are assigned ahead of time (`build_program`),
@@ -346,7 +353,9 @@ class _Stage:
         model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
         k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
         positions = mb_in["position_ids"]
-        x = jax.lax.cond(v == 0, lambda: _embed(model, mb_in["tokens"], positions, k_embed), lambda: x_in)
+        # Every stage embeds and (with the head) runs the head, masked to the first / last
+        # virtual stage: no conditional per tick (see the module docstring).
+        x = jnp.where(v == 0, model.embed_tokens(mb_in["tokens"], positions, k_embed), x_in)
         x = constrain(x, ACT_BUFFER[1:])
         y, stats = model.run_layers_aux(x, positions, mb_in.get("segment_ids"), k_layers,
                                         self.first_layer[v], self.layer_count[v] if self.padded else None)
@@ -354,13 +363,12 @@ class _Stage:
 
         def head():
             loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
-            return jax.tree.map(self.vary, (loss_sum * self.scale, aux))  # as no_head's
+            return _masked(v == self.last, (loss_sum * self.scale, aux))
 
         def no_head():
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
-            return jax.tree.map(self.vary, zeros)
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
 
-        loss, aux = jax.lax.cond(v == self.last, head, no_head) if with_head else no_head()
+        loss, aux = jax.tree.map(self.vary, head() if with_head else no_head())
         # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
         # the stages); the microbatch counter only on the last virtual stage.
         if moe_aux:
@@ -372,7 +380,7 @@ class _Stage:
     # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
     # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
     # because GSPMD otherwise pulls the storage layout into the embedding's scatter-add and lays
-    # it out with collective-permutes inside a branch (see `_embed`).
+    # it out with collective-permutes every tick.
 
     def pin_layers(self, tree):  # [V, Lmax, ...]
         if self.specs is None:
@@ -467,7 +475,7 @@ class _Stage:
         uses it), then the activation goes to stage s+1 and then the gradient to s-1.
 
         The slots hold collectives of their own (tensor and sequence parallelism, inside the
-        layer scans and the embedding and head conds), and XLA:CPU runs independent operations
+        layer scans, the embedding and the head), and XLA:CPU runs independent operations
         concurrently, each waiting collective holding a thread of its intra-op pool: too many
         at once starved the pool and deadlocked the fake CPU mesh (see
         `xla_flags.cpu_collective_threads`, the fix). `_after` also chains the slots, so a
@@ -518,18 +526,6 @@ class _Stage:
         loss, aux, d_shared = jax.lax.psum((carry["loss"], carry["aux"], carry["d_shared"]), PIPE)
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
         return loss, d_layers, d_shared, aux
-
-
-def _embed(model, tokens_bs, positions_bs, key):
-    """The embedding, its output whole along seq. With sequence parallelism GSPMD otherwise
-    lays the vocab-parallel lookup out with collective-permutes, and a collective-permute inside
-    a branch that only some stages take deadlocks (XLA:CPU rendezvouses every device on it).
-    Sharding the result over seq afterwards is a local slice. The split over `context` stays
-    (the tokens arrive split so; the lookup is local along seq)."""
-    rules = active_rules()
-    ctx = dict(rules).get("context_seq")
-    with use_rules(tuple((n, ctx if n == "seq" else a) for n, a in rules)):
-        return model.embed_tokens(tokens_bs, positions_bs, key)
 
 
 def _after(live, x, dep):
