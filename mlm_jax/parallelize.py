@@ -233,22 +233,20 @@ def _plain_loss_and_grads(graphdef, sh: _Shardings):
 
 def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     """Whether the step accumulates per-rank gradients and reduces them once (see
-    `_reduce_once_loss_and_grads`): data parallel (expert parallelism is carved out of it), and a
-    MoE only when dropless.
+    `_reduce_once_loss_and_grads`): data parallel (expert parallelism is carved out of it).
 
     Dropout masks are a function of each element's global index (`models.layers.dropout`), so a
     rank running its own rows draws the masks one device draws for them. Context parallelism's
     ring attention is a shard_map over every axis not yet manual, so it nests in the per-rank
-    body as it nests in the pipeline's. A dropless MoE router keeps its whole-microbatch
-    statistics there (`moe.rows_split`: the counts are summed over the ranks, a few scalars per
-    layer). With expert parallelism the per-rank body is manual over `expert` too: each rank
-    holds its own experts and rows, and the dispatch's all-to-all (tokens, not gradients) runs
-    in it (`moe_dispatch.dispatch_and_combine`). Capacity dropping is a whole-microbatch decision
-    per expert: it keeps the per-microbatch reduction.
+    body as it nests in the pipeline's. A MoE router keeps its whole-microbatch statistics and
+    decisions there (`moe.rows_split`: the counts are summed over the ranks, a few scalars per
+    layer; capacity dropping counts the earlier ranks' tokens or ranks every rank's scores).
+    With expert parallelism the per-rank body is manual over `expert` too: each rank holds its
+    own experts and rows, and the dispatch's all-to-all (tokens, not gradients) runs in it
+    (`moe_dispatch.dispatch_and_combine`).
     """
     sizes = dict(mesh.shape)
-    dropping = cfg.model.num_experts and cfg.model.moe_expert_capacity_factor is not None
-    return sizes[DATA] * sizes[EXPERT] > 1 and not dropping
+    return sizes[DATA] * sizes[EXPERT] > 1
 
 
 def _gather_once(params, storage, compute, dtype):
@@ -275,13 +273,12 @@ def zero_gather_dtype(cfg: Config):
 
 def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     """Where --grad-reduce-in-bf16 cannot apply, why (the run logs it); None when it applies or
-    was not asked for. It applies only to the once-per-step reduction (`_reduces_once`)."""
+    was not asked for. It applies to the once-per-step reduction (`_reduces_once`), which every
+    data- or expert-parallel step now runs."""
     if not cfg.parallel.grad_reduce_in_bf16:
         return None
-    if dict(mesh.shape)[DATA] * dict(mesh.shape)[EXPERT] == 1:
-        return "no effect: the data-parallel size is 1, there is no gradient reduction"
     if not _reduces_once(cfg, mesh):
-        return "not applied: with MoE capacity dropping the gradients are reduced in fp32 inside the step"
+        return "no effect: the data-parallel size is 1, there is no gradient reduction"
     return None
 
 

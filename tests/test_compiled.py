@@ -33,6 +33,8 @@ LAYOUTS = {
     "dp8_moe": (ParallelConfig(), 1, (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01),
                                       ("moe_z_loss_coeff", 0.001))),  # dropless
     # dp4 x ep2 and dp2 x ep2 x tp2 + ZeRO, dropless, all-to-all dispatch
+    "dp8_moe_capacity": (ParallelConfig(), 1, (("num_experts", 4), ("moe_router_topk", 2),
+                                               ("moe_expert_capacity_factor", 0.75))),  # probs policy
     "ep2_moe": (ParallelConfig(expert_model_parallel_size=2), 1, (("num_experts", 4), ("moe_router_topk", 2),
                                                                   ("moe_aux_loss_coeff", 0.01))),
     "ep2_tp2_zero_moe": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
@@ -247,20 +249,27 @@ def _largest_result(line: str) -> int:
 
 
 @pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero", "dp8_moe",
-                                  "ep2_moe", "ep2_tp2_zero_moe"])
+                                  "dp8_moe_capacity", "ep2_moe", "ep2_tp2_zero_moe"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside.
-    A dropless MoE's router sums its counts over the ranks in the loop: [experts] and scalars;
-    with expert parallelism the dispatch's all-to-alls (tokens) run there too, over `expert`."""
+    A MoE's router sums its counts over the ranks in the loop: [experts] and scalars; with
+    capacity dropping (probs policy) it gathers every rank's router scores, [experts, tokens of
+    the microbatch]; with expert parallelism the dispatch's all-to-alls (tokens) run there too,
+    over `expert`."""
     pz, text = compiled_text[name]
     assert pz.num_microbatches >= 2 and pz.mesh.shape[DATA] >= 2
     in_loops = _data_parallel_collectives_in_loops(pz, text)
-    if name.endswith("moe"):
+    if "moe" in name:
         experts = pz.cfg.model.num_experts
         dispatch = [line for line in in_loops if " all-to-all(" in line]
         assert bool(dispatch) == name.startswith("ep"), dispatch  # the tokens go to their experts
         in_loops = [line for line in in_loops if line not in dispatch]
+        if name.endswith("capacity"):
+            tokens = pz.batch_shape(16)[1] * pz.cfg.train.seq_length  # one microbatch's
+            scores = [line for line in in_loops if " all-gather(" in line]
+            assert scores and all(_largest_result(line) <= experts * tokens for line in scores), scores
+            in_loops = [line for line in in_loops if line not in scores]
         assert in_loops and all(_largest_result(line) <= experts for line in in_loops), in_loops
         in_loops = []
     assert in_loops == []

@@ -225,10 +225,17 @@ LAYOUTS = {
     "ep4_capacity_padded": (ParallelConfig(expert_model_parallel_size=4), 1,
                             MOE + (("moe_expert_capacity_factor", 1.0), ("moe_token_drop_policy", "position"),
                                    ("moe_pad_expert_input_to_capacity", True))),
-    # A dropless MoE reduces its gradients once per step: each data rank runs its own rows, the
-    # router's counts summed over the ranks (moe.rows_split); so do the ep layouts above (each
-    # data x expert rank its rows and experts), but not ep2_pp2 and capacity dropping.
+    # A MoE reduces its gradients once per step: each data rank runs its own rows, the router's
+    # counts summed over the ranks (moe.rows_split); so do the layouts above (each data x expert
+    # rank its rows and experts; capacity decided over every rank's tokens).
     "dp8_reduce_once": (ParallelConfig(), 1, MOE),
+    # Capacity dropping reduces once too: the keep decision sees every rank's tokens.
+    "dp8_capacity_probs": (ParallelConfig(), 1, MOE + (("moe_expert_capacity_factor", 0.75),)),
+    "dp2_ep2_tp2_capacity_probs_padded": (
+        ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2,
+        MOE + (("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True))),
+    "dp4_pp2_capacity_position": (ParallelConfig(pipeline_model_parallel_size=2), 2,
+                                  MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
     "dp2_tp4_sp_zero_reduce_once_seq_aux": (
         ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, use_distributed_optimizer=True), 4,
         MOE + (("moe_router_load_balancing_type", "seq_aux_loss"), ("swiglu", True))),

@@ -64,7 +64,8 @@ def rows_split(axis: str, ranks: int):
     microbatch: the counts the losses need are summed over the ranks (a psum of a few scalars
     per layer, no gradient through it) and every reported loss and metric becomes this rank's
     share, so that summing the ranks' losses, gradients and metrics gives the whole
-    microbatch's. Dropless routing only (capacity is a whole-microbatch decision)."""
+    microbatch's. Capacity too: the keep decision counts the earlier ranks' rows first
+    (position policy) or ranks every rank's router scores (probs policy)."""
     _SPLIT.append((axis, ranks))
     try:
         yield
@@ -81,6 +82,23 @@ def _whole(x):
 
 def _ranks() -> int:
     return _SPLIT[-1][1] if _SPLIT else 1
+
+
+def _ranks_before(x):
+    """The sum of a per-rank statistic `x` over the ranks holding earlier rows (no gradient)."""
+    if not _SPLIT:
+        return jnp.zeros_like(x)
+    axis = _SPLIT[-1][0]
+    every = jax.lax.all_gather(jax.lax.stop_gradient(x), axis)  # [ranks, ...] in row order
+    before = jnp.arange(every.shape[0]) < jax.lax.axis_index(axis)
+    return jnp.sum(jnp.where(before.reshape(-1, *([1] * x.ndim)), every, 0), axis=0)
+
+
+def _rows_of_all_ranks(x_et):
+    """[E, T] per rank -> [E, ranks * T]: every rank's columns, in row order (no gradient)."""
+    if not _SPLIT:
+        return x_et
+    return jax.lax.all_gather(jax.lax.stop_gradient(x_et), _SPLIT[-1][0], axis=1, tiled=True)
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -137,19 +155,22 @@ def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
     if cfg.moe_expert_capacity_factor is None:
         return jnp.ones(experts_tk.shape, bool)
     T, E = experts_tk.shape[0], cfg.num_experts
-    C = capacity(T, cfg)
+    C = capacity(T * _ranks(), cfg)  # the whole microbatch's (rows_split: this rank holds T of them)
     onehot_tke = jax.nn.one_hot(experts_tk, E, dtype=jnp.int32)  # [T, K, E]
     chosen_te = jnp.sum(onehot_tke, axis=1)  # [T, E]
     if cfg.moe_token_drop_policy == "position":
-        rank_te = jnp.cumsum(chosen_te, axis=0)  # 1-based arrival order per expert
+        # 1-based arrival order per expert, counting the earlier ranks' rows first
+        rank_te = jnp.cumsum(chosen_te, axis=0) + _ranks_before(jnp.sum(chosen_te, axis=0))
         keep_te = (chosen_te > 0) & (rank_te <= C)
     else:
         prob_te = jnp.sum(onehot_tke * probs_tk[..., None], axis=1)  # [T, E]; 0 where not chosen
-        # The C most probable chosen tokens per expert: rank of each token within its column.
-        score_et = jnp.where(chosen_te > 0, prob_te, -1.0).T  # [E, T]
-        _, top_ec = jax.lax.top_k(score_et, min(C, T))  # [E, C]
-        keep_et = jnp.zeros((E, T), bool).at[jnp.arange(E)[:, None], top_ec].set(True)
-        keep_te = keep_et.T & (chosen_te > 0)
+        # The C most probable chosen tokens per expert over the whole microbatch (every rank's
+        # columns: a [E, tokens] gather of router scores per layer when the rows are split).
+        score_et = _rows_of_all_ranks(jnp.where(chosen_te > 0, prob_te, -1.0).T)  # [E, all tokens]
+        _, top_ec = jax.lax.top_k(score_et, min(C, score_et.shape[1]))  # [E, C]
+        keep_et = jnp.zeros(score_et.shape, bool).at[jnp.arange(E)[:, None], top_ec].set(True)
+        first = T * jax.lax.axis_index(_SPLIT[-1][0]) if _SPLIT else 0  # this rank's columns
+        keep_te = jax.lax.dynamic_slice_in_dim(keep_et, first, T, axis=1).T & (chosen_te > 0)
     return jnp.take_along_axis(keep_te, experts_tk, axis=1)  # [T, K]
 
 

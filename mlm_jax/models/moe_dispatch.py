@@ -88,9 +88,9 @@ def _row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:
     """Slots per expert with --moe-pad-expert-input-to-capacity (capacity of the microbatch)."""
     if not cfg.moe_pad_expert_input_to_capacity:
         return None
-    from mlm_jax.models.moe import capacity
+    from mlm_jax.models.moe import _ranks, capacity
 
-    return capacity(tokens_per_group, cfg)
+    return capacity(tokens_per_group * _ranks(), cfg)  # a per-rank body holds 1/ranks of them
 
 
 def _local(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
@@ -164,8 +164,8 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     # shard_map below adds `tensor` (in parallelize's body; the pipeline's: no shard_map).
     per_rank = EXPERT in outer and sizes[EXPERT] > 1
     if (outer and not per_rank) or uneven:
-        # Nested in the pipeline's shard_map but not per rank (capacity dropping, or no expert
-        # parallelism): jax's partial evaluation of a nested shard_map gives its residuals a
+        # Nested in the pipeline's shard_map but not per rank over `expert` (no expert
+        # parallelism, or a head with aux): jax's partial evaluation of a nested shard_map gives its residuals a
         # sharding Shardy rejects (`pipe`, free, ahead of `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
         # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
