@@ -234,6 +234,9 @@ LAYOUTS = {
     "dp2_ep2_tp2_capacity_probs_padded": (
         ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2,
         MOE + (("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True))),
+    "ep2_pp2_capacity_allgather": (ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2,
+                                   MOE + (("moe_expert_capacity_factor", 0.75),
+                                          ("moe_token_dispatcher_type", "allgather"))),
     "dp4_pp2_capacity_position": (ParallelConfig(pipeline_model_parallel_size=2), 2,
                                   MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
     "dp2_tp4_sp_zero_reduce_once_seq_aux": (
