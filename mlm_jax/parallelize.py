@@ -171,6 +171,8 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
     if p.use_distributed_optimizer:
         storage_spec = jax.tree.map(lambda s, a: zero_spec(s, a.shape, sizes), compute_spec, shapes,
                                     is_leaf=is_spec)
+    if pipeline is not None:  # the parameters every stage computes with whole, stored split over pipe
+        storage_spec = pipeline.shared_storage_specs(storage_spec, shapes)
     to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     compute = jax.tree.map(to_sharding, compute_spec, is_leaf=is_spec)
     storage = jax.tree.map(to_sharding, storage_spec, is_leaf=is_spec)

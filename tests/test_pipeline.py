@@ -188,6 +188,22 @@ def test_the_schedule_runs_without_conditionals(name):
     assert " conditional(" not in text
 
 
+def test_shared_parameters_are_stored_split_over_pipe():
+    """Every stage computes with the embeddings and the final norm whole, but their fp32 master
+    copy and Adam moments are stored split over `pipe` (as ZeRO splits over `data`): 1/P of them
+    per device, not P copies. The step gathers them once before the schedule; the equivalence
+    tests and the ten-step curve above run through that storage."""
+    pz = pipelined("pp4_1f1b")[0]
+    state = pz.init(0)
+    V, d = pz.shapes["embed"].shape
+    leaves = [x for x in jax.tree.leaves(state) if getattr(x, "shape", None) == (V, d)]
+    assert len(leaves) == 3  # the parameter and Adam's two moments
+    for x in leaves:
+        assert x.addressable_shards[0].data.shape == (V // 4, d), x.sharding
+    # The layers stay stored by stage, as before.
+    assert all(x.sharding.spec[0] == "pipe" for x in jax.tree.leaves(state["params"]["layers"]))
+
+
 # --------------------------------------------------------------------------- training curve
 
 # Ten AdamW steps. As in test_parallel.py: Adam turns fp32 reorder noise in near-zero gradient

@@ -26,9 +26,10 @@ Stages and their state
   lockstep that costs no time: a tick lasts as long as its slowest stage, the last one, which
   runs the head anyway; nor memory: one SPMD program reserves the same buffers on every
   device, a conditional's branches included. Padding rows of an uneven split run and are
-  dropped the same way (`GPT.run_layers_aux`). (Open point: a
-  vocab-parallel embedding and head split over `pipe` would also remove the replicated
-  copies.) Their gradients are accumulated per stage and summed over `pipe` once at the end of
+  dropped the same way (`GPT.run_layers_aux`). They are *stored* split over `pipe`
+  (`shared_storage_specs`: the fp32 master copy and Adam moments 1/P per device) and gathered
+  once per step. (Open point: a vocab-parallel embedding and head split over `pipe` would also
+  remove the whole compute copies.) Their gradients are accumulated per stage and summed over `pipe` once at the end of
   the step: that sum is also what adds the tied embedding's two gradients (lookup on the first
   stage, LM head on the last), as Megatron's embedding-group all-reduce does.
 - Every input a slot needs was produced exactly one tick earlier (`lockstep.validate` checks
@@ -72,7 +73,7 @@ from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_data,
                                  zero_gather_dtype)
 from mlm_jax.sharding.mesh import PIPE
-from mlm_jax.sharding.rules import active_rules, constrain, use_rules
+from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
 from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_stored, replicated, rows_over,
                                     stacked_per_rank, stage_chunks)
 
@@ -212,6 +213,16 @@ class Pipeline:
 
     def stored_specs(self, specs: dict) -> dict:
         return map_layer_leaves(pipe_stored, specs)
+
+    def shared_storage_specs(self, specs: dict, shapes: dict) -> dict:
+        """Storage of the parameters every stage holds whole while it computes (embeddings,
+        final norm, LM head): split over `pipe` as ZeRO splits over `data` (`zero_spec`), so
+        their fp32 master copy and Adam moments are not kept P times; the step gathers them
+        once, before the schedule, and their gradients, summed over `pipe` after it, land
+        split."""
+        sizes = dict(self.mesh.shape)
+        return {k: v if k == "layers" else jax.tree.map(lambda sp, a: zero_spec(sp, a.shape, sizes, PIPE), v, shapes[k])
+                for k, v in specs.items()}
 
     def to_pipelined(self, tree):
         return self.layout.to_pipelined(tree)

@@ -77,14 +77,15 @@ def unsharded(rules: Rules, *names: str) -> Rules:
     return tuple((name, None if name in names else axes) for name, axes in rules)
 
 
-def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int]) -> P:
-    """Add `data` to the first dim that stays evenly divisible: the ZeRO storage of one array.
+def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int], axis: str = DATA) -> P:
+    """Add `axis` (`data`) to the first dim that stays evenly divisible: the ZeRO storage of one
+    array (over `pipe`: the pipeline's storage of the parameters every stage holds whole).
 
-    Leaves that no dim can split evenly (tiny vectors) stay replicated over data.
+    Leaves that no dim can split evenly (tiny vectors) stay replicated over `axis`.
     """
-    dp = mesh_sizes[DATA]
+    dp = mesh_sizes[axis]
     parts = list(spec) + [None] * (len(shape) - len(spec))
-    if dp == 1 or any(DATA == p or (isinstance(p, tuple) and DATA in p) for p in parts):
+    if dp == 1 or any(axis == p or (isinstance(p, tuple) and axis in p) for p in parts):
         return P(*parts)
     for i, (dim, part) in enumerate(zip(shape, parts)):
         axes = () if part is None else (part if isinstance(part, tuple) else (part,))
@@ -92,7 +93,7 @@ def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int]) -> P:
         for a in axes:
             split *= mesh_sizes[a]
         if dim % (split * dp) == 0:
-            parts[i] = (*axes, DATA) if axes else DATA
+            parts[i] = (*axes, axis) if axes else axis
             return P(*parts)
     return P(*parts)
 
