@@ -372,3 +372,18 @@ def test_end_of_run_sample_of_an_interleaved_pipeline_equals_pp1(tmp_path):
     assert pp1["sample"]["prompt_ids"] == pp2["sample"]["prompt_ids"]
     assert len(pp1["sample"]["ids"]) == 12
     assert pp1["sample"]["ids"] == pp2["sample"]["ids"], (pp1["sample"], pp2["sample"])
+
+
+def test_a_save_failure_names_the_os_reason_whatever_tensorstore_appends():
+    """TensorStore's write errors end with the OS reason, sometimes followed by a long spec
+    annotation; the one line the run prints keeps the reason (a CI run once lost it)."""
+    from mlm_jax.checkpoint.saver import _save_reason
+
+    spec = "{" + ", ".join(f'\\"key{i}\\":\\"value\\"' for i in range(60)) + "}"
+    message = ('OUT_OF_RANGE: Error writing "1.0.mu.layers.attention.bo/0.0" in OCDBT database at local file '
+               '"/tmp/ck/2.orbax-checkpoint-tmp/opt_state/ocdbt.process_0/d/a90b2d94": Failed to write '
+               "247278 bytes to file 19: File too large [os_error_code='27'] "
+               f"[source locations='tensorstore/kvstore/file/file_key_value_store.cc:427'] [tensorstore_spec='{spec}']")
+    reason = _save_reason(ValueError(message))
+    assert "File too large" in reason and "tensorstore_spec" not in reason and len(reason) < 400, reason
+    assert _save_reason(ValueError("plain failure")) == "plain failure"

@@ -4,6 +4,7 @@ its exit policy (signals, --exit-interval, --exit-duration-in-mins), and weights
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -72,8 +73,16 @@ def _save_reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
     text = " ".join(str(exc).split()) or type(exc).__name__
-    # TensorStore's messages put the OS reason ("File too large", "No space left") last.
-    return text if len(text) <= 320 else f"{text[:140]} ... {text[-160:]}"
+    # TensorStore's messages end "...: File too large [os_error_code='27']", sometimes followed
+    # by "[source locations='...']" and a long "[tensorstore_spec='{...}']": those are dropped,
+    # and the OS reason is kept whatever the cut.
+    os_reason = re.search(r":\s*([^:\[\]]+?)\s*\[os_error_code=", text)
+    text = re.sub(r" ?\[(?:source locations|tensorstore_spec)=.*$", "", text) or text
+    if len(text) > 320:
+        text = f"{text[:140]} ... {text[-160:]}"
+    if os_reason and os_reason.group(1) not in text:
+        text += f" ({os_reason.group(1)})"
+    return text
 
 
 def _agree(flag: bool) -> bool:

@@ -17,9 +17,10 @@ The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by
 with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
 With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
 
-Where the step reduces gradients once per step (dropless routing), its per-rank body is already
-manual over data and expert: the dispatch nests a shard_map over `tensor` alone there, or, in the
-pipeline's per-rank schedule, runs its collectives without one (`tensor` then stays GSPMD's).
+Where the step reduces gradients once per step (any data- or expert-parallel step), its
+per-rank body is already manual over data and expert: the dispatch nests a shard_map over
+`tensor` alone there, or, in the pipeline's per-rank schedule, runs its collectives without one
+(`tensor` then stays GSPMD's).
 
 Outside a mesh (single-device model code, tests) the same functions run on all tokens with
 every expert local. Shape letters: t token, k choice, r row (= token x choice), e expert,
@@ -164,9 +165,10 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     # shard_map below adds `tensor` (in parallelize's body; the pipeline's: no shard_map).
     per_rank = EXPERT in outer and sizes[EXPERT] > 1
     if (outer and not per_rank) or uneven:
-        # Nested in the pipeline's shard_map but not per rank over `expert` (no expert
-        # parallelism, or a head with aux): jax's partial evaluation of a nested shard_map gives its residuals a
-        # sharding Shardy rejects (`pipe`, free, ahead of `data`), and
+        # Nested in a shard_map but not per rank over `expert` (no expert parallelism, or the
+        # pipeline with a head that reports aux): jax's partial evaluation of a nested
+        # shard_map gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of
+        # `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
         # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
         # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
@@ -241,7 +243,8 @@ def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
         if check_vma:
             return grads
         # Unchecked, the sum over the ranks of an input they all hold whole is ours to take.
-        return tuple(None if d is None else _sum_over(d, manual - _spec_axes(sp)) for d, sp in zip(grads, diff_specs))
+        return tuple(None if d is None else _sum_over(d, manual - _spec_axes(sp))
+                     for d, sp in zip(grads, diff_specs))
 
     bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
                             axis_names=manual, check_vma=check_vma)
