@@ -330,7 +330,7 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
         if any(not name.startswith("moe_") for name in aux0):  # MoE metrics are rank shares
             return fallback(params, batch, key, loss_scale)
         ranks = _rank_axes(jax.tree.leaves(sh.compute)[0].mesh)
-        inner = tuple((n, _without_data(a, ranks)) for n, a in active_rules())
+        inner = tuple((n, _without_manual(a, ranks)) for n, a in active_rules())
         rows_total = batch["tokens"].shape[1]
 
         def per_rank(prm, mbs, key, norm):
@@ -364,8 +364,9 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
     return run
 
 
-def _without_data(axes, manual=(DATA,)):
-    """A rule's mesh axes without `manual` (default `data`: manual inside the per-rank shard_map)."""
+def _without_manual(axes, manual=(DATA,)):
+    """A rule's mesh axes without those manual inside a per-rank shard_map (`data`, and
+    `expert` with expert parallelism)."""
     return pick_axes(axes, lambda a: a not in manual)
 
 

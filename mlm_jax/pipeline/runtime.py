@@ -70,7 +70,7 @@ from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms, rows_split
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_data,
+from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_manual,
                                  zero_gather_dtype)
 from mlm_jax.sharding.mesh import PIPE
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
@@ -291,7 +291,7 @@ class Pipeline:
         key = jax.random.key(0) if key is None else key
         ranks = _rank_axes(self.mesh) if per_rank else ()
         axes = (PIPE, *ranks)
-        rules = tuple((n, _without_data(a, ranks)) for n, a in active_rules())
+        rules = tuple((n, _without_manual(a, ranks)) for n, a in active_rules())
         if per_rank:  # a stage's own experts: the layer leaves' `expert` split is manual too
             layer_specs = jax.tree.map(lambda sp: manual_part(sp, axes), specs["layers"])
             specs = jax.tree.map(lambda sp: auto_part(sp, ranks), specs)
