@@ -1,5 +1,6 @@
 """Model pieces on one device: schedules, decay mask, init, recomputation, bf16, masks, dropout."""
 
+import dataclasses
 import math
 
 import jax
@@ -175,6 +176,44 @@ def test_fused_loss_gives_autodiffs_loss_and_gradients(monkeypatch, chunks):
         err = float(jnp.max(jnp.abs(g - r)))
         assert err <= 1e-6 * float(jnp.max(jnp.abs(r))), (name, err)
     assert not np.any(np.asarray(got_grads[1][300:]))  # padding rows of the head: no gradient
+
+
+@pytest.mark.parametrize("untied", [False, True])
+@pytest.mark.parametrize("n", [4, 5])  # 384 head rows: 96 per device, or padded to 385 = 5 x 77
+def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(n, untied):
+    """The pipeline's head (`GPT.head(..., vocab_split=axis)`): on each of n devices of a manual
+    axis the logits of every n-th vocab row, the softmax combined by collectives over the axis.
+    Loss and the gradients of the input and every head parameter (tied embedding or untied
+    head, final norm) equal the whole head's (fp32, 1e-6), the padding rows' gradients zero."""
+    from jax.sharding import PartitionSpec
+
+    cfg = dataclasses.replace(CFG, untie_embeddings_and_output_weights=untied, normalization="RMSNorm")
+    graphdef, params = model_parts(cfg)
+    params = jax.tree.map(jnp.asarray, params)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 300, (2, 16)), jnp.int32)
+    mask = jnp.asarray(rng.random((2, 16)) > 0.2, jnp.float32)
+
+    def loss(params, x, split=None):
+        return nnx.merge(graphdef, params).head(x, labels, mask, split)[0]
+
+    want, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    mesh = jax.make_mesh((n,), ("v",), devices=jax.devices()[:n])
+    split = jax.jit(jax.shard_map(lambda p, x: jax.value_and_grad(loss, argnums=(0, 1))(p, x, "v"), mesh=mesh,
+                                  in_specs=(PartitionSpec(), PartitionSpec()), out_specs=PartitionSpec()))
+    got, got_grads = split(params, x)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    head = "lm_head" if untied else "embed"
+    assert float(jnp.max(jnp.abs(want_grads[0][head]))) > 0
+    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+        r = want_grads
+        for k in path:
+            r = r[k.key if hasattr(k, "key") else k.idx]
+        err = float(jnp.max(jnp.abs(g - r)))
+        assert err <= 1e-6 * float(jnp.max(jnp.abs(r))) + 1e-12, (jax.tree_util.keystr(path), err)
+    w = got_grads[0][head]
+    assert not np.any(np.asarray(w[:, 300:] if untied else w[300:]))  # padding rows: no gradient
 
 
 # The version-1 layer leaves, all directly under `layers` (before the Attention/MLP split).

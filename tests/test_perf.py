@@ -73,10 +73,13 @@ def _dot_types(text: str) -> collections.Counter:
     return found
 
 
-def test_a_bf16_step_has_no_fp32_matmul():
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_bf16_step_has_no_fp32_matmul(pp):
     """Under --bf16 every matmul, forward and backward (attention scores, LM head included),
-    takes bf16 operands; the fp32 ones accumulate in fp32 (preferred_element_type)."""
-    pz = build(ParallelConfig(), 4, devices=ONE, bf16=True)
+    takes bf16 operands; the fp32 ones accumulate in fp32 (preferred_element_type). Also
+    pipelined (dp4 x pp2), where the head is split over `pipe`."""
+    pz = (build(ParallelConfig(), 4, devices=ONE, bf16=True) if pp == 1 else
+          build(ParallelConfig(pipeline_model_parallel_size=pp), 1, bf16=True))
     state = pz.init(0)
     text = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0)).as_text()
     types_ = _dot_types(text)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +189,18 @@ def test_the_schedule_runs_without_conditionals(name):
     assert " conditional(" not in text
 
 
+@pytest.mark.parametrize("name,stages", [("pp2_1f1b", 2), ("pp4_interleaved_v2", 4), ("pp4_uneven_1_2_2_3", 4)])
+def test_each_stage_computes_1_over_p_of_the_lm_head(name, stages):
+    """The LM head is split over `pipe` by vocab rows: no stage multiplies by the whole
+    [512 (padded vocab), 64] head (neither the logits nor the head's gradient), each by its
+    [512 / P, 64] share. Before, every stage ran the whole head and the last stage's counted."""
+    vocab, share = 512, 512 // stages  # the whole head's step had (32, 512) and (512, 64) dots
+    dots = [m.group(1) for m in re.finditer(r"= \w+\[([0-9,]*)\]\S* dot\(", train_step_text(name))]
+    shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in dots]
+    assert not [s for s in shapes if vocab in s], shapes
+    assert (share, 64) in shapes and (32, share) in shapes, shapes  # [rows, vocab share] logits
+
+
 def test_shared_parameters_are_stored_split_over_pipe():
     """Every stage computes with the embeddings and the final norm whole, but their fp32 master
     copy and Adam moments are stored split over `pipe` (as ZeRO splits over `data`): 1/P of them
@@ -241,8 +254,8 @@ class ZLossGPT(GPT):
     """Test-only model whose head reports two aux scalars (as MoE's losses will): the sum of
     squared log-partition values over unmasked tokens, and the count of those tokens."""
 
-    def head(self, x_bsd, labels_bs, loss_mask_bs):
-        loss_sum, aux = super().head(x_bsd, labels_bs, loss_mask_bs)
+    def head(self, x_bsd, labels_bs, loss_mask_bs, vocab_split=None):
+        loss_sum, aux = super().head(x_bsd, labels_bs, loss_mask_bs, vocab_split)
         lse = jax.nn.logsumexp(self.logits(x_bsd), axis=-1)  # [b, s]
         return loss_sum, {**aux, "z_sum": jnp.sum(lse * lse * loss_mask_bs), "tokens": jnp.sum(loss_mask_bs)}
 
@@ -291,9 +304,10 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     """A stashed stage input is [1 row, seq 32, embed 64] fp32 = 8 KiB per device. GPipe
     stashes all m; 1F1B at most 2(P-1)-1 = 1 (P = 2) whatever m. The schedule arrays grow with m
     by a few bytes per tick, hence the 1 KiB allowance (an eighth of one stashed activation).
-    A two-slot tick holds a forward's and a backward's working set, so at small m 1F1B's temp
-    is above GPipe's (measured m=4: 1F1B 985 KiB, GPipe 953 KiB, 4 slots apart); from m of
-    about 8 on it is below, and the gap grows by a slot per microbatch."""
+    A two-slot tick holds a forward's and a backward's working set, the latter with the head's
+    broadcast of the last stage's output and the sum of its gradient shares (fp32), so at small
+    m 1F1B's temp is above GPipe's (measured m=4: 1F1B 847 KiB, GPipe 774 KiB, 9 slots apart);
+    from m of about 12 on it is below, and the gap grows by a slot per microbatch."""
     slot = 1 * 32 * 64 * 4
     one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
     gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}  # benchmarks/pipeline.py has m = 8 too
@@ -302,7 +316,7 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     assert gpipe[16] - gpipe[4] >= 12 * slot, gpipe
     assert gpipe[16] > one_f_one_b[16], (gpipe, one_f_one_b)
     assert (gpipe[16] - one_f_one_b[16]) - (gpipe[4] - one_f_one_b[4]) >= 12 * slot, (gpipe, one_f_one_b)
-    assert one_f_one_b[4] - gpipe[4] <= 8 * slot, (gpipe, one_f_one_b)  # the two-slot tick's extra
+    assert one_f_one_b[4] - gpipe[4] <= 10 * slot, (gpipe, one_f_one_b)  # the two-slot tick's extra
 
 
 # --------------------------------------------------------------------------- programs (no devices)

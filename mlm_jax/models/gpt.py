@@ -35,6 +35,7 @@ from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, nor
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
+from mlm_jax.sharding.mesh import varying
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
@@ -243,9 +244,18 @@ class GPT(nnx.Module):
         x, cache = self.run_layers_cached(x, positions_bs, cache)
         return self.logits(x), cache
 
-    def head_weight(self) -> jax.Array:
-        """The LM head [padded vocab, embed] in the compute dtype: the embedding when tied."""
+    def head_weight(self, vocab_split: str | None = None) -> jax.Array:
+        """The LM head [padded vocab, embed] in the compute dtype: the embedding when tied.
+        With `vocab_split` (a manual mesh axis of size n), this device's rows only: every n-th,
+        from its index along the axis on (`vocab_columns`), zero rows padding to a multiple of n."""
         w_vd = self.lm_head[...].T if self.lm_head is not None else self.embed[...]
+        if vocab_split is not None:
+            n = jax.lax.axis_size(vocab_split)
+            if w_vd.shape[0] % n:
+                w_vd = jnp.pad(w_vd, ((0, -w_vd.shape[0] % n), (0, 0)))
+            # Strided, so that the [v / n] rows keep the vocab's split over tensor.
+            w_vd = jax.lax.dynamic_index_in_dim(w_vd.reshape(-1, n, w_vd.shape[1]),
+                                                jax.lax.axis_index(vocab_split), axis=1, keepdims=False)
         return w_vd.astype(self.dtype)
 
     def logits(self, x_bsd) -> jax.Array:
@@ -253,11 +263,14 @@ class GPT(nnx.Module):
         return _masked_logits(head_matmul(self.final_norm(x_bsd), self.head_weight()),
                               self.cfg.vocab_size)
 
-    def head(self, x_bsd, labels_bs, loss_mask_bs) -> tuple[jax.Array, dict]:
-        """(sum of masked per-token losses, aux: a dict of per-step scalars, empty here)."""
+    def head(self, x_bsd, labels_bs, loss_mask_bs, vocab_split: str | None = None) -> tuple[jax.Array, dict]:
+        """(sum of masked per-token losses, aux: a dict of per-step scalars, empty here).
+        `vocab_split`: a manual mesh axis over which the vocab is split (the pipeline's head):
+        each device computes the logits of its 1/n of it, and the loss combines them with
+        collectives of [batch, seq] over the axis; `x_bsd` must be the same on every device."""
         x = self.final_norm(x_bsd)
-        return linear_cross_entropy(x, self.head_weight(), labels_bs, loss_mask_bs,
-                                    self.cfg.vocab_size), {}
+        return linear_cross_entropy(x, self.head_weight(vocab_split), labels_bs, loss_mask_bs,
+                                    self.cfg.vocab_size, vocab_split), {}
 
     # ------------------------------------------------------------------ whole-model calls
 
@@ -326,17 +339,38 @@ def head_matmul(x_bsd: jax.Array, w_vd: jax.Array) -> jax.Array:
 _head_low = fp32_einsum("bsd,vd->bsv", "bsv,vd->bsd", "bsv,bsd->vd")
 
 
-def _masked_logits(logits_bsv: jax.Array, vocab_size: int) -> jax.Array:
+def vocab_columns(num_columns: int, split: str | None = None) -> jax.Array:
+    """The vocab id of each logit column: all of them in order, or, with the vocab split over
+    the manual axis `split` of size n, this device's every n-th from its axis index on."""
+    if split is None:
+        return jnp.arange(num_columns)
+    return jnp.arange(num_columns) * jax.lax.axis_size(split) + jax.lax.axis_index(split)
+
+
+def _over(split: str | None, reduce, x: jax.Array) -> jax.Array:
+    """`reduce` (psum, pmax) of a per-device partial over the vocab's split axis, if any."""
+    return x if split is None else reduce(x, split)
+
+
+def _masked_logits(logits_bsv: jax.Array, vocab_size: int, split: str | None = None) -> jax.Array:
     """Padding columns can never be the answer; masking them keeps the softmax (and so the
     loss and every gradient) independent of how much padding the layout needs."""
     logits = constrain(logits_bsv, ("batch", "context_seq", "vocab"))
-    if logits.shape[-1] == vocab_size:
+    if split is None and logits.shape[-1] == vocab_size:
         return logits  # no padding: no select over every logit (forward and backward)
-    real = jnp.arange(logits.shape[-1]) < vocab_size
+    real = vocab_columns(logits.shape[-1], split) < vocab_size
     return jnp.where(real, logits, PADDED_LOGIT)
 
 
-def linear_cross_entropy(x_bsd, w_vd, labels_bs, weights_bs, vocab_size: int) -> jax.Array:
+def _onehot(labels_bs: jax.Array, num_columns: int, split: str | None) -> jax.Array:
+    """[b, s, columns] fp32: 1 at the label's column (none on devices not holding it)."""
+    if split is None:
+        return jax.nn.one_hot(labels_bs, num_columns, dtype=jnp.float32)
+    return (labels_bs[..., None] == vocab_columns(num_columns, split)).astype(jnp.float32)
+
+
+def linear_cross_entropy(x_bsd, w_vd, labels_bs, weights_bs, vocab_size: int,
+                         split: str | None = None) -> jax.Array:
     """sum(weights * cross_entropy(x @ w.T)): the LM head and its loss as one differentiable
     op, whose gradient is computed in the forward pass (a fused linear cross-entropy).
 
@@ -348,22 +382,28 @@ def linear_cross_entropy(x_bsd, w_vd, labels_bs, weights_bs, vocab_size: int) ->
     forward runs. On a CPU the rows go through in cache-sized chunks (`_row_chunks`). The same
     quantities as autodiff's, rounding aside; matmuls in the compute dtype with fp32
     accumulation (as `fp32_einsum`); vocab-parallel as `cross_entropy`.
+
+    `split`: `w_vd` holds this device's rows of a vocab split over that manual axis
+    (`GPT.head_weight`); the softmax's max, sum and label logit are reduced over it, and the
+    gradient of x is this device's share (the caller's autodiff sums the shares).
     """
-    return _linear_ce(x_bsd, w_vd, labels_bs, weights_bs, (vocab_size, x_bsd.dtype, w_vd.dtype))
+    if split is not None:  # this device's share of x's gradient (summed by autodiff)
+        x_bsd = varying(x_bsd, split)
+    return _linear_ce(x_bsd, w_vd, labels_bs, weights_bs, (vocab_size, x_bsd.dtype, w_vd.dtype, split))
 
 
-# static: (vocab_size, dtype of x, dtype of w), the gradients' dtypes
+# static: (vocab_size, dtype of x, dtype of w (the gradients' dtypes), vocab split axis or None)
 def _ce_plain(x_bsd, w_vd, labels_bs, weights_bs, static):
-    vocab_size = static[0]
+    vocab_size, split = static[0], static[3]
     logits = jnp.einsum("bsd,vd->bsv", x_bsd, w_vd, preferred_element_type=jnp.float32)
-    return jnp.sum(cross_entropy(_masked_logits(logits, vocab_size), labels_bs) * weights_bs)
+    return jnp.sum(cross_entropy(_masked_logits(logits, vocab_size, split), labels_bs, split) * weights_bs)
 
 
 def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
     b, s, d = x_bsd.shape
     chunks = _row_chunks(b, s, w_vd.shape[0])
     if chunks == 1:
-        loss, g_x, g_w, losses = _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static[0])
+        loss, g_x, g_w, losses = _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static)
         return loss, (g_x, g_w, losses)
 
     # Chunk c holds the rows c, c + chunks, ...: the chunk index is the minor part of the
@@ -377,7 +417,7 @@ def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
     def body(carry, xs):
         loss, g_w = carry
         x_c, labels_c, weights_c = xs
-        loss_c, g_x_c, g_w_c, losses_c = _ce_chunk(x_c, w_vd, labels_c, weights_c, static[0])
+        loss_c, g_x_c, g_w_c, losses_c = _ce_chunk(x_c, w_vd, labels_c, weights_c, static)
         return (loss + loss_c, g_w + g_w_c), (g_x_c, losses_c)
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros(w_vd.shape, jnp.float32))
@@ -386,15 +426,17 @@ def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
     return loss, (unsplit(g_x), g_w, unsplit(losses))
 
 
-def _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, vocab_size):
+def _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static):
     """(loss sum, d/dx, d/dw, per-token losses) of rows x for a unit cotangent."""
+    vocab_size, split = static[0], static[3]
     logits = jnp.einsum("bsd,vd->bsv", x_bsd, w_vd, preferred_element_type=jnp.float32)
-    logits = _masked_logits(logits, vocab_size)
-    top = jnp.max(logits, axis=-1, keepdims=True)
+    logits = _masked_logits(logits, vocab_size, split)
+    top = _over(split, jax.lax.pmax, jnp.max(logits, axis=-1, keepdims=True))
     exp = jnp.exp(logits - top)
-    total = jnp.sum(exp, axis=-1, keepdims=True)
-    onehot = jax.nn.one_hot(labels_bs, logits.shape[-1], dtype=jnp.float32)
-    losses = (jnp.log(total) + top)[..., 0] - jnp.sum(logits * onehot, axis=-1)  # [b, s]
+    total = _over(split, jax.lax.psum, jnp.sum(exp, axis=-1, keepdims=True))
+    onehot = _onehot(labels_bs, logits.shape[-1], split)
+    label_logit = _over(split, jax.lax.psum, jnp.sum(logits * onehot, axis=-1))
+    losses = (jnp.log(total) + top)[..., 0] - label_logit  # [b, s]
     # d loss / d logits for a unit cotangent; padding columns get exp(-1e30 - top) = 0 exactly.
     g_bsv = ((exp / total - onehot) * weights_bs[..., None]).astype(x_bsd.dtype)
     g_x = jnp.einsum("bsv,vd->bsd", g_bsv, w_vd, preferred_element_type=jnp.float32)
@@ -424,7 +466,7 @@ def _row_chunks(b: int, s: int, v: int) -> int:
 
 
 def _ce_backward(static, residuals, ct):
-    _, x_dtype, w_dtype = static
+    _, x_dtype, w_dtype, _ = static
     g_x, g_w, losses = residuals
     return (ct * g_x).astype(x_dtype), (ct * g_w).astype(w_dtype), None, ct * losses
 
@@ -433,15 +475,20 @@ _linear_ce = jax.custom_vjp(_ce_plain, nondiff_argnums=(4,))
 _linear_ce.defvjp(_ce_forward, _ce_backward)
 
 
-def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array) -> jax.Array:
+def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array, split: str | None = None) -> jax.Array:
     """Per-token loss [batch, seq] without gathering the vocab dim.
 
     The label logit is picked with a one-hot product rather than an indexed gather, so with
     the vocab split over tensor each device reduces its own slice and only [b, s] partial
-    sums cross devices (Megatron's vocab-parallel cross-entropy).
+    sums cross devices (Megatron's vocab-parallel cross-entropy). With `split` the columns are
+    this device's share of a vocab split over that manual axis (`vocab_columns`).
     """
     logits = logits_bsv.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    onehot = jax.nn.one_hot(labels_bs, logits.shape[-1], dtype=logits.dtype)
-    label_logit = jnp.sum(logits * onehot, axis=-1)
+    if split is None:
+        lse = jax.nn.logsumexp(logits, axis=-1)
+    else:
+        top = jax.lax.stop_gradient(jax.lax.pmax(jnp.max(logits, axis=-1), split))
+        lse = jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), split)) + top
+    onehot = _onehot(labels_bs, logits.shape[-1], split)
+    label_logit = _over(split, jax.lax.psum, jnp.sum(logits * onehot, axis=-1))
     return lse - label_logit

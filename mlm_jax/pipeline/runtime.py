@@ -17,21 +17,26 @@ the whole program costs (m*V + P - 1)(F + B)/V, the asynchronous schedule's time
 Stages and their state
 ----------------------
 - Layer params are stacked [P*V*Lmax, ...] and sharded over `pipe` (see `layout`): each stage
-  sees its own [V, Lmax, ...] and picks chunk c per slot. Embedding, position embedding, final
-  norm and LM head are replicated over `pipe`. The embedding's output is used on the first
-  virtual stage only and the head's loss on the last only, by a select on the virtual stage:
-  every stage runs both (the head in the backward slot; forward slots of a training step
-  skip it), so the program holds no conditional (on a GPU each one reads its predicate on the
-  host) and the other stages' results get zero cotangents, hence exactly zero gradients. In
-  lockstep that costs no time: a tick lasts as long as its slowest stage, the last one, which
-  runs the head anyway; nor memory: one SPMD program reserves the same buffers on every
-  device, a conditional's branches included. Padding rows of an uneven split run and are
-  dropped the same way (`GPT.run_layers_aux`). They are *stored* split over `pipe`
+  sees its own [V, Lmax, ...] and picks chunk c per slot.
+- The embedding's output is used on the first virtual stage only, by a select on the virtual
+  stage: every stage runs the lookup (a gather of [b, s] rows, no matmul), so the program
+  holds no conditional (on a GPU each one reads its predicate on the host), and the other
+  stages' lookups get zero cotangents, hence exactly zero gradients. Padding rows of an uneven
+  split run and are dropped the same way (`GPT.run_layers_aux`).
+- The LM head and its loss are split over `pipe` by vocab rows: in the backward slot (and in
+  evaluation's forward slot) the last virtual stage's output is summed over `pipe` (only its
+  stage's is nonzero), every stage computes the logits of its 1/P of the vocab (every P-th
+  head row, `GPT.head_weight`), and the softmax's max, sum and label logit are reduced over
+  `pipe` ([b, s] each); autodiff's transpose of the first sum adds the stages' shares of the
+  output's gradient on the last stage. So a tick costs each stage 1/P of a head, where
+  Megatron's last stage runs it whole (and in lockstep a tick lasts as long as its slowest
+  stage); the loss is counted on the last virtual stage.
+- Embedding, position embedding, final norm and LM head are *stored* split over `pipe`
   (`shared_storage_specs`: the fp32 master copy and Adam moments 1/P per device) and gathered
-  once per step. (Open point: a vocab-parallel embedding and head split over `pipe` would also
-  remove the whole compute copies.) Their gradients are accumulated per stage and summed over `pipe` once at the end of
-  the step: that sum is also what adds the tied embedding's two gradients (lookup on the first
-  stage, LM head on the last), as Megatron's embedding-group all-reduce does.
+  once per step: every stage holds them whole while it computes. Their gradients are
+  accumulated per stage and summed over `pipe` once at the end of the step: that sum is also
+  what adds the tied embedding's gradients (the lookup's on the first stage, the head's shares
+  on every stage), as Megatron's embedding-group all-reduce does.
 - Every input a slot needs was produced exactly one tick earlier (`lockstep.validate` checks
   it), so what arrives is used at once: no receive buffers. A stage keeps the *inputs* of its
   forwards until their backward in a stash; slots are assigned ahead of time (`build_program`),
@@ -45,7 +50,7 @@ Stages and their state
   the one vjp alive at a time).
 
 A virtual stage runs the model's stage API (`embed_tokens` on the first, `run_layers` on its
-chunk, padded rows included, `head` on the last); this file holds no copy of the layer loop,
+chunk, padded rows included, `head` split over `pipe` for the last); this file holds no copy of the layer loop,
 the loss or the dtype rules. The loss is the unpipelined one: the sum of masked token losses
 over the global batch, divided by the global batch's token count; the head's `aux` scalars are
 summed over microbatches and stages; dropout keys are folded from (step key, microbatch index,
@@ -72,7 +77,7 @@ from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_manual,
                                  zero_gather_dtype)
-from mlm_jax.sharding.mesh import PIPE
+from mlm_jax.sharding.mesh import PIPE, varying
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
 from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_stored, replicated, rows_over,
                                     stacked_per_rank, stage_chunks)
@@ -177,20 +182,6 @@ def build_program(name: str, P: int, m: int, V: int = 1, forward_only: bool = Fa
 
 
 # --------------------------------------------------------------------------- runtime
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases: aval.vma
-    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-
-
-def _varying(x, axes=(PIPE,)):
-    """Mark `x` as varying over the manual `axes` (a no-op for those it already varies over)."""
-    for axis in axes:
-        if axis not in _varying_axes(x):
-            x = jax.lax.pcast(x, axis, to="varying")
-    return x
 
 
 class Pipeline:
@@ -346,7 +337,7 @@ class _Stage:
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
-        self.vary = functools.partial(_varying, axes=axes)
+        self.vary = functools.partial(varying, axes=axes)
         layers_blk = jax.tree.map(self.vary, layers_blk)
         self.layers_vl = jax.tree.map(lambda a: a.reshape(self.V, self.Lmax, *a.shape[1:]), layers_blk)
         # Per-stage gradients of the replicated params stay per stage until the final psum.
@@ -356,30 +347,39 @@ class _Stage:
         self.dtype = compute_dtype(pipeline.cfg.model)
         self.zeros_act = self.vary(constrain(jnp.zeros(self.act_shape, self.dtype), ACT_BUFFER[1:]))
 
-    def forward(self, layers_c, shared, x_in, mb_in, v, mb, with_head: bool = True):
+    def forward(self, layers_c, shared, x_in, mb_in, v, mb, head_in=None):
         """One virtual stage on one microbatch: (output [b, s, d], its loss share, its layers'
         MoE loss term (value 0, gradient of the MoE losses: every stage's counts), aux).
-        with_head=False (a training forward slot: the backward slot's recompute counts the
-        loss) skips the head: loss and head aux are zero."""
+        head_in: labels and loss mask of the unit the last virtual stage runs in this slot,
+        whose head every stage computes a 1/P vocab share of; None (a training forward slot:
+        the backward slot's recompute counts the loss) skips the head: loss and head aux are
+        zero."""
         model = nnx.merge(self.graphdef, {**shared, "layers": layers_c})
         k_embed, k_layers = stage_keys(jax.random.fold_in(self.key, mb) if self.use_dropout else None)
         positions = mb_in["position_ids"]
-        # Every stage embeds and (with the head) runs the head, masked to the first / last
-        # virtual stage: no conditional per tick (see the module docstring).
+        # Every stage embeds, masked to the first virtual stage: no conditional per tick (see
+        # the module docstring).
         x = jnp.where(v == 0, model.embed_tokens(mb_in["tokens"], positions, k_embed), x_in)
         x = constrain(x, ACT_BUFFER[1:])
         y, stats = model.run_layers_aux(x, positions, mb_in.get("segment_ids"), k_layers,
                                         self.first_layer[v], self.layer_count[v] if self.padded else None)
         moe_term, moe_aux = aux_terms(stats, mb_in["loss_mask"])
 
-        def head():
-            loss_sum, aux = model.head(y, mb_in["labels"], mb_in["loss_mask"])
+        def head(head_in):
+            # The last virtual stage's output, on every stage (one is nonzero: the sum is
+            # exact); each computes the logits of its 1/P of the vocab, and the loss's
+            # collectives combine them. The loss is counted on the last virtual stage. The sum
+            # (and its transpose, which adds the stages' shares of the output's gradient) runs
+            # in fp32: XLA:CPU's bf16 all-reduce promotion aborts on it (its reducer carries a
+            # sharding annotation), and the shares then add without rounding.
+            y_last = jax.lax.psum(jnp.where(v == self.last, y, 0).astype(jnp.float32), PIPE).astype(y.dtype)
+            loss_sum, aux = model.head(y_last, head_in["labels"], head_in["loss_mask"], vocab_split=PIPE)
             return _masked(v == self.last, (loss_sum * self.scale, aux))
 
         def no_head():
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head))
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(head, mb_in))
 
-        loss, aux = jax.tree.map(self.vary, head() if with_head else no_head())
+        loss, aux = jax.tree.map(self.vary, head(head_in) if head_in is not None else no_head())
         # MoE metrics: each stage's layers, counted once per microbatch (the psum over pipe adds
         # the stages); the microbatch counter only on the last virtual stage.
         if moe_aux:
@@ -409,7 +409,7 @@ class _Stage:
         """The forward's aux dict (head's and MoE layers'), zero (its structure, from the model)."""
         layers_0 = jax.tree.map(lambda x: x[0], self.layers_vl)
         mb_0 = jax.tree.map(lambda x: x[0], self.batch)
-        aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0)[3])
+        aux = jax.eval_shape(lambda: self.forward(layers_0, self.shared, self.zeros_act, mb_0, 0, 0, mb_0)[3])
         return jax.tree.map(lambda a: self.vary(jnp.zeros(a.shape, a.dtype)), aux)
 
     def init_carry(self, live) -> dict:
@@ -433,23 +433,26 @@ class _Stage:
         return carry
 
     def unit(self, a: dict, slot: str):
-        """(microbatch, chunk, virtual stage, valid, microbatch inputs, chunk layers) of a slot."""
+        """(microbatch, chunk, virtual stage, valid, microbatch inputs, chunk layers, head
+        inputs: labels and loss mask of the last stage's microbatch in this slot) of a slot."""
         mb, c, valid = a[f"{slot}_mb"], a[f"{slot}_chunk"], a[f"{slot}_valid"] > 0
         mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
+        head_in = {k: jax.lax.dynamic_index_in_dim(self.batch[k], a[f"{slot}_head_mb"], keepdims=False)
+                   for k in ("labels", "loss_mask")}
         if self.V == 1:  # a static index: no per-tick copy of the stage's weights
             layers_c = jax.tree.map(lambda x: x[0], self.layers_vl)  # [Lmax, ...]
         else:
             layers_c = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False),
                                     self.layers_vl)  # [Lmax, ...]
-        return mb, c, c * self.P + self.stage, valid, mb_in, layers_c
+        return mb, c, c * self.P + self.stage, valid, mb_in, layers_c, head_in
 
     def forward_slot(self, carry, a: dict):
         """The forward of this tick's unit on the input that arrived last tick.
         Training: stashes the input for the backward; -> (carry, y, None). Evaluation: runs the
         head too; -> (carry, y, (loss, aux)), masked when the slot has no unit."""
-        mb, _, v, valid, mb_in, layers_c = self.unit(a, "f")
+        mb, _, v, valid, mb_in, layers_c, head_in = self.unit(a, "f")
         x_in = carry["x_recv"]  # [b, s, d]
-        y, loss, _, aux = self.forward(layers_c, self.shared, x_in, mb_in, v, mb, with_head=not self.train)
+        y, loss, _, aux = self.forward(layers_c, self.shared, x_in, mb_in, v, mb, None if self.train else head_in)
         if self.train:
             return {**carry, "stash": _land(carry["stash"], a["f_stash"], x_in)}, y, None
         return carry, y, _masked(valid, (loss, aux))
@@ -460,10 +463,10 @@ class _Stage:
         -> (d_layers of the chunk, d_shared, d_x, (loss, aux)). A masked slot gets zero
         cotangents, so its gradients are exactly zero. The loss and aux are counted here, from
         the recompute: once per unit, and the forward slot needs no head."""
-        mb, _, v, valid, mb_in, layers_c = self.unit(a, "b")
+        mb, _, v, valid, mb_in, layers_c, head_in = self.unit(a, "b")
 
         def run(lp, sp, x):
-            y, loss, moe_term, aux = self.forward(lp, sp, x, mb_in, v, mb)
+            y, loss, moe_term, aux = self.forward(lp, sp, x, mb_in, v, mb, head_in)
             return (y, loss, moe_term), aux
 
         (_, loss, moe_term), vjp, aux = jax.vjp(run, layers_c, self.shared, x_in, has_aux=True)
@@ -494,6 +497,8 @@ class _Stage:
         forward's output, the activation's send for the backward's input gradient (the end of
         its chain), the gradient's send for the activation's."""
         a = {k: r[self.stage] for k, r in row.items()}  # this stage's slots, scalars
+        for slot in "fb":  # the last stage's microbatch, whose head every stage shares
+            a[f"{slot}_head_mb"] = row[f"{slot}_mb"][self.P - 1]
         ring = range(self.P)
         live = a["b_stash"] >= 0  # always true; the compiler cannot know it
         if forward:

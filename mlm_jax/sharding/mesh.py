@@ -40,3 +40,15 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
     shape = mesh_shape(parallel, len(devices))
     grid = np.asarray(devices, dtype=object).reshape(tuple(shape.values()))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def varying(x, axes) -> jax.Array:
+    """`x` marked as varying over the manual mesh `axes` inside a shard_map (a no-op for those
+    it already varies over): its cotangent may then differ per device, and autodiff sums it
+    where `x` came from a value the same on every device."""
+    for axis in (axes,) if isinstance(axes, str) else axes:
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases: aval.vma
+        if axis not in (manual.varying if manual is not None else getattr(aval, "vma", frozenset())):
+            x = jax.lax.pcast(x, axis, to="varying")
+    return x
