@@ -94,7 +94,7 @@ def main():
     a = p.parse_args()
     rows = []
     cps = [int(c) for c in a.cp.split(",") if int(c) <= jax.device_count()]
-    print(f"| seq | backend | fwd+bwd ms | temp MB/device | compile s |\n|---|---|---|---|---|")
+    print("| seq | backend | fwd+bwd ms | temp MB/device | compile s |\n|---|---|---|---|---|")
     for seq in [int(s) for s in a.seqs.split(",")]:
         args = inputs(seq, a.heads, a.groups, a.head_dim)
         cases = [] if a.only_cp else [("xla", lambda: plain_row(XLA, False, args, a.steps)),

@@ -12,7 +12,6 @@ setup; it is reported separately ("first save") and left out of the medians.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil

@@ -306,7 +306,7 @@ def mixtral_reference(w, cfg, ids):
     w = {k: v.astype(np.float64) for k, v in w.items()}
     dense = {k: v for k, v in w.items() if "block_sparse_moe" not in k}
     b, t = ids.shape
-    E, K = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    K = cfg["num_experts_per_tok"]
 
     def moe(i, a):  # [b, t, d]
         p = f"model.layers.{i}.block_sparse_moe."

@@ -178,15 +178,21 @@ def test_fused_loss_gives_autodiffs_loss_and_gradients(monkeypatch, chunks):
     assert not np.any(np.asarray(got_grads[1][300:]))  # padding rows of the head: no gradient
 
 
-@pytest.mark.parametrize("untied", [False, True])
-@pytest.mark.parametrize("n", [4, 5])  # 384 head rows: 96 per device, or padded to 385 = 5 x 77
-def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(n, untied):
+# n: 384 head rows, 96 per device, or padded to 385 = 5 x 77; chunks: the fused loss's row chunks
+@pytest.mark.parametrize("n,untied,chunks", [(4, False, 1), (5, True, 1), (4, True, 4), (5, False, 4)])
+def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(monkeypatch, n, untied, chunks):
     """The pipeline's head (`GPT.head(..., vocab_split=axis)`): on each of n devices of a manual
     axis the logits of every n-th vocab row, the softmax combined by collectives over the axis.
     Loss and the gradients of the input and every head parameter (tied embedding or untied
     head, final norm) equal the whole head's (fp32, 1e-6), the padding rows' gradients zero."""
     from jax.sharding import PartitionSpec
 
+    from mlm_jax.models import gpt
+
+    monkeypatch.setattr(gpt, "_MIN_CHUNK_ROWS", 4)
+    rows = -(-384 // n)  # per device
+    monkeypatch.setattr(gpt, "_CHUNK_LOGITS", {"cpu": 2 * 16 * (384 // n + 1) // chunks})
+    assert gpt._row_chunks(2, 16, rows) == chunks
     cfg = dataclasses.replace(CFG, untie_embeddings_and_output_weights=untied, normalization="RMSNorm")
     graphdef, params = model_parts(cfg)
     params = jax.tree.map(jnp.asarray, params)

@@ -117,3 +117,23 @@ def test_five_optimizer_steps_give_the_same_parameters(name):
                zip(jax.tree.leaves(ref), jax.tree.leaves(got), jax.tree.leaves(noise)))
     assert_trees_close(ref, jax.tree.map(lambda r, g, n: np.where(n, r, g), ref, got, noise),
                        rtol=0.0, atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(pipeline_model_parallel_size=2)],
+                         ids=["dp8", "dp4_pp2"])
+def test_the_fused_loss_in_row_chunks_matches_single_device_inside_per_rank_steps(monkeypatch, parallel):
+    """Past a logits budget the fused loss runs its rows in chunks (on a CPU from 2^21 logits,
+    elsewhere 2^27: a GPT-2 micro batch of 4 x 2048 tokens already), a scan whose sums vary per
+    rank inside the per-rank data-parallel and pipeline bodies. Forced to 4 chunks of 8 rows,
+    loss and every gradient equal the single-device reference (tolerances above)."""
+    from mlm_jax.models import gpt
+    from tests.parallel_util import build, fixed_batch, place
+
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True)
+    monkeypatch.setattr(gpt, "_MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(gpt, "_CHUNK_LOGITS", {"cpu": 1})  # as many chunks as rows allow: 32 / 8
+    assert gpt._row_chunks(1, 32, VOCAB) == 4
+    pz = build(parallel, 1)
+    loss, grads = pz.loss_and_grads(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
+    assert abs(float(loss) - ref_loss) <= LOSS_ATOL, (float(loss), ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(jax.tree.map(np.asarray, pz.plain(grads))), GRAD_RTOL)

@@ -35,7 +35,7 @@ from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, nor
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
-from mlm_jax.sharding.mesh import varying
+from mlm_jax.sharding.mesh import varying, zeros_like_typed
 from mlm_jax.sharding.rules import constrain
 
 BLOCK_BOUNDARY = ("batch", "seq", "embed")
@@ -420,9 +420,12 @@ def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
         loss_c, g_x_c, g_w_c, losses_c = _ce_chunk(x_c, w_vd, labels_c, weights_c, static)
         return (loss + loss_c, g_w + g_w_c), (g_x_c, losses_c)
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros(w_vd.shape, jnp.float32))
-    (loss, g_w), (g_x, losses) = jax.lax.scan(
-        body, zeros, (split(x_bsd), split(labels_bs), split(weights_bs)))
+    xs = (split(x_bsd), split(labels_bs), split(weights_bs))
+    # The sums start at zeros varying over the manual axes a chunk's sums vary over (inside a
+    # per-rank or pipeline shard_map; a scan's carry keeps its type).
+    chunk = jax.eval_shape(lambda x, lb, wt: _ce_chunk(x[0], w_vd, lb[0], wt[0], static), *xs)
+    zeros = (zeros_like_typed(chunk[0]), zeros_like_typed(chunk[2]))
+    (loss, g_w), (g_x, losses) = jax.lax.scan(body, zeros, xs)
     return loss, (unsplit(g_x), g_w, unsplit(losses))
 
 

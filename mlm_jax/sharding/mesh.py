@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
 from mlm_jax.config import ParallelConfig, data_parallel_size
@@ -42,13 +43,25 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which `x` (an array or a jax.ShapeDtypeStruct) varies inside
+    a shard_map: its values may differ per device there."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases: aval.vma
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
 def varying(x, axes) -> jax.Array:
     """`x` marked as varying over the manual mesh `axes` inside a shard_map (a no-op for those
     it already varies over): its cotangent may then differ per device, and autodiff sums it
     where `x` came from a value the same on every device."""
     for axis in (axes,) if isinstance(axes, str) else axes:
-        aval = jax.typeof(x)
-        manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases: aval.vma
-        if axis not in (manual.varying if manual is not None else getattr(aval, "vma", frozenset())):
+        if axis not in varying_axes(x):
             x = jax.lax.pcast(x, axis, to="varying")
     return x
+
+
+def zeros_like_typed(like) -> jax.Array:
+    """Zeros shaped, typed and varying like `like` (e.g. a scan's initial carry for a body
+    whose outputs vary over manual axes)."""
+    return varying(jnp.zeros(like.shape, like.dtype), sorted(varying_axes(like)))
