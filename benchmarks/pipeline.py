@@ -33,7 +33,6 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
