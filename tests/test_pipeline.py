@@ -188,7 +188,7 @@ def test_the_schedule_runs_without_conditionals(name):
     assert " conditional(" not in text
 
 
-@pytest.mark.parametrize("name,stages", [("pp2_1f1b", 2), ("pp4_interleaved_v2", 4), ("pp4_uneven_1_2_2_3", 4)])
+@pytest.mark.parametrize("name,stages", [("pp2_1f1b", 2), ("pp2_interleaved_v2", 2), ("pp4_uneven_1_2_2_3", 4)])
 def test_each_stage_computes_1_over_p_of_the_lm_head(name, stages):
     """The LM head is split over `pipe` by vocab rows: no stage multiplies by the whole
     [512 (padded vocab), 64] head (neither the logits nor the head's gradient), each by its
