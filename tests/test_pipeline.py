@@ -306,7 +306,8 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_and_gpipe_grows():
     A two-slot tick holds a forward's and a backward's working set, the latter with the head's
     broadcast of the last stage's output and the sum of its gradient shares (fp32), so at small
     m 1F1B's temp is above GPipe's (measured m=4: 1F1B 847 KiB, GPipe 774 KiB, 9 slots apart);
-    from m of about 12 on it is below, and the gap grows by a slot per microbatch."""
+    it is below from an m between 8 and 16 on (m=16: 847 against 870 KiB), and the gap grows by a
+    slot per microbatch."""
     slot = 1 * 32 * 64 * 4
     one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 8, 16)}
     gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}  # benchmarks/pipeline.py has m = 8 too
