@@ -1,7 +1,7 @@
 """Pipeline schedule figures: cost, bubble, per-device memory and step time per schedule and m.
 
     python benchmarks/pipeline.py [--stages 4] [--microbatches 4 8 16] [--hidden 256]
-        [--layers 8] [--seq 128] [--micro-batch 1] [--steps 3] [--out runs/benchmarks/pipeline.json]
+        [--layers 8] [--seq 128] [--micro-batch 1] [--steps 5] [--out runs/benchmarks/pipeline.json]
 
 For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per stage) and each number of
 microbatches m, on P pipeline stages x the remaining devices as data parallel:
@@ -20,8 +20,10 @@ microbatches m, on P pipeline stages x the remaining devices as data parallel:
   - per-device temp bytes of the compiled forward-backward (`loss_and_grads`: the whole
     schedule; XLA's memory analysis, where params and batch are arguments, not temp), and its
     growth over the smallest m;
-  - its wall time (median of --steps after a warm-up call) and tokens/s. The optimizer update
-    that follows in a train step does not depend on the schedule.
+  - its wall time (median of --steps after a warm-up call) and tokens/s, the schedules of one
+    m timed in turns (one step of each per round: a drift in the machine's speed then falls on
+    all of them alike), and 1F1B's step time over GPipe's. The optimizer update that follows
+    in a train step does not depend on the schedule.
 
 Without --devices the run makes 8 fake CPU devices (set before jax is imported). On the fake
 CPU mesh every "device" shares the host's cores, so step time there tracks total work (the
@@ -98,7 +100,8 @@ def batch_for(pz, seed: int) -> dict:
     return {k: jax.device_put(v, pz.batch_sharding()) for k, v in host.items()}
 
 
-def measure(args, schedule: str, V: int, m: int) -> dict:
+def prepare(args, schedule: str, V: int, m: int):
+    """(one call of the compiled forward-backward of `schedule` at m, its figures but time)."""
     devices = jax.devices()
     dp = len(devices) // args.stages
     cfg = finalize(config(args, schedule, V, m, dp), len(devices))
@@ -115,15 +118,14 @@ def measure(args, schedule: str, V: int, m: int) -> dict:
     compiled = pz.loss_and_grads.lower(params, batch, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    loss, grads = compiled(params, batch, jax.random.key(0))  # warm-up
-    jax.block_until_ready(grads)
-    times = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        loss, grads = compiled(params, batch, jax.random.key(i + 1))
+
+    def step(i: int) -> float:
+        """Run step i (0: the warm-up); its loss."""
+        loss, grads = compiled(params, batch, jax.random.key(i))
         jax.block_until_ready(grads)
-        times.append(time.perf_counter() - t0)
-    return {
+        return float(loss)
+
+    row = {
         "schedule": schedule, "stages": P, "chunks": V, "microbatches": m, "data_parallel": dp,
         "ticks": program.ticks,
         "phases": [(p.ticks, p.forward, p.backward) for p in program.phases],
@@ -138,10 +140,25 @@ def measure(args, schedule: str, V: int, m: int) -> dict:
         "stash_bytes": program.num_stash_slots * slot_bytes,
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
-        "compile_s": compile_s, "step_s": float(np.median(times)),
-        "tokens_per_s": m * rows_per_device * dp * args.seq / float(np.median(times)),
-        "loss": float(loss),
+        "compile_s": compile_s,
+        "tokens": m * rows_per_device * dp * args.seq,
     }
+    return step, row
+
+
+def time_alternating(steps: dict, rounds: int) -> dict:
+    """Wall time of each schedule's step, the schedules taking turns: round r runs step r of
+    each, so a drift in the machine's speed (other load, thermal, the fake devices' threads)
+    falls on all of them alike instead of on whichever ran last. -> {name: [seconds]}."""
+    for step in steps.values():
+        step(0)  # warm-up
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(r + 1)
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -153,7 +170,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--devices", action="store_true", help="use the real devices, not 8 fake CPUs")
     parser.add_argument("--out", default="runs/benchmarks/pipeline.json")
     args = parser.parse_args()
@@ -166,22 +183,32 @@ def main() -> None:
           f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
     print(header)
     print("-" * len(header))
-    for schedule, V in SCHEDULES:
-        base = None
-        for m in args.microbatches:
+    base = {}
+    for m in args.microbatches:
+        steps, figures = {}, {}
+        for schedule, V in SCHEDULES:
             if schedule == "interleaved" and m % args.stages:
                 continue
-            r = measure(args, schedule, V, m)
-            base = r["temp_bytes"] if base is None else base
-            r["temp_growth_bytes"] = r["temp_bytes"] - base
-            rows.append(r)
             name = schedule + (f" V={V}" if V > 1 else "")
+            steps[name], figures[name] = prepare(args, schedule, V, m)
+        times = time_alternating(steps, args.steps)
+        for name, r in figures.items():
+            r["step_times_s"] = times[name]
+            r["step_s"] = float(np.median(times[name]))
+            r["tokens_per_s"] = r["tokens"] / r["step_s"]
+            r["loss"] = steps[name](args.steps + 1)
+            base.setdefault(name, r["temp_bytes"])
+            r["temp_growth_bytes"] = r["temp_bytes"] - base[name]
+            rows.append(r)
             print(f"{name:<16}{m:>4}{r['ticks']:>7}{r['masked_fraction']:>8.3f}"
                   f"{r['idle_fraction_formula']:>9.3f}{r['stash_slots']:>7}{r['stash_bytes'] / 1024:>10.0f}"
                   f"{r['temp_bytes'] / 1024:>10.0f}{r['temp_growth_bytes'] / 1024:>+9.0f}"
                   f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
                   f"{r['lockstep_cost']:>10.0f}{r['async_cost']:>7.0f}{r['one_action_cost']:>10.0f}",
                   flush=True)
+        if "gpipe" in figures and "1f1b" in figures:
+            ratio = figures["1f1b"]["step_s"] / figures["gpipe"]["step_s"]
+            print(f"  m={m}: 1F1B / GPipe step time {ratio:.3f}", flush=True)
     out = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "jax": jax.__version__,

@@ -77,10 +77,10 @@ from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
 from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_manual,
                                  zero_gather_dtype)
-from mlm_jax.sharding.mesh import PIPE, varying
+from mlm_jax.sharding.mesh import DATA, PIPE, varying
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
-from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_stored, replicated, rows_over,
-                                    stacked_per_rank, stage_chunks)
+from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_scatter_dim, pipe_scattered, pipe_stored,
+                                    replicated, rows_over, stacked_per_rank, stage_chunks)
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
@@ -209,11 +209,19 @@ class Pipeline:
         """Storage of the parameters every stage holds whole while it computes (embeddings,
         final norm, LM head): split over `pipe` as ZeRO splits over `data` (`zero_spec`), so
         their fp32 master copy and Adam moments are not kept P times; the step gathers them
-        once, before the schedule, and their gradients, summed over `pipe` after it, land
-        split."""
+        once, before the schedule, and reduce-scatters their gradients over `pipe` after it.
+        On its dim `pipe` comes right after the axes the leaf computes with and before ZeRO's
+        `data`: each device's share of that reduce-scatter is then a block of its own compute
+        shard (no data moves to reach storage), and ZeRO's reduce-scatter over `data` splits it
+        further."""
         sizes = dict(self.mesh.shape)
-        return {k: v if k == "layers" else jax.tree.map(lambda sp, a: zero_spec(sp, a.shape, sizes, PIPE), v, shapes[k])
-                for k, v in specs.items()}
+
+        def store(spec, shape):
+            zero = any(DATA in (e if isinstance(e, tuple) else (e,)) for e in spec)
+            spec = zero_spec(auto_part(spec, (DATA,)), shape.shape, sizes, PIPE)
+            return zero_spec(spec, shape.shape, sizes) if zero else spec
+
+        return {k: v if k == "layers" else jax.tree.map(store, v, shapes[k]) for k, v in specs.items()}
 
     def to_pipelined(self, tree):
         return self.layout.to_pipelined(tree)
@@ -239,7 +247,10 @@ class Pipeline:
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
         per_rank = self.reduces_once(params, batch)
-        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank)
+        sizes = dict(self.mesh.shape)
+        splits = {k: jax.tree.map(lambda c, st: pipe_scatter_dim(c.spec, st.spec, sizes), v, param_sharding[k])
+                  for k, v in compute_sharding.items() if k != "layers"}
+        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank, splits)
         if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
             return loss, _reduce_over_ranks(grads, param_sharding, self.cfg.parallel.grad_reduce_in_bf16), aux
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
@@ -267,13 +278,15 @@ class Pipeline:
         return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
     def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None,
-             per_rank: bool = False):
+             per_rank: bool = False, splits=None):
         """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
 
         per_rank: the shard_map is manual over `data` too, and over `expert` with expert
         parallelism (tensor stays GSPMD's): each rank runs the schedule on its own rows (and
         experts) and returns its unreduced gradients stacked [ranks, ...] (see
-        `specs.stacked_per_rank`), so no data-parallel collective runs inside the ticks."""
+        `specs.stacked_per_rank`), so no data-parallel collective runs inside the ticks.
+        splits: per shared leaf, its `pipe_scatter_dim` (training): the gradients come out
+        reduce-scattered over `pipe` there."""
         train = not program.forward_only
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
@@ -296,7 +309,8 @@ class Pipeline:
             num_ranks = math.prod(dict(self.mesh.shape)[a] for a in ranks)
             split = rows_split(ranks, num_ranks) if per_rank else contextlib.nullcontext()
             with use_rules(rules), rows_from(rows), split:
-                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
+                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes,
+                               splits)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
             if per_rank:  # [1, ...] per rank, stacked over the ranks and summed outside
                 loss, d_layers, d_shared, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, d_shared, aux))
@@ -305,10 +319,15 @@ class Pipeline:
         rep = replicated()
         stacked = stacked_per_rank(rep, ranks) if per_rank else rep
         d_layer_specs = jax.tree.map(lambda sp: stacked_per_rank(sp, ranks), layer_specs) if per_rank else layer_specs
+        d_shared_specs = rep
+        if splits is not None:
+            d_shared_specs = jax.tree.map(
+                lambda split: stacked_per_rank(pipe_scattered(split), ranks) if per_rank else pipe_scattered(split),
+                splits, is_leaf=_is_split)
         run = jax.shard_map(
             body, mesh=self.mesh,
             in_specs=(layer_specs, rep, rows_over(ranks) if per_rank else rep, rep, rep, rep),
-            out_specs=(stacked, d_layer_specs, stacked, stacked),
+            out_specs=(stacked, d_layer_specs, d_shared_specs, stacked),
             axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
@@ -325,7 +344,7 @@ class _Stage:
     """
 
     def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
-                 layers_blk, shared, batch, key, scale, axes=(PIPE,)):
+                 layers_blk, shared, batch, key, scale, axes=(PIPE,), splits=None):
         L = pipeline.layout
         self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
         self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
@@ -334,6 +353,7 @@ class _Stage:
         self.layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
+        self.splits = splits
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
@@ -529,8 +549,7 @@ class _Stage:
 
     def run(self, arrays):
         """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
-        in one collective (one collective in flight, see `tick`); per rank, the sums over
-        `data` are left to the caller."""
+        (`_sum_over_pipe`); per rank, the sums over `data` are left to the caller."""
         carry = self.init_carry(arrays["b_stash"][0, self.stage] >= 0)  # always true at run time
         for p in self.program.phases:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
@@ -539,9 +558,32 @@ class _Stage:
         if not self.train:
             loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
             return loss, {}, {}, aux
-        loss, aux, d_shared = jax.lax.psum((carry["loss"], carry["aux"], carry["d_shared"]), PIPE)
+        loss, aux, d_shared = _sum_over_pipe(carry["loss"], carry["aux"], carry["d_shared"], self.splits)
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
         return loss, d_layers, d_shared, aux
+
+
+def _is_split(x) -> bool:
+    return isinstance(x, tuple)  # a `pipe_scatter_dim`: (dim,) or ()
+
+
+def _sum_over_pipe(loss, aux, d_shared, splits):
+    """(loss, aux, d_shared) summed over `pipe`; a gradient with a `pipe_scatter_dim` is
+    reduce-scattered there instead, each stage keeping the block its storage holds: the sum at
+    half an all-reduce's bytes, and 1/P of the result (Megatron all-reduces the tied embedding's
+    gradient between the first and last stage). One collective in flight at a time (see
+    `tick`): each waits for the one before through an optimization barrier, which moves no data."""
+    leaves, treedef = jax.tree.flatten(d_shared)
+    split_of = treedef.flatten_up_to(splits)
+    whole = [i for i, split in enumerate(split_of) if not split]
+    loss, aux, summed = jax.lax.psum((loss, aux, [leaves[i] for i in whole]), PIPE)
+    out = dict(zip(whole, summed))
+    done = loss
+    for i, split in enumerate(split_of):
+        if split:
+            g, _ = jax.lax.optimization_barrier((leaves[i], done))
+            out[i] = done = jax.lax.psum_scatter(g, PIPE, scatter_dimension=split[0], tiled=True)
+    return loss, aux, treedef.unflatten([out[i] for i in range(len(leaves))])
 
 
 def _after(live, x, dep):

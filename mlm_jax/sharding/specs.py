@@ -49,6 +49,28 @@ def pipe_stored(spec: P) -> P:
     return P(PIPE, *tuple(spec)[1:])
 
 
+def pipe_scatter_dim(compute: P, storage: P, mesh_sizes: dict[str, int]) -> tuple[int] | tuple[()]:
+    """(dim,): the dim a pipeline-shared leaf (computed with as `compute`, stored as `storage`)
+    has its gradient reduce-scattered over `pipe` on, inside the pipeline's shard_map; () for a
+    plain sum over `pipe`: a leaf not stored split over `pipe`, or one a non-manual axis shards
+    while it computes (tensor parallelism: there XLA would first gather the operand over that
+    axis, more bytes than the sum)."""
+    if any(mesh_sizes[a] > 1 for entry in compute if entry is not None
+           for a in (entry if isinstance(entry, tuple) else (entry,))):
+        return ()
+    for dim, entry in enumerate(storage):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and mesh_sizes[a] > 1)
+        if axes[:1] == (PIPE,):
+            return (dim,)
+    return ()
+
+
+def pipe_scattered(split: tuple[int] | tuple[()]) -> P:
+    """A shard_map out spec for a leaf's gradient reduce-scattered over `pipe` on dim `split`
+    (`pipe_scatter_dim`; replicated when `split` is ())."""
+    return P(*([None] * split[0]), PIPE) if split else P()
+
+
 def pipe_blocks() -> P:
     """A shard_map in/out spec: dim 0 split over `pipe` (each stage its own block)."""
     return P(PIPE)
