@@ -201,19 +201,23 @@ def test_each_stage_computes_1_over_p_of_the_lm_head(name, stages):
     assert (share, 64) in shapes and (32, share) in shapes, shapes  # [rows, vocab share] logits
 
 
-def test_shared_gradients_are_reduce_scattered_over_pipe():
+@pytest.mark.parametrize("name,whole,shares", [
+    # pp4 x dp2, untied head (the uneven layout's Llama-style model): [512, 64] and [64, 512]
+    ("pp4_uneven_1_2_2_3", {(512, 64), (64, 512)}, {(512 // 4, 64), (64 // 4, 512)}),
+    # pp2 x tp2 x dp2, ZeRO: the vocab-parallel table's [256, 64] tensor shard, reduce-scattered
+    # within the shard (no gather over tensor first)
+    ("pp2_tp2_dp2_zero", {(256, 64)}, {(256 // 2, 64)}),
+])
+def test_shared_gradients_are_reduce_scattered_over_pipe(name, whole, shares):
     """The embedding's, LM head's and final norm's gradients (every stage adds its part) are
-    summed over `pipe` by a reduce-scatter into the block each stage stores, not an all-reduce
-    of the whole [512, 64] table: half the bytes, and the data-parallel sum that follows moves
-    1/P of it. Before, each whole table was all-reduced twice (over pipe, then over data).
-    pp4 x dp2, tensor 1, untied head (the uneven layout's Llama-style model; its step is
-    compiled for the head test above). With tensor parallelism a vocab-split table is still
-    summed whole over `pipe`, see `specs.pipe_scatter_dim`."""
-    found = collectives(train_step_text("pp4_uneven_1_2_2_3"))
-    embed, head = (512, 64), (64, 512)
-    assert not [c for c in found if c.kind == "all-reduce" and {embed, head} & set(c.shapes)], found
+    summed over `pipe` by a reduce-scatter into the block each stage stores, not an all-reduce of
+    the whole table (or of its tensor shard): half the bytes, and the data-parallel sum that
+    follows moves 1/P of it. Before, each was all-reduced whole twice (over pipe, then over
+    data). Both steps are compiled by the tests above."""
+    found = collectives(train_step_text(name))
+    assert not [c for c in found if c.kind == "all-reduce" and whole & set(c.shapes)], found
     scattered = {s for c in found if c.kind == "reduce-scatter" for s in c.shapes}
-    assert {(512 // 4, 64), (64 // 4, 512)} <= scattered, scattered
+    assert shares <= scattered, scattered
 
 
 def test_shared_parameters_are_stored_split_over_pipe():

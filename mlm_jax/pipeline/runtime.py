@@ -34,9 +34,10 @@ Stages and their state
 - Embedding, position embedding, final norm and LM head are *stored* split over `pipe`
   (`shared_storage_specs`: the fp32 master copy and Adam moments 1/P per device) and gathered
   once per step: every stage holds them whole while it computes. Their gradients are
-  accumulated per stage and summed over `pipe` once at the end of the step: that sum is also
-  what adds the tied embedding's gradients (the lookup's on the first stage, the head's shares
-  on every stage), as Megatron's embedding-group all-reduce does.
+  accumulated per stage and summed over `pipe` once at the end of the step, a reduce-scatter
+  into the block each stage stores (`Pipeline._sum_stages`): that sum is also what adds the tied
+  embedding's gradients (the lookup's on the first stage, the head's shares on every stage),
+  as Megatron's embedding-group all-reduce does, at half its bytes.
 - Every input a slot needs was produced exactly one tick earlier (`lockstep.validate` checks
   it), so what arrives is used at once: no receive buffers. A stage keeps the *inputs* of its
   forwards until their backward in a stash; slots are assigned ahead of time (`build_program`),
@@ -79,8 +80,8 @@ from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _
                                  zero_gather_dtype)
 from mlm_jax.sharding.mesh import DATA, PIPE, varying
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
-from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_scatter_dim, pipe_scattered, pipe_stored,
-                                    replicated, rows_over, stacked_per_rank, stage_chunks)
+from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_scatter_dim, pipe_stored,
+                                    replicated, rows_over, stacked_per_rank, stage_chunks, with_pipe)
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
@@ -247,10 +248,8 @@ class Pipeline:
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
         per_rank = self.reduces_once(params, batch)
-        sizes = dict(self.mesh.shape)
-        splits = {k: jax.tree.map(lambda c, st: pipe_scatter_dim(c.spec, st.spec, sizes), v, param_sharding[k])
-                  for k, v in compute_sharding.items() if k != "layers"}
-        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank, splits)
+        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank,
+                                     jax.tree.map(lambda sh: sh.spec, param_sharding))
         if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
             return loss, _reduce_over_ranks(grads, param_sharding, self.cfg.parallel.grad_reduce_in_bf16), aux
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
@@ -278,15 +277,15 @@ class Pipeline:
         return self._run(program, params, batch, None, jnp.float32(1.0))[0]
 
     def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None,
-             per_rank: bool = False, splits=None):
+             per_rank: bool = False, storage=None):
         """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
 
         per_rank: the shard_map is manual over `data` too, and over `expert` with expert
         parallelism (tensor stays GSPMD's): each rank runs the schedule on its own rows (and
         experts) and returns its unreduced gradients stacked [ranks, ...] (see
         `specs.stacked_per_rank`), so no data-parallel collective runs inside the ticks.
-        splits: per shared leaf, its `pipe_scatter_dim` (training): the gradients come out
-        reduce-scattered over `pipe` there."""
+        storage: the params' storage specs (training): the shared leaves' gradients come out
+        summed over `pipe` in their layout (`_sum_stages`)."""
         train = not program.forward_only
         layers = params["layers"]
         shared = {k: v for k, v in params.items() if k != "layers"}
@@ -296,6 +295,7 @@ class Pipeline:
         ranks = _rank_axes(self.mesh) if per_rank else ()
         axes = (PIPE, *ranks)
         rules = tuple((n, _without_manual(a, ranks)) for n, a in active_rules())
+        specs_in = specs
         if per_rank:  # a stage's own experts: the layer leaves' `expert` split is manual too
             layer_specs = jax.tree.map(lambda sp: manual_part(sp, axes), specs["layers"])
             specs = jax.tree.map(lambda sp: auto_part(sp, ranks), specs)
@@ -309,31 +309,70 @@ class Pipeline:
             num_ranks = math.prod(dict(self.mesh.shape)[a] for a in ranks)
             split = rows_split(ranks, num_ranks) if per_rank else contextlib.nullcontext()
             with use_rules(rules), rows_from(rows), split:
-                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes,
-                               splits)
+                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
             if per_rank:  # [1, ...] per rank, stacked over the ranks and summed outside
-                loss, d_layers, d_shared, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, d_shared, aux))
-            return loss, d_layers, d_shared, aux
+                loss, d_layers, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, aux))
+            # [1, ...] per stage (and rank): summed over pipe by `_sum_stages`
+            return loss, d_layers, jax.tree.map(lambda g: g[None], d_shared), aux
 
         rep = replicated()
         stacked = stacked_per_rank(rep, ranks) if per_rank else rep
         d_layer_specs = jax.tree.map(lambda sp: stacked_per_rank(sp, ranks), layer_specs) if per_rank else layer_specs
-        d_shared_specs = rep
-        if splits is not None:
-            d_shared_specs = jax.tree.map(
-                lambda split: stacked_per_rank(pipe_scattered(split), ranks) if per_rank else pipe_scattered(split),
-                splits, is_leaf=_is_split)
         run = jax.shard_map(
             body, mesh=self.mesh,
             in_specs=(layer_specs, rep, rows_over(ranks) if per_rank else rep, rep, rep, rep),
-            out_specs=(stacked, d_layer_specs, d_shared_specs, stacked),
+            out_specs=(stacked, d_layer_specs, stacked_per_rank(rep, axes), stacked),
             axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
         if per_rank:
             loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), (loss, aux))
-        return loss, ({**d_shared, "layers": d_layers} if train else None), aux
+        if not train:
+            return loss, None, aux
+        compute, storage = ({k: v for k, v in t.items() if k != "layers"} for t in (specs_in, storage))
+        return loss, {**self._sum_stages(d_shared, compute, storage, ranks), "layers": d_layers}, aux
+
+    def _sum_stages(self, d_shared, compute: dict, storage: dict, ranks: tuple):
+        """The shared leaves' per-stage (per-rank) gradients [P * ranks, ...] summed over `pipe`
+        -> [ranks, ...] per rank (the caller sums those) or the sum. A leaf whose storage splits
+        it over `pipe` after its compute axes (`pipe_scatter_dim`) is reduce-scattered there, each
+        device keeping its stored block of its own compute shard: an all-reduce's sum at half its
+        bytes, and the data-parallel sum after it moves 1/P of the table (Megatron all-reduces a
+        tied embedding's gradient between the first and last stage); other leaves (tiny ones)
+        are all-reduced. Fully manual, so each device reduces the shard it holds: inside the
+        schedule's shard_map `tensor` is automatic, and there XLA gathers a tensor-split operand
+        over `tensor` before a reduce-scatter. One collective in flight at a time (see
+        `_Stage.tick`): each waits for the one before through an optimization barrier, which
+        moves no data."""
+        sizes = dict(self.mesh.shape)
+        stack = (PIPE, *ranks)
+        splits = jax.tree.map(lambda c, st: pipe_scatter_dim(c, st, sizes), compute, storage)
+
+        def body(d_shared):
+            leaves, treedef = jax.tree.flatten(d_shared)
+            split_of = treedef.flatten_up_to(splits)
+            out, done = [], None
+            for g, split in zip(leaves, split_of):
+                g = g[0] if done is None else jax.lax.optimization_barrier((g[0], done))[0]
+                if split:
+                    done = jax.lax.psum_scatter(g, PIPE, scatter_dimension=split[0], tiled=True)
+                else:
+                    done = jax.lax.psum(g, PIPE)
+                out.append(done[None] if ranks else done)
+            return treedef.unflatten(out)
+
+        def out_spec(c, split):
+            spec = with_pipe(c, split)
+            return stacked_per_rank(spec, ranks) if ranks else spec
+
+        return jax.shard_map(
+            body, mesh=self.mesh,
+            in_specs=(jax.tree.map(lambda c: stacked_per_rank(c, stack), compute),),
+            out_specs=jax.tree.map(out_spec, compute, splits),
+            # unchecked: the barrier's outputs would carry every chained leaf's varying axes
+            check_vma=False,
+        )(d_shared)
 
 
 class _Stage:
@@ -344,7 +383,7 @@ class _Stage:
     """
 
     def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
-                 layers_blk, shared, batch, key, scale, axes=(PIPE,), splits=None):
+                 layers_blk, shared, batch, key, scale, axes=(PIPE,)):
         L = pipeline.layout
         self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
         self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
@@ -353,7 +392,6 @@ class _Stage:
         self.layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
-        self.splits = splits
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
@@ -548,8 +586,9 @@ class _Stage:
         return {**carry, "loss": carry["loss"] + loss, "aux": jax.tree.map(jnp.add, carry["aux"], aux)}
 
     def run(self, arrays):
-        """One scan per phase; (loss, d_layers [V*Lmax, ...], d_shared, aux), summed over pipe
-        (`_sum_over_pipe`); per rank, the sums over `data` are left to the caller."""
+        """One scan per phase; (loss and aux summed over pipe, d_layers [V*Lmax, ...], d_shared
+        per stage: `Pipeline._sum_stages` sums them; per rank, the sums over `data` are left to
+        the caller)."""
         carry = self.init_carry(arrays["b_stash"][0, self.stage] >= 0)  # always true at run time
         for p in self.program.phases:
             rows = {k: x[p.start:p.stop] for k, x in arrays.items()}  # [ticks of p, stages]
@@ -558,32 +597,10 @@ class _Stage:
         if not self.train:
             loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
             return loss, {}, {}, aux
-        loss, aux, d_shared = _sum_over_pipe(carry["loss"], carry["aux"], carry["d_shared"], self.splits)
+        loss, aux = jax.lax.psum((carry["loss"], carry["aux"]), PIPE)
+        d_shared = carry["d_shared"]
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
         return loss, d_layers, d_shared, aux
-
-
-def _is_split(x) -> bool:
-    return isinstance(x, tuple)  # a `pipe_scatter_dim`: (dim,) or ()
-
-
-def _sum_over_pipe(loss, aux, d_shared, splits):
-    """(loss, aux, d_shared) summed over `pipe`; a gradient with a `pipe_scatter_dim` is
-    reduce-scattered there instead, each stage keeping the block its storage holds: the sum at
-    half an all-reduce's bytes, and 1/P of the result (Megatron all-reduces the tied embedding's
-    gradient between the first and last stage). One collective in flight at a time (see
-    `tick`): each waits for the one before through an optimization barrier, which moves no data."""
-    leaves, treedef = jax.tree.flatten(d_shared)
-    split_of = treedef.flatten_up_to(splits)
-    whole = [i for i, split in enumerate(split_of) if not split]
-    loss, aux, summed = jax.lax.psum((loss, aux, [leaves[i] for i in whole]), PIPE)
-    out = dict(zip(whole, summed))
-    done = loss
-    for i, split in enumerate(split_of):
-        if split:
-            g, _ = jax.lax.optimization_barrier((leaves[i], done))
-            out[i] = done = jax.lax.psum_scatter(g, PIPE, scatter_dimension=split[0], tiled=True)
-    return loss, aux, treedef.unflatten([out[i] for i in range(len(leaves))])
 
 
 def _after(live, x, dep):

@@ -50,25 +50,29 @@ def pipe_stored(spec: P) -> P:
 
 
 def pipe_scatter_dim(compute: P, storage: P, mesh_sizes: dict[str, int]) -> tuple[int] | tuple[()]:
-    """(dim,): the dim a pipeline-shared leaf (computed with as `compute`, stored as `storage`)
-    has its gradient reduce-scattered over `pipe` on, inside the pipeline's shard_map; () for a
-    plain sum over `pipe`: a leaf not stored split over `pipe`, or one a non-manual axis shards
-    while it computes (tensor parallelism: there XLA would first gather the operand over that
-    axis, more bytes than the sum)."""
-    if any(mesh_sizes[a] > 1 for entry in compute if entry is not None
-           for a in (entry if isinstance(entry, tuple) else (entry,))):
-        return ()
+    """(dim,): where the gradient of a leaf every pipeline stage computes with (as `compute`;
+    stored as `storage`) is reduce-scattered over `pipe`: the dim on which storage puts `pipe`
+    right after the leaf's compute axes, so that each device's block of the sum lies in its own
+    compute shard. (): summed whole (a leaf storage does not split so)."""
+    def axes(entry):  # the axes of a spec entry that split it (size > 1)
+        return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and mesh_sizes[a] > 1)
+
     for dim, entry in enumerate(storage):
-        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and mesh_sizes[a] > 1)
-        if axes[:1] == (PIPE,):
+        computed = axes(compute[dim]) if dim < len(compute) else ()
+        if axes(entry)[:len(computed) + 1] == (*computed, PIPE):
             return (dim,)
     return ()
 
 
-def pipe_scattered(split: tuple[int] | tuple[()]) -> P:
-    """A shard_map out spec for a leaf's gradient reduce-scattered over `pipe` on dim `split`
-    (`pipe_scatter_dim`; replicated when `split` is ())."""
-    return P(*([None] * split[0]), PIPE) if split else P()
+def with_pipe(spec: P, split: tuple[int] | tuple[()]) -> P:
+    """`spec` with `pipe` added after the axes on dim `split` (`pipe_scatter_dim`): the layout of
+    a gradient reduce-scattered over `pipe` there; `spec` itself when `split` is ()."""
+    if not split:
+        return spec
+    parts = list(spec) + [None] * (split[0] + 1 - len(spec))
+    entry = parts[split[0]]
+    parts[split[0]] = (*(entry if isinstance(entry, tuple) else (entry,) if entry else ()), PIPE)
+    return P(*parts)
 
 
 def pipe_blocks() -> P:
