@@ -342,10 +342,11 @@ class Pipeline:
         tied embedding's gradient between the first and last stage); other leaves (tiny ones)
         are all-reduced. Fully manual, so each device reduces the shard it holds: inside the
         schedule's shard_map `tensor` is automatic, and there XLA gathers a tensor-split operand
-        over `tensor` before a reduce-scatter. One collective in flight at a time (see
-        `_Stage.tick`): each waits for the one before through an optimization barrier, which
-        moves no data."""
+        over `tensor` before a reduce-scatter. On the CPU one collective is in flight at a time
+        (the in-process pool, see `_Stage.tick`): each waits for the one before through an
+        optimization barrier, which moves no data; elsewhere XLA may combine or overlap them."""
         sizes = dict(self.mesh.shape)
+        chain = jax.default_backend() == "cpu"
         stack = (PIPE, *ranks)
         splits = jax.tree.map(lambda c, st: pipe_scatter_dim(c, st, sizes), compute, storage)
 
@@ -354,7 +355,7 @@ class Pipeline:
             split_of = treedef.flatten_up_to(splits)
             out, done = [], None
             for g, split in zip(leaves, split_of):
-                g = g[0] if done is None else jax.lax.optimization_barrier((g[0], done))[0]
+                g = jax.lax.optimization_barrier((g[0], done))[0] if chain and done is not None else g[0]
                 if split:
                     done = jax.lax.psum_scatter(g, PIPE, scatter_dimension=split[0], tiled=True)
                 else:
