@@ -146,19 +146,19 @@ def prepare(args, schedule: str, V: int, m: int):
     return step, row
 
 
-def time_alternating(steps: dict, rounds: int) -> dict:
+def time_alternating(steps: dict, rounds: int) -> tuple[dict, dict]:
     """Wall time of each schedule's step, the schedules taking turns: round r runs step r of
     each, so a drift in the machine's speed (other load, thermal, the fake devices' threads)
-    falls on all of them alike instead of on whichever ran last. -> {name: [seconds]}."""
-    for step in steps.values():
-        step(0)  # warm-up
+    falls on all of them alike instead of on whichever ran last.
+    -> ({name: [seconds]}, {name: loss of its last step})."""
+    losses = {name: step(0) for name, step in steps.items()}  # warm-up
     times = {name: [] for name in steps}
     for r in range(rounds):
         for name, step in steps.items():
             t0 = time.perf_counter()
-            step(r + 1)
+            losses[name] = step(r + 1)
             times[name].append(time.perf_counter() - t0)
-    return times
+    return times, losses
 
 
 def main() -> None:
@@ -191,12 +191,12 @@ def main() -> None:
                 continue
             name = schedule + (f" V={V}" if V > 1 else "")
             steps[name], figures[name] = prepare(args, schedule, V, m)
-        times = time_alternating(steps, args.steps)
+        times, losses = time_alternating(steps, args.steps)
         for name, r in figures.items():
             r["step_times_s"] = times[name]
             r["step_s"] = float(np.median(times[name]))
             r["tokens_per_s"] = r["tokens"] / r["step_s"]
-            r["loss"] = steps[name](args.steps + 1)
+            r["loss"] = losses[name]
             base.setdefault(name, r["temp_bytes"])
             r["temp_growth_bytes"] = r["temp_bytes"] - base[name]
             rows.append(r)
