@@ -166,7 +166,7 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
         from mlm_jax.pipeline.runtime import Pipeline
 
         pipeline = Pipeline(cfg, mesh, graphdef)
-        shapes, compute_spec = pipeline.stored_shapes(shapes), pipeline.stored_specs(compute_spec)
+        shapes, compute_spec = pipeline.stored_shapes(shapes), pipeline.stored_specs(compute_spec, shapes)
     storage_spec = compute_spec
     if p.use_distributed_optimizer:
         storage_spec = jax.tree.map(lambda s, a: zero_spec(s, a.shape, sizes), compute_spec, shapes,

@@ -178,13 +178,17 @@ def test_fused_loss_gives_autodiffs_loss_and_gradients(monkeypatch, chunks):
     assert not np.any(np.asarray(got_grads[1][300:]))  # padding rows of the head: no gradient
 
 
-# n: 384 head rows, 96 per device, or padded to 385 = 5 x 77; chunks: the fused loss's row chunks
-@pytest.mark.parametrize("n,untied,chunks", [(4, False, 1), (5, True, 1), (4, True, 4), (5, False, 4)])
-def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(monkeypatch, n, untied, chunks):
-    """The pipeline's head (`GPT.head(..., vocab_split=axis)`): on each of n devices of a manual
-    axis the logits of every n-th vocab row, the softmax combined by collectives over the axis.
-    Loss and the gradients of the input and every head parameter (tied embedding or untied
-    head, final norm) equal the whole head's (fp32, 1e-6), the padding rows' gradients zero."""
+# n: 384 head rows, 96 per device, or padded to 385 = 5 x 77; chunks: the fused loss's row chunks;
+# head: tied (the embedding, strided rows), untied whole (strided) or untied given in blocks
+@pytest.mark.parametrize("n,head_kind,chunks", [(4, "tied", 1), (5, "untied", 1), (4, "untied", 4), (5, "tied", 4),
+                                                (4, "blocked", 1), (4, "blocked", 4)])
+def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(monkeypatch, n, head_kind, chunks):
+    """The pipeline's head (`GPT.head(..., vocab_split=VocabSplit(axis, blocked))`): on each of
+    n devices of a manual axis the logits of its 1/n of the vocab (every n-th row of a head held
+    whole, or the contiguous block of an untied head passed in split over the axis), the softmax
+    combined by collectives over the axis. Loss and the gradients of the input and every head
+    parameter (tied embedding or untied head, final norm) equal the whole head's (fp32, 1e-6),
+    the padding rows' gradients zero."""
     from jax.sharding import PartitionSpec
 
     from mlm_jax.models import gpt
@@ -193,6 +197,7 @@ def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(
     rows = -(-384 // n)  # per device
     monkeypatch.setattr(gpt, "_CHUNK_LOGITS", {"cpu": 2 * 16 * (384 // n + 1) // chunks})
     assert gpt._row_chunks(2, 16, rows) == chunks
+    untied = head_kind != "tied"
     cfg = dataclasses.replace(CFG, untie_embeddings_and_output_weights=untied, normalization="RMSNorm")
     graphdef, params = model_parts(cfg)
     params = jax.tree.map(jnp.asarray, params)
@@ -206,9 +211,16 @@ def test_head_split_over_a_manual_axis_gives_the_whole_heads_loss_and_gradients(
 
     want, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
     mesh = jax.make_mesh((n,), ("v",), devices=jax.devices()[:n])
-    split = jax.jit(jax.shard_map(lambda p, x: jax.value_and_grad(loss, argnums=(0, 1))(p, x, "v"), mesh=mesh,
-                                  in_specs=(PartitionSpec(), PartitionSpec()), out_specs=PartitionSpec()))
-    got, got_grads = split(params, x)
+    vocab_split = gpt.VocabSplit("v", blocked=head_kind == "blocked")
+    specs = jax.tree.map(lambda _: PartitionSpec(), params)
+    if vocab_split.blocked:  # the untied head [embed, vocab] enters as each device's block
+        specs["lm_head"] = PartitionSpec(None, "v")
+    split = jax.jit(jax.shard_map(lambda p, x: jax.value_and_grad(loss, argnums=(0, 1))(p, x, vocab_split),
+                                  mesh=mesh, in_specs=(specs, PartitionSpec()),
+                                  out_specs=(PartitionSpec(), (specs, PartitionSpec()))))
+    placed = jax.device_put(params, jax.tree.map(lambda sp: jax.sharding.NamedSharding(mesh, sp), specs))
+    got, got_grads = split(placed, x)
+    got_grads = jax.tree.map(np.asarray, got_grads)  # whole arrays (the blocked head's gathered)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     head = "lm_head" if untied else "embed"
     assert float(jnp.max(jnp.abs(want_grads[0][head]))) > 0

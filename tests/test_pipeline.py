@@ -67,7 +67,7 @@ LAYOUTS = {
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        sequence_parallel=True, use_distributed_optimizer=True,
                        virtual_pipeline_model_parallel_size=2), 2),
-    "pp2_tp2_dp2_zero": (  # 1F1B, distributed optimizer, tensor parallel without SP
+    "pp2_tp2_dp2_zero": (  # 1F1B, distributed optimizer, tensor parallel without SP, untied head
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                        use_distributed_optimizer=True), 2),
     # Megatron's uneven split: 1 + 2 + 2 + 3 layers, stored padded to 3 rows per stage (Llama-style).
@@ -81,11 +81,12 @@ LAYOUTS = {
 # and must redraw the same masks (keys folded from microbatch and layer index, as unpipelined).
 # Its microbatches hold the same 4 rows as the reference's, so the masks are the same.
 DROPOUT = (("hidden_dropout", 0.1), ("attention_dropout", 0.1), ("recompute_granularity", "full"))
-# The uneven split runs the Llama-style model: with untied embeddings the first stage alone
-# updates the embedding and the last alone the LM head (GQA, rotary, RMSNorm, SwiGLU, no biases).
+# The uneven split and the tensor-parallel ZeRO layout run the Llama-style model (GQA, rotary,
+# RMSNorm, SwiGLU, no biases): with untied embeddings the first stage alone updates the
+# embedding, and each stage holds and updates only its block of the LM head's vocab.
 LLAMA = (("num_query_groups", 4), ("position_embedding_type", "rope"), ("normalization", "RMSNorm"),
          ("swiglu", True), ("untie_embeddings_and_output_weights", True), ("add_bias_linear", False))
-LAYOUT_MODEL = {"pp2_tp2_dp2_sp": DROPOUT, "pp4_uneven_1_2_2_3": LLAMA}
+LAYOUT_MODEL = {"pp2_tp2_dp2_sp": DROPOUT, "pp4_uneven_1_2_2_3": LLAMA, "pp2_tp2_dp2_zero": LLAMA}
 
 
 def model_of(name: str) -> tuple:
@@ -113,7 +114,7 @@ def test_loss_and_every_gradient_match_single_device(name):
     assert pz.pipeline is not None and pz.mesh.shape["pipe"] == pz.cfg.parallel.pipeline_model_parallel_size
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
     assert not np.any(grads["embed"][VOCAB:])
-    assert ("lm_head" in grads) == (name == "pp4_uneven_1_2_2_3")
+    assert ("lm_head" in grads) == (LAYOUT_MODEL.get(name) == LLAMA)
     assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
     # Padding rows of an uneven split get no gradient (so AdamW leaves them at zero).
     padding = pz.pipeline.layout.plain_index < 0
@@ -202,22 +203,43 @@ def test_each_stage_computes_1_over_p_of_the_lm_head(name, stages):
 
 
 @pytest.mark.parametrize("name,whole,shares", [
-    # pp4 x dp2, untied head (the uneven layout's Llama-style model): [512, 64] and [64, 512]
-    ("pp4_uneven_1_2_2_3", {(512, 64), (64, 512)}, {(512 // 4, 64), (64 // 4, 512)}),
+    # pp4 x dp2, untied head (the uneven layout's Llama-style model): the table [512, 64]
+    ("pp4_uneven_1_2_2_3", {(512, 64)}, {(512 // 4, 64)}),
     # pp2 x tp2 x dp2, ZeRO: the vocab-parallel table's [256, 64] tensor shard, reduce-scattered
     # within the shard (no gather over tensor first)
     ("pp2_tp2_dp2_zero", {(256, 64)}, {(256 // 2, 64)}),
 ])
 def test_shared_gradients_are_reduce_scattered_over_pipe(name, whole, shares):
-    """The embedding's, LM head's and final norm's gradients (every stage adds its part) are
-    summed over `pipe` by a reduce-scatter into the block each stage stores, not an all-reduce of
-    the whole table (or of its tensor shard): half the bytes, and the data-parallel sum that
-    follows moves 1/P of it. Before, each was all-reduced whole twice (over pipe, then over
-    data). Both steps are compiled by the tests above."""
+    """The embedding's and final norm's gradients (every stage adds its part; the tied
+    embedding's the LM head's too) are summed over `pipe` by a reduce-scatter into the block
+    each stage stores, not an all-reduce of the whole table (or of its tensor shard): half the
+    bytes, and the data-parallel sum that follows moves 1/P of it. Before, each was all-reduced
+    whole twice (over pipe, then over data). Both steps are compiled by the tests above."""
     found = collectives(train_step_text(name))
     assert not [c for c in found if c.kind == "all-reduce" and whole & set(c.shapes)], found
     scattered = {s for c in found if c.kind == "reduce-scatter" for s in c.shapes}
     assert shares <= scattered, scattered
+
+
+@pytest.mark.parametrize("name,stages,tensor", [("pp4_uneven_1_2_2_3", 4, 1), ("pp2_tp2_dp2_zero", 2, 2)])
+def test_an_untied_head_is_held_and_updated_in_blocks_over_pipe(name, stages, tensor):
+    """The untied LM head [64, 512] is stored and computed with split over `pipe` by vocab
+    (each stage's contiguous block, tensor-split inside it): no device ever holds it whole or
+    a whole gradient of it, so no collective in the step carries the whole head or its tensor
+    shard (no gather of it over `pipe`, no sum of its gradient over `pipe`). Before, every
+    stage gathered [64, 512 / tensor] and reduce-scattered a gradient of that shape. The
+    equivalence test above checks its gradient."""
+    pz = pipelined(name)[0]
+    head = pz.init(0)["params"]["lm_head"]
+    assert head.shape == (64, 512)
+    assert pz.compute_sharding["lm_head"].spec[1][0] == "pipe", pz.compute_sharding["lm_head"]
+    block = (64, 512 // (stages * tensor))
+    assert head.addressable_shards[0].data.shape[1] <= block[1]
+    found = collectives(train_step_text(name))
+    whole = {(64, 512), (64, 512 // tensor)}
+    assert not [c for c in found if whole & set(c.shapes)], found
+    # ZeRO's gather and the data-parallel sum move the block only.
+    assert [c for c in found if block in c.shapes], found
 
 
 def test_shared_parameters_are_stored_split_over_pipe():

@@ -25,6 +25,8 @@ Shape letters: b batch, s sequence, d embed, v vocab, l layers.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -244,18 +246,23 @@ class GPT(nnx.Module):
         x, cache = self.run_layers_cached(x, positions_bs, cache)
         return self.logits(x), cache
 
-    def head_weight(self, vocab_split: str | None = None) -> jax.Array:
+    def head_weight(self, vocab_split: VocabSplit | None = None) -> jax.Array:
         """The LM head [padded vocab, embed] in the compute dtype: the embedding when tied.
-        With `vocab_split` (a manual mesh axis of size n), this device's rows only: every n-th,
-        from its index along the axis on (`vocab_columns`), zero rows padding to a multiple of n."""
+        With `vocab_split` (a manual mesh axis of size n), this device's rows only
+        (`vocab_columns`): strided, every n-th from its axis index on, zero rows padding to a
+        multiple of n; blocked, the untied head as given (the caller passed this device's
+        block of it)."""
         w_vd = self.lm_head[...].T if self.lm_head is not None else self.embed[...]
-        if vocab_split is not None:
-            n = jax.lax.axis_size(vocab_split)
+        if vocab_split is not None and vocab_split.blocked:
+            if self.lm_head is None:
+                raise ValueError("a blocked vocab split needs an untied LM head (the embedding is whole)")
+        elif vocab_split is not None:
+            n = jax.lax.axis_size(vocab_split.axis)
             if w_vd.shape[0] % n:
                 w_vd = jnp.pad(w_vd, ((0, -w_vd.shape[0] % n), (0, 0)))
             # Strided, so that the [v / n] rows keep the vocab's split over tensor.
             w_vd = jax.lax.dynamic_index_in_dim(w_vd.reshape(-1, n, w_vd.shape[1]),
-                                                jax.lax.axis_index(vocab_split), axis=1, keepdims=False)
+                                                jax.lax.axis_index(vocab_split.axis), axis=1, keepdims=False)
         return w_vd.astype(self.dtype)
 
     def logits(self, x_bsd) -> jax.Array:
@@ -263,9 +270,9 @@ class GPT(nnx.Module):
         return _masked_logits(head_matmul(self.final_norm(x_bsd), self.head_weight()),
                               self.cfg.vocab_size)
 
-    def head(self, x_bsd, labels_bs, loss_mask_bs, vocab_split: str | None = None) -> tuple[jax.Array, dict]:
+    def head(self, x_bsd, labels_bs, loss_mask_bs, vocab_split: VocabSplit | None = None) -> tuple[jax.Array, dict]:
         """(sum of masked per-token losses, aux: a dict of per-step scalars, empty here).
-        `vocab_split`: a manual mesh axis over which the vocab is split (the pipeline's head):
+        `vocab_split`: the vocab split over a manual mesh axis (the pipeline's head):
         each device computes the logits of its 1/n of it, and the loss combines them with
         collectives of [batch, seq] over the axis; `x_bsd` must be the same on every device."""
         x = self.final_norm(x_bsd)
@@ -339,20 +346,34 @@ def head_matmul(x_bsd: jax.Array, w_vd: jax.Array) -> jax.Array:
 _head_low = fp32_einsum("bsd,vd->bsv", "bsv,vd->bsd", "bsv,bsd->vd")
 
 
-def vocab_columns(num_columns: int, split: str | None = None) -> jax.Array:
-    """The vocab id of each logit column: all of them in order, or, with the vocab split over
-    the manual axis `split` of size n, this device's every n-th from its axis index on."""
+class VocabSplit(NamedTuple):
+    """The LM head's vocab split over the manual mesh axis `axis` (size n, the pipeline's head):
+    each device computes the logits of its 1/n of the vocab. Strided: the every n-th rows from
+    its axis index on, taken from a head the device holds whole (this keeps the vocab's split
+    over tensor in each share). Blocked: the device's contiguous block, an untied head passed
+    in already split over `axis` (no copy of the whole head, and its gradient stays a block)."""
+
+    axis: str
+    blocked: bool = False
+
+
+def vocab_columns(num_columns: int, split: VocabSplit | None = None) -> jax.Array:
+    """The vocab id of each logit column: all of them in order, or, with the vocab split over a
+    manual axis, this device's share (`VocabSplit`)."""
     if split is None:
         return jnp.arange(num_columns)
-    return jnp.arange(num_columns) * jax.lax.axis_size(split) + jax.lax.axis_index(split)
+    index = jax.lax.axis_index(split.axis)
+    if split.blocked:
+        return index * num_columns + jnp.arange(num_columns)
+    return jnp.arange(num_columns) * jax.lax.axis_size(split.axis) + index
 
 
-def _over(split: str | None, reduce, x: jax.Array) -> jax.Array:
+def _over(split: VocabSplit | None, reduce, x: jax.Array) -> jax.Array:
     """`reduce` (psum, pmax) of a per-device partial over the vocab's split axis, if any."""
-    return x if split is None else reduce(x, split)
+    return x if split is None else reduce(x, split.axis)
 
 
-def _masked_logits(logits_bsv: jax.Array, vocab_size: int, split: str | None = None) -> jax.Array:
+def _masked_logits(logits_bsv: jax.Array, vocab_size: int, split: VocabSplit | None = None) -> jax.Array:
     """Padding columns can never be the answer; masking them keeps the softmax (and so the
     loss and every gradient) independent of how much padding the layout needs."""
     logits = constrain(logits_bsv, ("batch", "context_seq", "vocab"))
@@ -362,7 +383,7 @@ def _masked_logits(logits_bsv: jax.Array, vocab_size: int, split: str | None = N
     return jnp.where(real, logits, PADDED_LOGIT)
 
 
-def _onehot(labels_bs: jax.Array, num_columns: int, split: str | None) -> jax.Array:
+def _onehot(labels_bs: jax.Array, num_columns: int, split: VocabSplit | None) -> jax.Array:
     """[b, s, columns] fp32: 1 at the label's column (none on devices not holding it)."""
     if split is None:
         return jax.nn.one_hot(labels_bs, num_columns, dtype=jnp.float32)
@@ -370,7 +391,7 @@ def _onehot(labels_bs: jax.Array, num_columns: int, split: str | None) -> jax.Ar
 
 
 def linear_cross_entropy(x_bsd, w_vd, labels_bs, weights_bs, vocab_size: int,
-                         split: str | None = None) -> jax.Array:
+                         split: VocabSplit | None = None) -> jax.Array:
     """sum(weights * cross_entropy(x @ w.T)): the LM head and its loss as one differentiable
     op, whose gradient is computed in the forward pass (a fused linear cross-entropy).
 
@@ -388,7 +409,7 @@ def linear_cross_entropy(x_bsd, w_vd, labels_bs, weights_bs, vocab_size: int,
     gradient of x is this device's share (the caller's autodiff sums the shares).
     """
     if split is not None:  # this device's share of x's gradient (summed by autodiff)
-        x_bsd = varying(x_bsd, split)
+        x_bsd = varying(x_bsd, split.axis)
     return _linear_ce(x_bsd, w_vd, labels_bs, weights_bs, (vocab_size, x_bsd.dtype, w_vd.dtype, split))
 
 
@@ -478,7 +499,7 @@ _linear_ce = jax.custom_vjp(_ce_plain, nondiff_argnums=(4,))
 _linear_ce.defvjp(_ce_forward, _ce_backward)
 
 
-def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array, split: str | None = None) -> jax.Array:
+def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array, split: VocabSplit | None = None) -> jax.Array:
     """Per-token loss [batch, seq] without gathering the vocab dim.
 
     The label logit is picked with a one-hot product rather than an indexed gather, so with
@@ -490,8 +511,8 @@ def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array, split: str | None
     if split is None:
         lse = jax.nn.logsumexp(logits, axis=-1)
     else:
-        top = jax.lax.stop_gradient(jax.lax.pmax(jnp.max(logits, axis=-1), split))
-        lse = jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1), split)) + top
+        top = jax.lax.stop_gradient(_over(split, jax.lax.pmax, jnp.max(logits, axis=-1)))
+        lse = jnp.log(_over(split, jax.lax.psum, jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))) + top
     onehot = _onehot(labels_bs, logits.shape[-1], split)
     label_logit = _over(split, jax.lax.psum, jnp.sum(logits * onehot, axis=-1))
     return lse - label_logit

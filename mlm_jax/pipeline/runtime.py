@@ -25,13 +25,17 @@ Stages and their state
   split run and are dropped the same way (`GPT.run_layers_aux`).
 - The LM head and its loss are split over `pipe` by vocab rows: in the backward slot (and in
   evaluation's forward slot) the last virtual stage's output is summed over `pipe` (only its
-  stage's is nonzero), every stage computes the logits of its 1/P of the vocab (every P-th
-  head row, `GPT.head_weight`), and the softmax's max, sum and label logit are reduced over
-  `pipe` ([b, s] each); autodiff's transpose of the first sum adds the stages' shares of the
-  output's gradient on the last stage. So a tick costs each stage 1/P of a head, where
-  Megatron's last stage runs it whole (and in lockstep a tick lasts as long as its slowest
-  stage); the loss is counted on the last virtual stage.
-- Embedding, position embedding, final norm and LM head are *stored* split over `pipe`
+  stage's is nonzero), every stage computes the logits of its 1/P of the vocab, and the
+  softmax's max, sum and label logit are reduced over `pipe` ([b, s] each); autodiff's
+  transpose of the first sum adds the stages' shares of the output's gradient on the last
+  stage. So a tick costs each stage 1/P of a head, where Megatron's last stage runs it whole
+  (and in lockstep a tick lasts as long as its slowest stage); the loss is counted on the last
+  virtual stage. An untied head is held split over `pipe` in contiguous vocab blocks
+  (`Pipeline.stored_specs`): each stage computes with its own block, and its gradient stays
+  that block (nothing gathered or summed over `pipe`). A tied head is the embedding table,
+  which the first stage needs whole for the lookup: each stage takes every P-th row of it
+  (`GPT.head_weight`, `VocabSplit`).
+- Embedding, position embedding, final norm and a tied LM head are *stored* split over `pipe`
   (`shared_storage_specs`: the fp32 master copy and Adam moments 1/P per device) and gathered
   once per step: every stage holds them whole while it computes. Their gradients are
   accumulated per stage and summed over `pipe` once at the end of the step, a reduce-scatter
@@ -71,7 +75,7 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax.config import Config, ConfigError, pipeline_plan
-from mlm_jax.models.gpt import stage_keys
+from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms, rows_split
 from mlm_jax.pipeline import lockstep
@@ -80,8 +84,8 @@ from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _
                                  zero_gather_dtype)
 from mlm_jax.sharding.mesh import DATA, PIPE, varying
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
-from mlm_jax.sharding.specs import (auto_part, manual_part, pipe_blocks, pipe_scatter_dim, pipe_stored,
-                                    replicated, rows_over, stacked_per_rank, stage_chunks, with_pipe)
+from mlm_jax.sharding.specs import (auto_part, blocks_over_pipe, holds, manual_part, pipe_blocks, pipe_scatter_dim,
+                                    pipe_stored, replicated, rows_over, stacked_per_rank, stage_chunks, with_pipe)
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 
@@ -203,12 +207,22 @@ class Pipeline:
         n = self.layout.stored_layers
         return map_layer_leaves(lambda s: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes)
 
-    def stored_specs(self, specs: dict) -> dict:
-        return map_layer_leaves(pipe_stored, specs)
+    def stored_specs(self, specs: dict, shapes: dict) -> dict:
+        """The compute specs under the pipeline: stacked layer leaves split over `pipe` by
+        stage; an untied LM head [embed, vocab] with its vocab split over `pipe` in contiguous
+        blocks (when they divide evenly): each stage computes its share of the head's logits
+        with its own block (`VocabSplit` blocked), so no stage holds the whole head or its
+        gradient, and neither is gathered or summed over `pipe`."""
+        specs = map_layer_leaves(pipe_stored, specs)
+        if "lm_head" in specs:
+            specs = {**specs, "lm_head": blocks_over_pipe(specs["lm_head"], shapes["lm_head"].shape, 1,
+                                                          dict(self.mesh.shape))}
+        return specs
 
     def shared_storage_specs(self, specs: dict, shapes: dict) -> dict:
         """Storage of the parameters every stage holds whole while it computes (embeddings,
-        final norm, LM head): split over `pipe` as ZeRO splits over `data` (`zero_spec`), so
+        final norm, a tied LM head; an untied head is computed split over `pipe` already, see
+        `stored_specs`, and stored so): split over `pipe` as ZeRO splits over `data` (`zero_spec`), so
         their fp32 master copy and Adam moments are not kept P times; the step gathers them
         once, before the schedule, and reduce-scatters their gradients over `pipe` after it.
         On its dim `pipe` comes right after the axes the leaf computes with and before ZeRO's
@@ -274,12 +288,16 @@ class Pipeline:
         """Sum of masked token losses of the batch, no dropout (evaluation)."""
         params = jax.lax.with_sharding_constraint(params, compute_sharding)
         program = self.program(batch["tokens"].shape[0], forward_only=True)
-        return self._run(program, params, batch, None, jnp.float32(1.0))[0]
+        specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
+        return self._run(program, params, batch, None, jnp.float32(1.0), specs)[0]
 
-    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs=None,
+    def _run(self, program: Program, params: dict, batch: dict, key, scale, specs: dict,
              per_rank: bool = False, storage=None):
         """(loss, grads or None, aux) of `program` on the global batch, in one shard_map.
 
+        specs: the params' compute specs. The shared leaves enter whole over `pipe`, but for an
+        untied LM head split over it (`stored_specs`): each stage gets its block, and its
+        gradient leaves as that block.
         per_rank: the shard_map is manual over `data` too, and over `expert` with expert
         parallelism (tensor stays GSPMD's): each rank runs the schedule on its own rows (and
         experts) and returns its unreduced gradients stacked [ranks, ...] (see
@@ -296,11 +314,13 @@ class Pipeline:
         axes = (PIPE, *ranks)
         rules = tuple((n, _without_manual(a, ranks)) for n, a in active_rules())
         specs_in = specs
+        shared_held = jax.tree.map(lambda sp: manual_part(sp, axes), {k: v for k, v in specs.items() if k != "layers"})
+        head_split = VocabSplit(PIPE, blocked="lm_head" in specs and holds(specs["lm_head"], PIPE))
         if per_rank:  # a stage's own experts: the layer leaves' `expert` split is manual too
             layer_specs = jax.tree.map(lambda sp: manual_part(sp, axes), specs["layers"])
-            specs = jax.tree.map(lambda sp: auto_part(sp, ranks), specs)
         else:
             layer_specs = pipe_blocks()
+        specs = jax.tree.map(lambda sp: auto_part(sp, axes), specs)  # inside: the automatic axes
 
         def body(layers_blk, shared, batch, key, scale, arrays):
             # Per rank, dropout masks are drawn for this rank's rows of the global batch.
@@ -309,20 +329,23 @@ class Pipeline:
             num_ranks = math.prod(dict(self.mesh.shape)[a] for a in ranks)
             split = rows_split(ranks, num_ranks) if per_rank else contextlib.nullcontext()
             with use_rules(rules), rows_from(rows), split:
-                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes)
+                stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes,
+                               head_split)
                 loss, d_layers, d_shared, aux = stage.run(arrays)
             if per_rank:  # [1, ...] per rank, stacked over the ranks and summed outside
                 loss, d_layers, aux = jax.tree.map(lambda g: g[None], (loss, d_layers, aux))
-            # [1, ...] per stage (and rank): summed over pipe by `_sum_stages`
+            # [1, ...] per stage (and rank): summed over pipe by `_sum_stages` (the blocked head's
+            # per rank only: its stage's block is all of its gradient there is)
             return loss, d_layers, jax.tree.map(lambda g: g[None], d_shared), aux
 
         rep = replicated()
         stacked = stacked_per_rank(rep, ranks) if per_rank else rep
         d_layer_specs = jax.tree.map(lambda sp: stacked_per_rank(sp, ranks), layer_specs) if per_rank else layer_specs
+        d_shared_specs = jax.tree.map(lambda sp: stacked_per_rank(sp, axes), shared_held) if train else rep
         run = jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(layer_specs, rep, rows_over(ranks) if per_rank else rep, rep, rep, rep),
-            out_specs=(stacked, d_layer_specs, stacked_per_rank(rep, axes), stacked),
+            in_specs=(layer_specs, shared_held, rows_over(ranks) if per_rank else rep, rep, rep, rep),
+            out_specs=(stacked, d_layer_specs, d_shared_specs, stacked),
             axis_names=frozenset(axes),
         )
         loss, d_layers, d_shared, aux = run(layers, shared, batch, key, jnp.asarray(scale, jnp.float32), arrays)
@@ -340,7 +363,8 @@ class Pipeline:
         device keeping its stored block of its own compute shard: an all-reduce's sum at half its
         bytes, and the data-parallel sum after it moves 1/P of the table (Megatron all-reduces a
         tied embedding's gradient between the first and last stage); other leaves (tiny ones)
-        are all-reduced. Fully manual, so each device reduces the shard it holds: inside the
+        are all-reduced; a leaf computed split over `pipe` (the blocked head) passes as it is.
+        Fully manual, so each device reduces the shard it holds: inside the
         schedule's shard_map `tensor` is automatic, and there XLA gathers a tensor-split operand
         over `tensor` before a reduce-scatter. On the CPU one collective is in flight at a time
         (the in-process pool, see `_Stage.tick`): each waits for the one before through an
@@ -349,12 +373,16 @@ class Pipeline:
         chain = jax.default_backend() == "cpu"
         stack = (PIPE, *ranks)
         splits = jax.tree.map(lambda c, st: pipe_scatter_dim(c, st, sizes), compute, storage)
+        held = jax.tree.map(lambda c: holds(c, PIPE), compute)
 
         def body(d_shared):
             leaves, treedef = jax.tree.flatten(d_shared)
-            split_of = treedef.flatten_up_to(splits)
+            split_of, held_of = treedef.flatten_up_to(splits), treedef.flatten_up_to(held)
             out, done = [], None
-            for g, split in zip(leaves, split_of):
+            for g, split, own in zip(leaves, split_of, held_of):
+                if own:  # this stage's block already
+                    out.append(g if ranks else g[0])
+                    continue
                 g = jax.lax.optimization_barrier((g[0], done))[0] if chain and done is not None else g[0]
                 if split:
                     done = jax.lax.psum_scatter(g, PIPE, scatter_dimension=split[0], tiled=True)
@@ -384,7 +412,7 @@ class _Stage:
     """
 
     def __init__(self, pipeline: Pipeline, program: Program, specs, use_dropout: bool,
-                 layers_blk, shared, batch, key, scale, axes=(PIPE,)):
+                 layers_blk, shared, batch, key, scale, axes=(PIPE,), head_split=VocabSplit(PIPE)):
         L = pipeline.layout
         self.graphdef, self.program, self.specs = pipeline.graphdef, program, specs
         self.P, self.V, self.Lmax, self.last = L.num_stages, L.num_chunks, L.max_layers, L.num_vstages - 1
@@ -393,6 +421,7 @@ class _Stage:
         self.layer_count = jnp.asarray(L.layers_per_vstage, jnp.int32)
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
+        self.head_split = head_split
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
@@ -432,7 +461,7 @@ class _Stage:
             # in fp32: XLA:CPU's bf16 all-reduce promotion aborts on it (its reducer carries a
             # sharding annotation), and the shares then add without rounding.
             y_last = jax.lax.psum(jnp.where(v == self.last, y, 0).astype(jnp.float32), PIPE).astype(y.dtype)
-            loss_sum, aux = model.head(y_last, head_in["labels"], head_in["loss_mask"], vocab_split=PIPE)
+            loss_sum, aux = model.head(y_last, head_in["labels"], head_in["loss_mask"], vocab_split=self.head_split)
             return _masked(v == self.last, (loss_sum * self.scale, aux))
 
         def no_head():
@@ -453,14 +482,10 @@ class _Stage:
     # it out with collective-permutes every tick.
 
     def pin_layers(self, tree):  # [V, Lmax, ...]
-        if self.specs is None:
-            return tree
         return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(x, stage_chunks(sp)),
                             tree, self.specs["layers"])
 
     def pin_shared(self, tree):
-        if self.specs is None:
-            return tree
         shared_specs = {k: v for k, v in self.specs.items() if k != "layers"}
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, shared_specs)
 

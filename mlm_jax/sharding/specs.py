@@ -49,6 +49,25 @@ def pipe_stored(spec: P) -> P:
     return P(PIPE, *tuple(spec)[1:])
 
 
+def holds(spec: P, axis: str) -> bool:
+    """Whether `spec` splits some dim over mesh axis `axis`."""
+    return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
+
+
+def blocks_over_pipe(spec: P, shape, dim: int, mesh_sizes: dict[str, int]) -> P:
+    """`spec` with dim `dim` split over `pipe` first, then over the axes `spec` splits it over:
+    each stage holds a contiguous block of it, split further inside as before (the untied LM
+    head's vocab, see `Pipeline.stored_specs`); `spec` itself when the dim does not divide
+    evenly or `pipe` has size 1."""
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    entry = parts[dim]
+    axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+    if mesh_sizes[PIPE] == 1 or shape[dim] % (mesh_sizes[PIPE] * math.prod(mesh_sizes[a] for a in axes)):
+        return spec
+    parts[dim] = (PIPE, *axes)
+    return P(*parts)
+
+
 def pipe_scatter_dim(compute: P, storage: P, mesh_sizes: dict[str, int]) -> tuple[int] | tuple[()]:
     """(dim,): where the gradient of a leaf every pipeline stage computes with (as `compute`;
     stored as `storage`) is reduce-scattered over `pipe`: the dim on which storage puts `pipe`
