@@ -78,7 +78,8 @@ def config(args, schedule: str, V: int, m: int, dp: int) -> Config:
     return Config(
         model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                           num_attention_heads=max(1, args.hidden // 64), vocab_size=args.vocab,
-                          max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0),
+                          max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+                          untie_embeddings_and_output_weights=args.untied),
         parallel=ParallelConfig(pipeline_model_parallel_size=args.stages, pipeline_schedule=schedule,
                                 virtual_pipeline_model_parallel_size=V if V > 1 else None),
         optim=OptimConfig(lr=1e-4, lr_decay_style="constant"),
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--untied", action="store_true", help="untied embedding and LM head (Llama-style)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--devices", action="store_true", help="use the real devices, not 8 fake CPUs")
     parser.add_argument("--out", default="runs/benchmarks/pipeline.json")
@@ -180,7 +182,8 @@ def main() -> None:
               f"{'stash KiB':>10}{'temp KiB':>10}{'d temp':>9}{'step ms':>9}{'tok/s':>9}"
               f"{'lockstep':>10}{'async':>7}{'1-action':>10}")
     print(f"P={args.stages} stages, {jax.device_count()} {jax.devices()[0].platform} devices; "
-          f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}")
+          f"layers {args.layers}, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}, "
+          f"vocab {args.vocab}{' untied' if args.untied else ''}")
     print(header)
     print("-" * len(header))
     base = {}
