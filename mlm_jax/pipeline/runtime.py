@@ -232,7 +232,7 @@ class Pipeline:
         sizes = dict(self.mesh.shape)
 
         def store(spec, shape):
-            zero = any(DATA in (e if isinstance(e, tuple) else (e,)) for e in spec)
+            zero = holds(spec, DATA)
             spec = zero_spec(auto_part(spec, (DATA,)), shape.shape, sizes, PIPE)
             return zero_spec(spec, shape.shape, sizes) if zero else spec
 

@@ -49,9 +49,14 @@ def pipe_stored(spec: P) -> P:
     return P(PIPE, *tuple(spec)[1:])
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one spec entry (None, a name or a tuple of names), in order."""
+    return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+
+
 def holds(spec: P, axis: str) -> bool:
     """Whether `spec` splits some dim over mesh axis `axis`."""
-    return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
+    return any(axis in entry_axes(e) for e in spec)
 
 
 def blocks_over_pipe(spec: P, shape, dim: int, mesh_sizes: dict[str, int]) -> P:
@@ -60,8 +65,7 @@ def blocks_over_pipe(spec: P, shape, dim: int, mesh_sizes: dict[str, int]) -> P:
     head's vocab, see `Pipeline.stored_specs`); `spec` itself when the dim does not divide
     evenly or `pipe` has size 1."""
     parts = list(spec) + [None] * (len(shape) - len(spec))
-    entry = parts[dim]
-    axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+    axes = entry_axes(parts[dim])
     if mesh_sizes[PIPE] == 1 or shape[dim] % (mesh_sizes[PIPE] * math.prod(mesh_sizes[a] for a in axes)):
         return spec
     parts[dim] = (PIPE, *axes)
@@ -74,7 +78,7 @@ def pipe_scatter_dim(compute: P, storage: P, mesh_sizes: dict[str, int]) -> tupl
     right after the leaf's compute axes, so that each device's block of the sum lies in its own
     compute shard. (): summed whole (a leaf storage does not split so)."""
     def axes(entry):  # the axes of a spec entry that split it (size > 1)
-        return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and mesh_sizes[a] > 1)
+        return tuple(a for a in entry_axes(entry) if mesh_sizes[a] > 1)
 
     for dim, entry in enumerate(storage):
         computed = axes(compute[dim]) if dim < len(compute) else ()
@@ -90,7 +94,7 @@ def with_pipe(spec: P, split: tuple[int] | tuple[()]) -> P:
         return spec
     parts = list(spec) + [None] * (split[0] + 1 - len(spec))
     entry = parts[split[0]]
-    parts[split[0]] = (*(entry if isinstance(entry, tuple) else (entry,) if entry else ()), PIPE)
+    parts[split[0]] = (*entry_axes(entry), PIPE)
     return P(*parts)
 
 
@@ -133,5 +137,5 @@ def stacked_per_rank(spec: P, ranks) -> P:
     only): a new leading dim over the rank axes that hold partial sums of it (`data` alone for
     an expert's weights, which only their own `expert` rank holds; every rank axis for the
     rest), summed once outside."""
-    held = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+    held = {a for entry in spec for a in entry_axes(entry)}
     return P(pick_axes(ranks, lambda a: a not in held), *spec)
