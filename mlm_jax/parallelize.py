@@ -1,6 +1,6 @@
 """Turn (config, mesh) into sharded train state and compiled steps: parallelism in one place.
 
-The order, once (after refusing --attention-backend flash/fused off an NVIDIA GPU):
+The order, once (after refusing host offload where the mesh's devices have no host memory space):
   1. mesh       given (mlm_jax/sharding/mesh.py), axes pipe, data, expert, context, tensor;
   2. rules      parameter storage rules, compute rules, activation rules (sequence parallel);
   3. params     the abstract model's logical dim names -> compute shardings -> storage
@@ -43,11 +43,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config, num_microbatches
-from mlm_jax.models.attention import check_platform
 from mlm_jax.models.gpt import GPT
 from mlm_jax.models.layers import compute_dtype, rows_from, used_in_compute_dtype
 from mlm_jax.models.moe import rows_split
 from mlm_jax.models.recompute import check_offload_platform
+from mlm_jax.platform import mesh_platform, use_platform
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for, make_optimizer
 from mlm_jax.parallel.context import use_comm_type
 from mlm_jax.sharding.mesh import DATA, EXPERT
@@ -106,6 +106,13 @@ class Parallel:
     rules: tuple
     loss_and_grads: Callable  # (params, batch, key) -> (loss, grads); compiled on first use
     pipeline: Any = None  # mlm_jax.pipeline.runtime.Pipeline when pipeline size > 1
+    abstract_state: Callable | None = None  # () -> the state as ShapeDtypeStructs with shardings
+
+    def abstract_batch(self, global_batch_size: int | None = None) -> dict:
+        """A training batch as ShapeDtypeStructs laid out for the step (the loader's dtypes)."""
+        shape, sharding = self.batch_shape(global_batch_size), self.batch_sharding()
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=sharding)
+                for k in batch_keys(self.cfg)}
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec())
@@ -132,7 +139,7 @@ def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
     """The mesh and activation rules in force while a step is traced. `cp_comm_type` (the train
     and eval steps, whose batches are in the load-balanced chunk order) turns on context-parallel
     attention where the mesh has a `context` axis; without it attention runs unsplit."""
-    with jax.set_mesh(mesh), use_rules(rules):
+    with jax.set_mesh(mesh), use_rules(rules), use_platform(mesh_platform(mesh)):
         if cp_comm_type is None:
             yield
         else:
@@ -433,8 +440,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     """Apply every parallelism of `cfg` on `mesh` (the order is in the module docstring).
 
     `model_class` (default GPT) is any model offering GPT's constructor and stage API."""
-    check_platform(cfg.model)  # --attention-backend flash off an NVIDIA GPU: refused before compiling
-    check_offload_platform(cfg.model)  # --recompute-granularity offload needs host memory spaces
+    check_offload_platform(cfg.model, mesh_platform(mesh))  # offload needs host memory spaces
     act_rules = activation_rules(cfg.parallel.sequence_parallel)  # 2. rules
     graphdef, shapes, names = abstract_model(cfg, model_class)  # 3. params
     sh = _shardings(cfg, mesh, graphdef, shapes, names)
@@ -448,17 +454,23 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg)}
 
     # 7. jit
-    def init(seed: int):
-        def make():
-            params = init_params(cfg, seed, model_class)
-            if pipeline is not None:
-                params = pipeline.to_pipelined(params)
-            state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-                     "schedule_samples": jnp.zeros((), jnp.int32)}
-            return state if scaler is None else {**state, ls.KEY: scaler.init()}
+    def make(seed: int):
+        params = init_params(cfg, seed, model_class)
+        if pipeline is not None:
+            params = pipeline.to_pipelined(params)
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                 "schedule_samples": jnp.zeros((), jnp.int32)}
+        return state if scaler is None else {**state, ls.KEY: scaler.init()}
 
+    def init(seed: int):
         with jax.set_mesh(mesh):
-            return jax.jit(make, out_shardings=state_sharding)()
+            return jax.jit(lambda: make(seed), out_shardings=state_sharding)()
+
+    def abstract_state():
+        # Shapes and shardings only (compile-only devices hold no arrays: mlm_jax.plan).
+        shapes = jax.eval_shape(lambda: make(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                            state_sharding)
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
@@ -491,6 +503,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
         num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules, cp),
         eval_step=_traced(eval_jit, mesh, act_rules, cp), rules=act_rules,
         loss_and_grads=_traced(grads_jit, mesh, act_rules, cp), pipeline=pipeline,
+        abstract_state=abstract_state,
     )
 
 

@@ -155,6 +155,8 @@ def build_model(cfg: Config, log):
     import jax
 
     from mlm_jax.metrics import active_params
+    from mlm_jax.models.attention import backend_note
+    from mlm_jax.platform import mesh_platform
     from mlm_jax.parallelize import abstract_model, bf16_grad_reduce_note, count_params, parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
@@ -167,6 +169,9 @@ def build_model(cfg: Config, log):
     note = bf16_grad_reduce_note(cfg, mesh)
     if note:
         log(f"> --grad-reduce-in-bf16: {note}")
+    note = backend_note(cfg.model, mesh_platform(mesh))
+    if note:
+        log(f"> {note}")
     active = active_params(cfg.model)
     if active is not None:
         log(f"> MoE: FLOPs and MFU count {active / 1e6:.2f} M active parameters per token (top-"

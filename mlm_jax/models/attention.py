@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
 from mlm_jax.models.layers import add_bias, cast, dropout, normal, param, row_offset, rotary, rows_from, zeros
-from mlm_jax.sharding.rules import constrain
+from mlm_jax.sharding.rules import constrain, per_device
 
 XLA, CUDNN = "xla", "cudnn"
 _FLAG_TO_BACKEND = {"unfused": XLA, "local": XLA, "flash": CUDNN, "fused": CUDNN}
@@ -37,17 +38,16 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def on_nvidia_gpu() -> bool:
-    """Is the default device an NVIDIA (CUDA) GPU? cuDNN's kernels exist nowhere else."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    return "rocm" not in version and "hip" not in version
+    """Is the step being traced for NVIDIA (CUDA) GPUs? cuDNN's kernels exist nowhere else. The
+    mesh's devices decide (a deviceless compile for GPUs runs in a CPU process)."""
+    return platform.current() == platform.CUDA
 
 
 def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, dropout_on: bool,
                    nvidia_gpu: bool | None = None) -> str:
-    """XLA or CUDNN for `cfg.attention_backend` in this call; ConfigError if flash/fused cannot run.
+    """XLA or CUDNN for `cfg.attention_backend` in this call; ConfigError if flash/fused cannot
+    run on the NVIDIA GPU this is for. Off NVIDIA GPUs flash/fused run XLA attention (a laptop
+    smoke test of a GPU script; `backend_note` says so once).
 
     `documents`: segment ids are given; `aligned`: the plain causal order (no explicit
     positions, queries and keys the same tokens); `dropout_on`: attention dropout will be drawn.
@@ -56,9 +56,9 @@ def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, d
     if flag in ("unfused", "local"):
         return XLA
     nvidia_gpu = on_nvidia_gpu() if nvidia_gpu is None else nvidia_gpu
+    if not nvidia_gpu:
+        return XLA
     why = fused_attention_obstacle(cfg, documents)
-    if why is None and not nvidia_gpu:
-        why = f"cuDNN fused attention needs an NVIDIA GPU, this is {jax.devices()[0].platform}"
     if why is None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
         why = f"cuDNN fused attention needs bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
     if why is None and dropout_on:
@@ -72,12 +72,13 @@ def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, d
     return _FLAG_TO_BACKEND[flag]
 
 
-def check_platform(cfg: ModelConfig) -> None:
-    """Refuse --attention-backend flash/fused off NVIDIA GPUs before anything is compiled."""
-    if cfg.attention_backend in ("flash", "fused") and not on_nvidia_gpu():
-        raise ConfigError(
-            f"--attention-backend {cfg.attention_backend}: cuDNN fused attention needs an NVIDIA GPU, "
-            f"this is {jax.devices()[0].platform}; use --attention-backend auto or unfused")
+def backend_note(cfg: ModelConfig, platform_name: str) -> str | None:
+    """The one line a run logs when --attention-backend flash/fused cannot mean cuDNN on
+    `platform_name` (XLA attention runs instead); None otherwise."""
+    if cfg.attention_backend in ("flash", "fused") and platform_name != platform.CUDA:
+        return (f"--attention-backend {cfg.attention_backend}: cuDNN fused attention needs an NVIDIA GPU, "
+                f"this is {platform_name}: XLA attention runs instead (the same math)")
+    return None
 
 
 def causal_mask(q_pos_bs, k_pos_bt, q_seg_bs=None, k_seg_bt=None) -> jax.Array:
@@ -181,8 +182,7 @@ def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=Non
         if q_pos_bs is not None or q_seg_bs is not None or s != t:
             raise ConfigError("cuDNN fused attention here takes only the plain causal order "
                               "(no positions, no segment ids, as many queries as keys)")
-        return jax.nn.dot_product_attention(q_bshk, k_btgk, v_btgk, is_causal=True,
-                                            implementation="cudnn")
+        return _cudnn_attention(q_bshk, k_btgk, v_btgk)
     if (q_pos_bs is None) != (k_pos_bt is None):
         raise ValueError("give both query and key positions, or neither")
     if q_pos_bs is None:
@@ -193,6 +193,20 @@ def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=Non
         return jax.checkpoint(_xla_attention, static_argnums=(4, 6))(
             q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key, True)
     return _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
+
+
+def _cudnn_causal(q_bshk, k_btgk, v_btgk):
+    return jax.nn.dot_product_attention(q_bshk, k_btgk, v_btgk, is_causal=True, implementation="cudnn")
+
+
+# cuDNN's fused attention on each device's block [batch/.., seq, heads/tensor, k]: its custom
+# partitioner fails inside the partly manual programs of data parallelism and the pipeline
+# (jax's _dot_product_attention_fwd_partition), so it is never asked to partition anything.
+_cudnn_attention = per_device(
+    _cudnn_causal,
+    (("batch", "context_seq", "heads", "head_dim"), ("batch", "context_seq", "kv_heads", "head_dim"),
+     ("batch", "context_seq", "kv_heads", "head_dim")),
+    ("batch", "context_seq", "heads", "head_dim"))
 
 
 class Attention(nnx.Module):

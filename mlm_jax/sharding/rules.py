@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT, TENSOR
 
@@ -129,3 +129,38 @@ def constrain(x, names: Sequence[str | None]):
     import jax
 
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, _ACTIVE_RULES[-1]))
+
+
+def _free_axes_spec(names: Sequence[str | None], free) -> P:
+    """The activation spec of logical `names` under the rules in force, keeping only `free` axes."""
+    parts = []
+    for part in logical_to_spec(names, _ACTIVE_RULES[-1]):
+        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in free)
+        parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*parts)
+
+
+def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence[str | None]):
+    """`fn` run on each device's own block of its arguments: a fully manual shard_map over every
+    mesh axis not manual already, the blocks laid out as the logical `in_names` / `out_names`
+    map under the rules in force; `fn` itself outside `use_rules`.
+
+    For kernels whose custom partitioner cannot see through a partly manual program (cuDNN's
+    fused attention inside the per-rank data-parallel body or a pipeline stage): given per-device
+    blocks there is nothing left to partition."""
+    def run(*args):
+        import jax
+
+        if not _ACTIVE_RULES:
+            return fn(*args)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return fn(*args)
+        free = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+        if not free:
+            return fn(*args)
+        return jax.shard_map(fn, in_specs=tuple(_free_axes_spec(n, free) for n in in_names),
+                             out_specs=_free_axes_spec(out_names, free), axis_names=free,
+                             check_vma=False)(*args)
+
+    return run

@@ -1,0 +1,73 @@
+"""GPU targets for deviceless compiles: compile-only NVIDIA devices on a machine without any.
+
+Each target is a `stream_executor.GpuTargetConfigProto` text in `mlm_jax/targets/` (compute
+capability, SM count, memory, bandwidth, cuDNN version); jax's CUDA plugin turns it into a
+topology of compile-only devices that meshes and shardings accept and `jit(...).lower().compile()`
+compiles for, as on the cluster. Nothing can run on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from mlm_jax.errors import UsageError
+
+TARGET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str  # the --gpu value
+    description: str  # the device kind the devices report
+    memory_bytes: int  # device memory (what the program must fit in)
+    bf16_tflops: float  # dense bf16 tensor-core peak (datasheet, without sparsity)
+
+    @property
+    def target_file(self) -> str:
+        return os.path.join(TARGET_DIR, f"{self.name}.txtpb")
+
+
+# Device memory as CUDA reports it (cudaMemGetInfo's total); peaks from NVIDIA's datasheets (SXM).
+GPUS = {
+    "h100": Gpu("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989.0),
+    "h200": Gpu("h200", "NVIDIA H200", 150_754_820_096, 989.0),
+    "a100": Gpu("a100", "NVIDIA A100-SXM4-80GB", 85_198_045_184, 312.0),
+    "b200": Gpu("b200", "NVIDIA B200", 191_537_889_280, 2250.0),
+}
+
+
+def plugin_missing() -> str | None:
+    """Why deviceless GPU compiles cannot run here (None: they can)."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None and importlib.util.find_spec("jax_cuda13_plugin") is None:
+        return ("the CUDA plugin for jax is not installed: pip install -e \".[gpu-compile]\" "
+                "(compile-only, no GPU or driver needed)")
+    return None
+
+
+def gpu(name: str) -> Gpu:
+    if name not in GPUS:
+        raise UsageError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def devices(target: Gpu, count: int, per_node: int = 8) -> list:
+    """`count` compile-only devices of `target`, `per_node` to a host (hosts x gpus per host)."""
+    import jax
+
+    why = plugin_missing()
+    if why:
+        raise UsageError(why)
+    if count < 1 or per_node < 1:
+        raise UsageError(f"--gpus {count} / --gpus-per-node {per_node}: both must be >= 1")
+    per_node = min(per_node, count)
+    if count % per_node:
+        raise UsageError(f"--gpus {count} is not a multiple of --gpus-per-node {per_node}")
+    from jax.experimental import topologies
+
+    with open(target.target_file) as f:
+        text = f.read()
+    topo = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                        topology=f"1x{count // per_node}x{per_node}")
+    return list(topo.devices)
