@@ -1,23 +1,31 @@
 """XLA settings that must be in the environment before JAX starts its backends.
 
-Megatron's --overlap-grad-reduce / --overlap-param-gather as XLA's GPU scheduler flags.
+On every GPU run (and every deviceless GPU compile of `mlm_jax.plan`) the training flags NVIDIA's
+JAX-Toolbox recommends for LLMs (rosetta/docs/GPU_performance.md), `GPU_TRAINING`:
 
-Megatron overlaps the data-parallel gradient reduce-scatter/all-reduce (and ZeRO's parameter
-all-gather) with the backward (forward) pass through bucketed asynchronous NCCL calls. On XLA
-the compiler schedules the collectives: on NVIDIA GPUs collectives are asynchronous already, and
-these flags let its scheduler overlap them with compute:
+  --xla_gpu_enable_latency_hiding_scheduler=true     move each async collective's start early and
+                                                     its done late, across independent compute
+  --xla_gpu_enable_highest_priority_async_stream=true  collectives on the highest-priority stream
+  --xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true
+                                                     a collective of iteration i of a while loop
+                                                     (the layer scan) runs behind iteration i+1
+  --xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes=134217728
+                                                     small collectives combined up to 128 MiB
+                                                     (fewer NCCL calls; bounded extra memory)
+  --xla_gpu_enable_triton_gemm=false                 matmuls on cuBLAS (Triton GEMM fusions are
+                                                     slower for LLM shapes, and without a device
+                                                     to autotune on a deviceless compile would
+                                                     choose them by heuristics)
 
-  --overlap-grad-reduce   --xla_gpu_enable_latency_hiding_scheduler=true
-                          --xla_gpu_enable_pipelined_all_reduce=true
-                          --xla_gpu_enable_pipelined_reduce_scatter=true
-  --overlap-param-gather  --xla_gpu_enable_latency_hiding_scheduler=true
-                          --xla_gpu_enable_pipelined_all_gather=true
+and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device memory by default).
 
-(the latency-hiding scheduler moves each async collective's start early and its done late,
-across independent compute; the pipelined ones move a collective of a while loop's iteration i
-(the layer scan) into iteration i+1, behind that iteration's compute). XLA reads XLA_FLAGS once,
-when its GPU backend starts, so `apply` runs before any JAX work. Only on a GPU run; a flag the
-user already set in XLA_FLAGS, to any value, is left alone.
+Not set: `--xla_gpu_enable_while_loop_double_buffering` (unrolls the layer scan twice: twice the
+compile time, more temporaries). Megatron's --overlap-grad-reduce / --overlap-param-gather ask for
+a subset of these (`GRAD_REDUCE`, `PARAM_GATHER`): on GPUs the overlap is always on.
+
+XLA reads XLA_FLAGS once, when its backend starts, so `apply` runs before any JAX work. A flag
+the user already set in XLA_FLAGS, to any value, is left alone; an unknown flag would abort
+XLA, so every flag here is checked against the installed XLA by a test.
 
 The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`).
 """
@@ -32,15 +40,36 @@ from mlm_jax.config import ParallelConfig
 _LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 GRAD_REDUCE = (_LHS, "--xla_gpu_enable_pipelined_all_reduce=true", "--xla_gpu_enable_pipelined_reduce_scatter=true")
 PARAM_GATHER = (_LHS, "--xla_gpu_enable_pipelined_all_gather=true")
+_COMBINE = 128 * 2**20
+MEM_FRACTION_ENV, MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"
+GPU_TRAINING = (
+    _LHS, "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_enable_pipelined_all_gather=true", "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    f"--xla_gpu_all_reduce_combine_threshold_bytes={_COMBINE}",
+    f"--xla_gpu_all_gather_combine_threshold_bytes={_COMBINE}",
+    f"--xla_gpu_reduce_scatter_combine_threshold_bytes={_COMBINE}",
+    "--xla_gpu_enable_triton_gemm=false",
+)
+
+
+def _not_given(flags, existing: str) -> list[str]:
+    given = {item.split("=", 1)[0] for item in existing.split()}
+    return [f for f in dict.fromkeys(flags) if f.split("=", 1)[0] not in given]
 
 
 def overlap_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     """The XLA flags the overlap switches ask for, less those `existing` (XLA_FLAGS) already sets."""
     wanted: list[str] = []
     for on, flags in ((parallel.overlap_grad_reduce, GRAD_REDUCE), (parallel.overlap_param_gather, PARAM_GATHER)):
-        wanted += [f for f in flags if on and f not in wanted]
-    given = {item.split("=", 1)[0] for item in existing.split()}
-    return [f for f in wanted if f.split("=", 1)[0] not in given]
+        wanted += [f for f in flags if on]
+    return _not_given(wanted, existing)
+
+
+def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
+    """Every XLA flag a GPU run sets (`GPU_TRAINING`, the overlap switches' among them), less
+    those `existing` (XLA_FLAGS) already sets."""
+    return _not_given(GPU_TRAINING + tuple(overlap_flags(parallel)), existing)
 
 
 def gpu_run(environ=os.environ) -> bool:
@@ -53,11 +82,14 @@ def gpu_run(environ=os.environ) -> bool:
     return plugin and os.path.exists("/dev/nvidiactl")
 
 
-def apply(parallel: ParallelConfig, environ=os.environ) -> list[str]:
-    """Append the overlap flags to `environ`'s XLA_FLAGS on a GPU run; returns those added."""
-    if not gpu_run(environ):
+def apply(parallel: ParallelConfig, environ=os.environ, gpu: bool | None = None) -> list[str]:
+    """Append the GPU flags to `environ`'s XLA_FLAGS on a GPU run (`gpu`: decided by the caller,
+    e.g. a deviceless compile for GPUs; default `gpu_run`); returns those added."""
+    if not (gpu_run(environ) if gpu is None else gpu):
         return []
-    added = overlap_flags(parallel, environ.get("XLA_FLAGS", ""))
+    added = gpu_flags(parallel, environ.get("XLA_FLAGS", ""))
+    # JAX's allocator takes 75 % of GPU memory by default; JAX-Toolbox trains with 90 %.
+    environ.setdefault(MEM_FRACTION_ENV, MEM_FRACTION)
     if added:
         environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", "").strip(), *added]).strip()
     return added

@@ -414,8 +414,22 @@ def test_overlap_flags_set_on_a_gpu_run_only(monkeypatch):
             assert xla_flags.gpu_run({"JAX_PLATFORMS": "cuda"}) == (plugin and node)
     monkeypatch.setattr(xla_flags, "gpu_run", lambda environ: True)
     env = {"XLA_FLAGS": "--a=1"}
-    assert xla_flags.apply(grad, env) == list(xla_flags.GRAD_REDUCE)
-    assert env["XLA_FLAGS"] == "--a=1 " + " ".join(xla_flags.GRAD_REDUCE)
+    assert xla_flags.apply(grad, env) == list(xla_flags.GPU_TRAINING)  # the overlap flags among them
+    assert set(xla_flags.GRAD_REDUCE + xla_flags.PARAM_GATHER) <= set(xla_flags.GPU_TRAINING)
+    assert env["XLA_FLAGS"] == "--a=1 " + " ".join(xla_flags.GPU_TRAINING)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}
+    xla_flags.apply(grad, env)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"  # the user's
+    # the user's XLA_FLAGS win, whatever the value
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    assert "--xla_gpu_enable_triton_gemm=false" not in xla_flags.apply(grad, env)
+    assert env["XLA_FLAGS"].split()[0] == "--xla_gpu_enable_triton_gemm=true"
+    assert "triton_gemm=false" not in env["XLA_FLAGS"]
+    # a deviceless compile for GPUs (mlm_jax.plan) asks for them on a machine without one
+    env = {"JAX_PLATFORMS": "cpu"}
+    monkeypatch.setattr(xla_flags, "gpu_run", lambda environ: False)
+    assert xla_flags.apply(grad, env) == [] and xla_flags.apply(grad, env, gpu=True) == list(xla_flags.GPU_TRAINING)
 
 
 def test_overlap_xla_flags_are_known_to_xla():
@@ -423,7 +437,8 @@ def test_overlap_xla_flags_are_known_to_xla():
     from mlm_jax import xla_flags
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(dict.fromkeys(xla_flags.GRAD_REDUCE + xla_flags.PARAM_GATHER)))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(dict.fromkeys(xla_flags.GPU_TRAINING + xla_flags.GRAD_REDUCE
+                                                                     + xla_flags.PARAM_GATHER)))
     p = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

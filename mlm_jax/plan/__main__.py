@@ -1,0 +1,147 @@
+"""`python -m mlm_jax.plan --gpu h100 --gpus 8 [--gpus-per-node 8] [--json FILE] [--dump-hlo FILE]
+<the training flags>`: compile, on this machine and without a GPU, exactly the train step that
+`python -m mlm_jax.train` with the same flags compiles on that cluster, and say whether it fits.
+
+Exit 0: it compiles and fits; 1: it does not fit (one `error:` line saying by how much and which
+flags would help) or does not compile; 2: bad flags. Needs the compile-only CUDA wheels
+(`pip install -e ".[gpu-compile]"`; no GPU or driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mlm_jax import errors
+from mlm_jax.errors import RunFailure, UsageError
+
+# Vocab sizes of tokenizers whose files may not be on the planning machine.
+_KNOWN_VOCAB = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000, "Llama3Tokenizer": 128256}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"mlm_jax.plan: {message}")
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    from mlm_jax.plan.targets import GPUS
+
+    p = _Parser(prog="python -m mlm_jax.plan", allow_abbrev=False, add_help=False,
+                description="Compile the train step for a GPU cluster on this machine (deviceless).")
+    p.add_argument("--gpu", default="h100", help=f"the GPU: {', '.join(GPUS)} (default h100)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the cluster (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--json", default=None, help="write the report as JSON to this file")
+    p.add_argument("--dump-hlo", default=None, help="write the optimised GPU HLO text to this file")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def _with_vocab(cfg, train_argv: list[str], gpus: int):
+    """The vocab size training would learn from the tokenizer: --vocab-size when given, the
+    tokenizer's own when its files are here, a known size for Megatron's standard tokenizers."""
+    import dataclasses
+
+    from mlm_jax.config import finalize
+
+    d = cfg.data
+    if "--vocab-size" in train_argv or d.tokenizer_type in (None, "NullTokenizer"):
+        return cfg
+    files = [f for f in (d.tokenizer_model, d.vocab_file, d.merge_file) if f]
+    if files and all(os.path.exists(f) for f in files):
+        from mlm_jax.data.tokenizers import build_tokenizer
+
+        size = build_tokenizer(d).vocab_size
+    elif d.tokenizer_type in _KNOWN_VOCAB:
+        size = _KNOWN_VOCAB[d.tokenizer_type]
+    else:
+        raise UsageError(f"--tokenizer-type {d.tokenizer_type}: its files are not on this machine; give "
+                         "--vocab-size N (the tokenizer's vocab size) to plan without them")
+    model = dataclasses.replace(cfg.model, vocab_size=size, padded_vocab_size=None)
+    return finalize(cfg.replace(model=model), gpus)
+
+
+def _writable(path: str | None, flag: str) -> None:
+    if path:
+        from mlm_jax.paths import writable_file
+
+        writable_file(os.path.abspath(path), flag)
+
+
+@errors.cli
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, train_argv = _own_parser().parse_known_args(argv)
+    if own.help:
+        _own_parser().print_help()
+        print("\nEvery other flag is a training flag (python -m mlm_jax.train --help).")
+        return 0
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan.targets import gpu, plugin_missing
+
+    target = gpu(own.gpu)
+    if own.gpus < 1 or own.gpus_per_node < 1:
+        raise UsageError(f"--gpus {own.gpus} / --gpus-per-node {own.gpus_per_node}: both must be >= 1")
+    if own.gpus % min(own.gpus, own.gpus_per_node):
+        raise UsageError(f"--gpus {own.gpus} is not a multiple of --gpus-per-node {own.gpus_per_node}")
+    _writable(own.json, "--json")
+    _writable(own.dump_hlo, "--dump-hlo")
+    cfg = parse_args(train_argv)
+    why = plugin_missing()
+    if why:
+        raise UsageError(why)
+
+    from mlm_jax import xla_flags
+
+    xla_flags.apply(cfg.parallel, gpu=True)  # the flags a GPU run sets, before JAX starts
+    import jax
+
+    # The process's own backend is the CPU (the devices compiled for are compile-only): with the
+    # CUDA plugin active its version check calls cuInit, which fails without a driver.
+    jax.config.update("jax_platforms", "cpu")
+    return _plan(cfg, train_argv, own, target)
+
+
+def _plan(cfg, train_argv, own, target) -> int:
+    from mlm_jax.config import finalize
+    from mlm_jax.plan import check
+    from mlm_jax.plan.compile import compile_step
+    from mlm_jax.plan.targets import devices
+
+    gpus, per_node = own.gpus, min(own.gpus, own.gpus_per_node)
+    cfg = _with_vocab(finalize(cfg, gpus), train_argv, gpus)
+    if cfg.parallel.tensor_model_parallel_size > per_node:
+        print(f"> note: --tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} spans nodes "
+              f"({per_node} GPUs per node): its collectives leave NVLink", flush=True)
+    print(f"> compiling the train step for {gpus} x {target.description} ...", flush=True)
+    try:
+        c = compile_step(cfg, devices(target, gpus, per_node), log=lambda m: print(m, flush=True))
+    except (UsageError, RunFailure):
+        raise
+    except Exception as e:  # noqa: BLE001 - XLA's failure, named in one line
+        raise RunFailure(f"the train step does not compile for {target.description}: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:600]}") from e
+    r = check.report(c, target, gpus, per_node)
+    print(check.text(r), flush=True)
+    if own.dump_hlo:
+        with open(own.dump_hlo, "w") as f:
+            f.write(c.text)
+        print(f"> optimised HLO written to {own.dump_hlo}")
+    if own.json:
+        with open(own.json, "w") as f:
+            json.dump(r, f, indent=1)
+        print(f"> report written to {own.json}")
+    if not r["fits"]:
+        over = (r["per_device_bytes"]["total"] - r["usable_bytes"]) / check.GIB
+        raise RunFailure(
+            f"the train step needs {r['per_device_bytes']['total'] / check.GIB:.2f} GiB per device, "
+            f"{over:.2f} GiB more than the {r['usable_bytes'] / check.GIB:.2f} GiB usable on a {target.description}; "
+            f"try {' or '.join(check.suggestions(cfg, gpus, per_node))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Read a compiled GPU program (optimised, scheduled HLO text): its collectives, matmuls and
+attention kernels, as `mlm_jax.plan` reports them and the GPU-compile tests assert them.
+
+- Collectives: kind, the mesh axes their device groups span (from `replica_groups` /
+  `source_target_pairs`, over the mesh's logical device order), bytes of the whole buffer (an
+  all-gather's or all-reduce's result, a reduce-scatter's input), whether asynchronous
+  (`-start`/`-done` pair) and overlapped (compute scheduled between start and done: in a
+  scheduled module the instructions of a computation are listed in execution order), and how
+  many times a step runs them (trip counts of the enclosing while loops, e.g. the layer scan).
+- Matmuls: the element types of both operands of every cuBLAS call and `dot` (in fusions too).
+- Attention: cuDNN's fused kernels (`__cudnn$fmha...` custom calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.+?)\s+([a-z][a-z0-9-]*)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+          "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# Instructions that do work on the device (what overlapping a collective means).
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "call", "conditional")
+_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    type_text: str
+    opcode: str
+    rest: str  # operands and attributes
+    computation: str
+    index: int  # position in its computation (schedule order)
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.rest.split("), ")[0].split(")")[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: tuple[str, ...]  # mesh axes the groups span; () for a group of one device
+    bytes: int  # of the whole buffer, per device, one execution
+    is_async: bool
+    overlapped: bool  # compute scheduled between start and done
+    runs: int  # executions per step (product of enclosing loops' trip counts)
+    in_loop: bool
+    op_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    collectives: list[Collective]
+    matmul_dtypes: dict[tuple[str, str], int]  # (lhs, rhs) element types -> count
+    cudnn_attention: dict[str, int]  # custom-call target -> count
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text)]
+
+
+def _nbytes(arrays) -> int:
+    return int(sum(math.prod(shape) * _BYTES[dt] for dt, shape in arrays))
+
+
+def parse(text: str) -> dict[str, Instr]:
+    """Every instruction of the module by name, with its computation and schedule position."""
+    instrs: dict[str, Instr] = {}
+    current, index = None, 0
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            current, index = m.group(1), 0
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            name, type_text, opcode, rest = m.groups()
+            instrs[name] = Instr(name, type_text, opcode, rest, current, index)
+            index += 1
+    return instrs
+
+
+def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool]]:
+    """computation -> (times one step runs it, inside a while loop), through whiles and calls."""
+    calls: dict[str, list[tuple[str, int, bool]]] = {}
+    for ins in instrs.values():
+        if ins.opcode == "while":
+            body = re.search(r"body=%([\w.\-]+)", ins.rest)
+            cond = re.search(r"condition=%([\w.\-]+)", ins.rest)
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.rest)
+            n = int(trips.group(1)) if trips else 1
+            for target in (body, cond):
+                if target:
+                    calls.setdefault(ins.computation, []).append((target.group(1), n, True))
+        else:
+            for target in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", ins.rest):
+                calls.setdefault(ins.computation, []).append((target, 1, False))
+    called = {t for edges in calls.values() for t, _, _ in edges}
+    runs: dict[str, tuple[int, bool]] = {}
+    stack = [(c, 1, False) for c in calls if c not in called]
+    while stack:
+        comp, n, looped = stack.pop()
+        if comp in runs and runs[comp][0] >= n:
+            continue
+        runs[comp] = (n, looped)
+        stack += [(t, n * k, looped or loop) for t, k, loop in calls.get(comp, [])]
+    return runs
+
+
+def _groups(rest: str) -> list[list[int]] | None:
+    """Device groups of a collective: explicit `{{0,1},{2,3}}` or iota `[G,S]<=[dims]T(perm)`."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+                  rest)
+    if m:  # mesh form: groups over the named axes of a (possibly permuted) device mesh
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        if m.group(2):
+            ids = np.arange(math.prod(sizes)).reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+            ids = ids.reshape(sizes)
+        else:
+            ids = np.arange(math.prod(sizes)).reshape(sizes)
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest_axes = [i for i in range(len(names)) if i not in over]
+        size = math.prod(sizes[i] for i in over)
+        return ids.transpose(rest_axes + over).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(g, s).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", rest)
+    if m:
+        return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return None
+
+
+def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of some group differ (logical ids in mesh order)."""
+    if not groups:
+        return ()
+    names, shape = list(mesh_shape), tuple(mesh_shape.values())
+    varying: set[str] = set()
+    for group in groups:
+        coords = np.array([np.unravel_index(i, shape) for i in group if i < math.prod(shape)])
+        if len(coords) > 1:
+            varying |= {names[a] for a in range(len(names)) if len(set(coords[:, a])) > 1}
+    return tuple(n for n in names if n in varying)
+
+
+def _group_size(groups) -> int:
+    return max((len(g) for g in groups), default=1) if groups else 1
+
+
+def read(text: str, mesh_shape: dict[str, int]) -> Program:
+    """The collectives, matmul operand types and cuDNN attention calls of a compiled program."""
+    instrs = parse(text)
+    runs = _loop_runs(instrs)
+    by_comp: dict[str, list[Instr]] = {}
+    for ins in instrs.values():
+        by_comp.setdefault(ins.computation, []).append(ins)
+    done_of = {}
+    for ins in instrs.values():
+        if ins.opcode.endswith("-done") and ins.operands:
+            done_of[ins.operands[0]] = ins
+    found = []
+    for ins in instrs.values():
+        kind = ins.opcode.removesuffix("-start")
+        wrapped = None
+        if ins.opcode == "async-start":  # e.g. an all-to-all wrapped in an async computation
+            target = re.search(r"calls=%([\w.\-]+)", ins.rest)
+            inner = [i for i in by_comp.get(target.group(1), [])] if target else []
+            wrapped = next((i for i in inner if i.opcode in COLLECTIVES), None)
+            kind = wrapped.opcode if wrapped else kind
+        if kind not in COLLECTIVES or ins.opcode.endswith("-done") or ins.computation.startswith("async"):
+            continue
+        source = wrapped or ins
+        is_async = ins.opcode.endswith("-start")
+        done = done_of.get(ins.name)
+        result = _arrays((done or ins).type_text) if is_async and done else _arrays(source.type_text)
+        groups = _groups(source.rest)
+        size = _nbytes(result) * (_group_size(groups) if kind == "reduce-scatter" else 1)
+        overlapped = False
+        if is_async and done is not None and done.computation == ins.computation:
+            between = by_comp[ins.computation][ins.index + 1:done.index]
+            overlapped = any(b.opcode in _COMPUTE for b in between)
+        n, looped = runs.get(ins.computation, (1, False))
+        op_name = re.search(r'op_name="([^"]*)"', ins.rest)
+        found.append(Collective(kind, _axes(groups, mesh_shape), size, is_async, overlapped, n, looped,
+                                op_name.group(1) if op_name else ""))
+    matmuls: dict[tuple[str, str], int] = {}
+    attention: dict[str, int] = {}
+    for ins in instrs.values():
+        target = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
+        if target and target.group(1).startswith("__cudnn$fmha"):
+            attention[target.group(1)] = attention.get(target.group(1), 0) + 1
+        if ins.opcode == "dot" or (target and target.group(1) in _GEMMS):
+            ops = [instrs[o] for o in ins.operands[:2] if o in instrs]
+            types = tuple(_arrays(o.type_text)[0][0] if _arrays(o.type_text) else "?" for o in ops)
+            if len(types) == 2:
+                matmuls[types] = matmuls.get(types, 0) + 1
+    return Program(found, matmuls, attention)
+
+
+def by_axes(collectives: list[Collective]) -> dict[str, dict]:
+    """Per mesh-axis group ("data", "tensor", "data+tensor", ...): count, bytes per step, and how
+    many of them are async and overlapped."""
+    out: dict[str, dict] = {}
+    for c in collectives:
+        key = "+".join(c.axes) or "none"
+        row = out.setdefault(key, {"count": 0, "bytes_per_step": 0, "async": 0, "overlapped": 0, "kinds": {}})
+        row["count"] += 1
+        row["bytes_per_step"] += c.bytes * c.runs
+        row["async"] += int(c.is_async)
+        row["overlapped"] += int(c.overlapped)
+        row["kinds"][c.kind] = row["kinds"].get(c.kind, 0) + 1
+    return out
