@@ -29,7 +29,7 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
-from mlm_jax.models.layers import add_bias, cast, dropout, normal, param, row_offset, rotary, rows_from, zeros
+from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, rows_from, zeros
 from mlm_jax.sharding.rules import constrain, per_device
 
 XLA, CUDNN = "xla", "cudnn"
@@ -108,10 +108,15 @@ def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff:
     return out.reshape(b, g, r, s, k).transpose(0, 3, 1, 2, 4).reshape(b, s, h, k)
 
 
+# q k^T in fp32 from compute-dtype operands; differentiated by autodiff (the `inputs_only` core),
+# its backward matmuls stay in the compute dtype too (else the fp32 cotangent makes them fp32).
+_scores = fp32_einsum("bgqk,bgtk->bgqt", "bgqt,bgtk->bgqk", "bgqt,bgqk->bgtk")
+
+
 def _probs(q, k, mask, lse=None):
     """Softmax probabilities [b, g, q, t] (fp32) and, without `lse`, their log-normaliser
     [b, g, q, 1]; with it (the backward) the probabilities are exp(scores - lse)."""
-    scores = jnp.einsum("bgqk,bgtk->bgqt", q, k, preferred_element_type=jnp.float32)
+    scores = _scores(q, k)
     scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
     if lse is not None:
         return jnp.exp(scores - lse), lse

@@ -53,6 +53,9 @@ _ACTIVE: list[str] = []
 
 # q k^T [b, g, r, s, t] in fp32 from compute-dtype q [b, s, g, r, k] and k [b, t, g, k].
 _scores = fp32_einsum("bsgrk,btgk->bgrst", "bgrst,btgk->bsgrk", "bgrst,bsgrk->btgk")
+# The probabilities times the values: the fp32 output's cotangent (the blocks are merged in fp32)
+# would otherwise make both backward matmuls fp32 x fp32 under --bf16.
+_values = fp32_einsum("bgrst,btgk->bgrsk", "bgrsk,btgk->bgrst", "bgrsk,bgrst->btgk")
 
 
 class use_comm_type:
@@ -97,7 +100,7 @@ def _block(q_bsgrk, k_btgk, v_btgk, mask_bst, rate, key):
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
     p = dropout(p, rate, key).astype(v_btgk.dtype)
-    o = jnp.einsum("bgrst,btgk->bgrsk", p, v_btgk, preferred_element_type=jnp.float32)
+    o = _values(p, v_btgk)  # [b, g, r, s, k] fp32
     return o / safe[..., None], jnp.where(seen, m + jnp.log(safe), NEG)
 
 

@@ -4,6 +4,7 @@ operand types; fits or not, and what would help when it does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from mlm_jax.config import data_parallel_size
@@ -79,6 +80,7 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "collectives_total": len(program.collectives),
         "data_parallel": dp_kinds,
         "matmul_dtypes": {f"{a} x {b}": n for (a, b), n in sorted(program.matmul_dtypes.items())},
+        "collective_list": [dataclasses.asdict(col) for col in program.collectives],
         "lower_seconds": round(c.lower_seconds, 2),
         "compile_seconds": round(c.compile_seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -49,6 +49,8 @@ class Collective:
     kind: str
     axes: tuple[str, ...]  # mesh axes the groups span; () for a group of one device
     bytes: int  # of the whole buffer, per device, one execution
+    dtypes: tuple[str, ...]  # element types of the buffers moved
+    bytes_by_dtype: dict  # element type -> bytes of `bytes`
     is_async: bool
     overlapped: bool  # compute scheduled between start and done
     runs: int  # executions per step (product of enclosing loops' trip counts)
@@ -191,15 +193,19 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
         done = done_of.get(ins.name)
         result = _arrays((done or ins).type_text) if is_async and done else _arrays(source.type_text)
         groups = _groups(source.rest)
-        size = _nbytes(result) * (_group_size(groups) if kind == "reduce-scatter" else 1)
+        scale = _group_size(groups) if kind == "reduce-scatter" else 1
+        by_dtype: dict[str, int] = {}
+        for dt, shape in result:
+            by_dtype[dt] = by_dtype.get(dt, 0) + _nbytes([(dt, shape)]) * scale
+        size = sum(by_dtype.values())
         overlapped = False
         if is_async and done is not None and done.computation == ins.computation:
             between = by_comp[ins.computation][ins.index + 1:done.index]
             overlapped = any(b.opcode in _COMPUTE for b in between)
         n, looped = runs.get(ins.computation, (1, False))
         op_name = re.search(r'op_name="([^"]*)"', ins.rest)
-        found.append(Collective(kind, _axes(groups, mesh_shape), size, is_async, overlapped, n, looped,
-                                op_name.group(1) if op_name else ""))
+        found.append(Collective(kind, _axes(groups, mesh_shape), size, tuple(sorted(by_dtype)), by_dtype,
+                                is_async, overlapped, n, looped, op_name.group(1) if op_name else ""))
     matmuls: dict[tuple[str, str], int] = {}
     attention: dict[str, int] = {}
     for ins in instrs.values():

@@ -1,0 +1,128 @@
+"""Full-size deviceless GPU compiles: the README's GPU example and Megatron-LM's example scripts
+at their real sizes and GPU counts, each through `python -m mlm_jax.plan` (the exact train step
+of `mlm_jax.train`), one process per case. Prints a table (model, GPUs, layout, GiB per device,
+fits, compile s) and writes the plans' JSON.
+
+    python benchmarks/gpu_compile.py [--cases gpt_1p3b,llama3_8b,...] [--gpu h100] [--out runs/benchmarks]
+
+Needs the compile-only CUDA wheels (pip install -e ".[gpu-compile]"); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "tests" / "megatron_examples"
+
+README_GPT_1P3B = (
+    "--bf16 --use-distributed-optimizer --num-layers 24 --hidden-size 2048 --num-attention-heads 16 "
+    "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size {micro} --global-batch-size 256 "
+    "--hidden-dropout 0 --attention-dropout 0 --train-iters 10000 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 500 "
+    "--data-path my_corpus_text_document --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json "
+    "--merge-file merges.txt")
+
+# Megatron's scripts' own variable values (examples/llama/train_llama3_8b_h100_fp8.sh: TP 1, CP 1,
+# micro 1, global 128, 32 layers, seq 8192 on one node of 8; the paths are placeholders: nothing
+# is read or written by a plan).
+SCRIPT_VARIABLES = {
+    "NUM_LAYERS": "32", "SEQ_LENGTH": "8192", "MAX_POSITION_EMBEDDINGS": "8192", "MICRO_BATCH_SIZE": "1",
+    "GLOBAL_BATCH_SIZE": "128", "TP_SIZE": "1", "CP_SIZE": "1", "DATA_CACHE_PATH": "/tmp/mlm_jax_plan_cache",
+    "CHECKPOINT_PATH": "/tmp/mlm_jax_plan_ckpt", "TENSORBOARD_LOGS_PATH": "/tmp/mlm_jax_plan_tb",
+    "DATASET": "my_corpus_text_document", "DATA_PATH": "my_corpus_text_document",
+    "TOKENIZER_MODEL": "tokenizer.model", "VOCAB_FILE": "vocab.json", "MERGE_FILE": "merges.txt",
+}
+PLACEHOLDERS = {"<PATH TO gpt-vocab.json>": "vocab.json", "<PATH TO gpt-merges.txt>": "merges.txt",
+                "<PATH TO CHECKPOINTS DIRECTORY>": "/tmp/mlm_jax_plan_ckpt",
+                "<TENSORBOARD DIRECTORY>": "/tmp/mlm_jax_plan_tb"}
+# Flags a plan leaves out: they name files and folders of the cluster (a plan reads none) or
+# start work a compile does not do.
+DROP = {"--save", "--load", "--tensorboard-dir", "--data-cache-path", "--profile", "--profile-step-start",
+        "--profile-step-end"}
+
+
+def script_args(name: str, overrides: dict[str, str] | None = None) -> list[str]:
+    """A Megatron example script's flags (tests/megatron_examples/NAME.args), variables filled in."""
+    overrides = overrides or {}
+    argv: list[str] = []
+    for line in (EXAMPLES / f"{name}.args").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        for placeholder, value in PLACEHOLDERS.items():
+            line = line.replace(placeholder, value)
+        line = re.sub(r"\$\{?(\w+)\}?", lambda m: SCRIPT_VARIABLES[m.group(1)], line)
+        flag, *values = shlex.split(line)
+        if flag in DROP:
+            continue
+        if flag in overrides:
+            values = overrides[flag].split()
+        argv += [flag, *values]
+    return argv
+
+
+# name -> (what, GPUs, GPUs per node, argv)
+CASES = {
+    "gpt_1p3b": ("README GPT 1.3B (dp8, ZeRO, micro 8)", 8, 8, README_GPT_1P3B.format(micro=8).split()),
+    "gpt_1p3b_micro4": ("README GPT 1.3B (dp8, ZeRO, micro 4)", 8, 8, README_GPT_1P3B.format(micro=4).split()),
+    "llama3_8b": ("Megatron Llama-3 8B script (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
+                  script_args("llama3_8b_bf16")),
+    "mixtral_8x7b": ("Megatron Mixtral 8x7B script (pp4 x ep8, 32 GPUs)", 32, 8, script_args("mixtral_8x7b")),
+    "gpt3_175b": ("Megatron GPT-3 175B script (tp8 x pp16, 1024 GPUs, fp16)", 1024, 8,
+                  script_args("pretrain_gpt3_175B")),
+}
+
+
+def run_case(name: str, gpu: str, out: Path) -> dict:
+    what, gpus, per_node, argv = CASES[name]
+    json_path = out / f"plan_{name}_{gpu}.json"
+    cmd = [sys.executable, "-m", "mlm_jax.plan", "--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node",
+           str(per_node), "--json", str(json_path), *argv]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    row = {"case": name, "what": what, "gpus": gpus, "exit": p.returncode, "wall_seconds": round(wall, 1),
+           "command": " ".join(["python -m mlm_jax.plan", *cmd[3:]])}
+    if json_path.exists() and p.returncode in (0, 1):
+        r = json.loads(json_path.read_text())
+        row.update(layout=" x ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1),
+                   gib=r["per_device_bytes"]["total"] / 2**30, usable_gib=r["usable_bytes"] / 2**30,
+                   fits=r["fits"], compile_seconds=r["compile_seconds"], attention=r["attention_backend"])
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    if errors:
+        row["error"] = errors[-1]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--gpu", default="h100")
+    ap.add_argument("--out", default="runs/benchmarks")
+    a = ap.parse_args()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"{'case':<18} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9}  attention")
+    for name in a.cases.split(","):
+        row = run_case(name, a.gpu, out)
+        rows.append(row)
+        if "gib" in row:
+            print(f"{name:<18} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
+                  f"{row['compile_seconds']:>9.1f}  {row['attention']}", flush=True)
+        else:
+            print(f"{name:<18} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)
+    (out / f"gpu_compile_{a.gpu}.json").write_text(json.dumps(rows, indent=1))
+    print(f"> {out / f'gpu_compile_{a.gpu}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Worker of the GPU-compile tier (tests/test_gpu_compile.py): compiles each named layout's train
+step for 8 H100s, deviceless, in one process started with the XLA flags a GPU run sets, and
+writes each plan report (or the failure) as JSON.
+
+    python -m tests.gpu_compile_worker OUT.json NAME=FLAGS...  (FLAGS: the training flags, one string)
+"""
+
+import json
+import os
+import shlex
+import sys
+
+
+def main(out: str, cases: list[str]) -> int:
+    from mlm_jax import xla_flags
+    from mlm_jax.arguments import parse_args
+
+    configs = {}
+    for case in cases:
+        name, flags = case.split("=", 1)
+        configs[name] = parse_args(shlex.split(flags))
+    xla_flags.apply(next(iter(configs.values())).parallel, gpu=True)  # the overlap flags are in the set
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from mlm_jax.config import finalize
+    from mlm_jax.plan import check
+    from mlm_jax.plan.compile import compile_step
+    from mlm_jax.plan.targets import devices, gpu
+
+    target = gpu("h100")
+    devs = devices(target, 8)
+    results = {}
+    for name, cfg in configs.items():
+        try:
+            c = compile_step(finalize(cfg, 8), devs)
+            results[name] = check.report(c, target, 8, 8)
+        except Exception as e:  # noqa: BLE001 - the test names the failure
+            results[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:2000]}"}
+        print(name, "error" if "error" in results[name] else "ok", flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.pop("XLA_FLAGS", None)  # the CPU test flags are not a GPU run's
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

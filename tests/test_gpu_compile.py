@@ -1,0 +1,185 @@
+"""The GPU-compile tier: every layout of the equivalence suite compiled for 8 H100s on this
+CPU-only machine (deviceless, jax's CUDA plugin; `pip install -e ".[gpu-compile]"`), through the
+same path as `python -m mlm_jax.plan`, and what each compiled program shows asserted:
+
+- it compiles (today's main failed every data-parallel layout under the default attention
+  backend inside jax's cuDNN partitioner);
+- cuDNN's fused attention wherever the flags allow it (bf16/fp16, no attention dropout, no
+  document mask, no context parallelism), XLA attention elsewhere;
+- no matmul with an fp32 operand in a bf16 dense step;
+- ZeRO's parameter all-gather sends bf16 under --bf16;
+- the data-parallel gradient reduction runs once, outside every loop;
+- every collective is asynchronous, and the data-parallel ones overlap compute.
+
+The compiles run in worker processes started with the XLA flags a GPU run sets (the suite's own
+XLA_FLAGS are for the CPU); skipped, with the reason, only when the CUDA plugin is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlm_jax.plan.targets import plugin_missing
+
+pytestmark = pytest.mark.skipif(plugin_missing() is not None, reason=str(plugin_missing()))
+
+TINY = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 2 --hidden-size 256 "
+        "--num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 "
+        "--global-batch-size 32 --hidden-dropout 0 --attention-dropout 0 --train-iters 10 --lr 1e-4")
+BF16 = TINY + " --bf16"
+LLAMA = " --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear " \
+        "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
+MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+
+# name -> (flags, cuDNN attention expected)
+LAYOUTS = {
+    "dp8": (BF16, True),
+    "dp8_zero": (BF16 + " --use-distributed-optimizer", True),
+    "dp8_zero_grad_bf16": (BF16 + " --use-distributed-optimizer --grad-reduce-in-bf16", True),
+    "tp2_dp4": (BF16 + " --tensor-model-parallel-size 2", True),
+    "tp2_sp_dp4_zero": (BF16 + " --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", True),
+    "tp8_sp": (BF16 + " --tensor-model-parallel-size 8 --sequence-parallel", True),
+    "cp2_p2p": (BF16 + " --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2", False),
+    "cp2_allgather": (BF16 + " --context-parallel-size 2 --cp-comm-type allgather --use-distributed-optimizer", False),
+    "cp2_a2a": (BF16 + " --context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2", False),
+    "pp2_gpipe": (BF16 + " --pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-layers 4", True),
+    "pp2_1f1b_tp2": (BF16 + " --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b --tensor-model-parallel-size 2"
+                     " --sequence-parallel --num-layers 4", True),
+    "pp2_interleaved_zero": (BF16 + " --pipeline-model-parallel-size 2 --num-layers 4 "
+                             "--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer", True),
+    "ep4_alltoall": (BF16 + MOE + " --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall", True),
+    "ep2_allgather_tp2": (BF16 + MOE + " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"
+                          " --tensor-model-parallel-size 2 --sequence-parallel", True),
+    "ep2_pp2": (BF16 + MOE + " --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4", True),
+    "fp16": (TINY + " --fp16 --use-distributed-optimizer", True),
+    "fp32": (TINY, False),
+    "dropout": (BF16 + " --attention-dropout 0.1 --hidden-dropout 0.1", False),
+    "recompute_full_uniform": (BF16 + " --recompute-granularity full --recompute-method uniform "
+                               "--recompute-num-layers 1", True),
+    "recompute_full_block": (BF16 + " --recompute-granularity full --recompute-method block "
+                             "--recompute-num-layers 1", True),
+    "recompute_selective": (BF16 + " --recompute-granularity selective", True),
+    "documents": (BF16 + " --reset-attention-mask --reset-position-ids --eod-mask-loss", False),
+    "llama_tp2_zero": (BF16 + LLAMA + " --tensor-model-parallel-size 2 --sequence-parallel "
+                       "--use-distributed-optimizer", True),
+    "flash_llama_dp8": (BF16 + LLAMA + " --attention-backend flash", True),
+}
+DENSE = [n for n in LAYOUTS if "ep" not in n.split("_")[0] and LAYOUTS[n][0].startswith(BF16)]
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict:
+    """Every layout's plan report, compiled by two worker processes (one per core)."""
+    names = list(LAYOUTS)
+    halves = [names[0::2], names[1::2]]
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(root)
+    procs, outs = [], []
+    for i, half in enumerate(halves):
+        out = tmp_path_factory.mktemp("gpu") / f"plans{i}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.gpu_compile_worker", str(out),
+             *[f"{n}={LAYOUTS[n][0]}" for n in half]],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=1800)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    results = {}
+    for out in outs:
+        results.update(json.loads(out.read_text()))
+    return results
+
+
+def _plan(plans, name) -> dict:
+    r = plans[name]
+    assert "error" not in r, f"{name} does not compile for H100: {r['error']}"
+    return r
+
+
+def _collectives(r, *, axis=None, kinds=None, min_bytes=0):
+    return [c for c in r["collective_list"]
+            if (axis is None or axis in c["axes"]) and (kinds is None or c["kind"] in kinds)
+            and c["bytes"] >= min_bytes]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiles_and_attention_backend(plans, name):
+    r = _plan(plans, name)
+    cudnn = LAYOUTS[name][1]
+    assert (r["attention_backend"] == "cudnn") == cudnn, (name, r["attention_backend"], r["cudnn_attention_calls"])
+    if cudnn:  # the forward kernel and its backward
+        assert r["cudnn_attention_calls"].get("__cudnn$fmhaSoftmax", 0) >= 1
+        assert r["cudnn_attention_calls"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1
+    assert r["per_device_bytes"]["total"] > r["per_device_bytes"]["parameters"] > 0
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_bf16_dense_step_has_no_fp32_matmul(plans, name):
+    r = _plan(plans, name)
+    assert r["matmul_dtypes"], name
+    fp32 = {k: n for k, n in r["matmul_dtypes"].items() if "f32" in k}
+    assert not fp32, (name, r["matmul_dtypes"])
+
+
+ZERO = [n for n in LAYOUTS if "zero" in n or n == "fp16"]
+
+
+@pytest.mark.parametrize("name", ZERO)
+def test_zero_gathers_parameters_in_the_compute_dtype(plans, name):
+    """Megatron's distributed optimizer gathers its bf16 parameter copy: so do we. What stays
+    fp32 are the parameters applied in fp32 (norm scales), a few KiB."""
+    r = _plan(plans, name)
+    low = "f16" if "--fp16" in LAYOUTS[name][0] else "bf16"
+    gathers = _collectives(r, axis="data", kinds=("all-gather",), min_bytes=64 * 1024)
+    assert gathers, name
+    total = sum(c["bytes"] for c in gathers)
+    assert sum(c["bytes_by_dtype"].get(low, 0) for c in gathers) >= 0.98 * total, \
+        [c["bytes_by_dtype"] for c in gathers]
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "dp" in n or "zero" in n or n in ("fp16", "fp32", "dropout")])
+def test_gradient_reduction_once_outside_loops(plans, name):
+    r = _plan(plans, name)
+    grads = _collectives(r, axis="data", kinds=("all-reduce", "reduce-scatter"), min_bytes=64 * 1024)
+    assert grads, name
+    assert not [c for c in grads if c["in_loop"]], [(c["kind"], c["bytes"], c["op_name"]) for c in grads if c["in_loop"]]
+    # Each parameter's gradient is reduced once: the bytes moved are the fp32 (or bf16) gradients,
+    # not a multiple of them (a reduction per microbatch would multiply them by 8).
+    params = r["per_device_bytes"]["parameters"] * (r["mesh"]["data"] if "zero" in name or name == "fp16" else 1)
+    assert sum(c["bytes"] for c in grads) <= 1.05 * params, (sum(c["bytes"] for c in grads), params)
+    if "grad_bf16" in name:
+        assert all(c["dtypes"] == ["bf16"] for c in grads), [c["dtypes"] for c in grads]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_collectives_are_async(plans, name):
+    r = _plan(plans, name)
+    sync = [c for c in r["collective_list"] if not c["is_async"]]
+    assert not sync, [(c["kind"], c["axes"], c["op_name"]) for c in sync]
+    assert r["collectives_async"] == r["collectives_total"] > 0
+
+
+@pytest.mark.parametrize("name", ZERO)
+def test_zero_gather_overlaps_compute(plans, name):
+    r = _plan(plans, name)
+    gathers = r["data_parallel"]["ZeRO parameter gather"]
+    assert gathers["overlapped"] == gathers["count"] >= 1, gathers
+
+
+def test_plan_reports_what_the_schedule_shows(plans):
+    """The report's overlap counts are those of the collective list (compute between start and
+    done); the once-per-step gradient reduction is there in every data-parallel layout."""
+    for name in LAYOUTS:
+        r = _plan(plans, name)
+        assert r["collectives_overlapped"] == sum(c["overlapped"] for c in r["collective_list"])
+        if r["mesh"]["data"] > 1:
+            assert r["data_parallel"]["gradient reduction"]["count"] >= 1, name
