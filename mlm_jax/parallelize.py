@@ -258,19 +258,23 @@ def _reduces_once(cfg: Config, mesh: Mesh) -> bool:
     return sizes[DATA] * sizes[EXPERT] > 1
 
 
-def _gather_once(params, storage, compute, dtype):
+def _gather_once(params, storage, compute, dtype, widen: bool = True):
     """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
     dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
-    bf16 parameter copy) and widened back to fp32 after the gather, which is exact: the model
-    re-casts them, so a gradient taken at the result is an fp32 gradient of the same step.
-    `dtype` None: everything in fp32. The cast is pinned to the storage sharding, or propagation
-    would replicate the fp32 input and gather that."""
+    bf16 parameter copy) and, with `widen`, widened back to fp32 after the gather, which is exact:
+    the model re-casts them, so a gradient taken at the result is an fp32 gradient of the same
+    step. Without `widen` those leaves stay in `dtype` (the model's cast is then a no-op, and
+    their gradients, which the cast's transpose would only widen, come in `dtype`: the caller
+    accumulates them in fp32). `dtype` None: everything in fp32. The cast is pinned to the
+    storage sharding, or propagation would replicate the fp32 input and gather that."""
     if dtype is None:
         return jax.lax.with_sharding_constraint(params, compute)
     low = jax.tree_util.tree_map_with_path(
         lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
     low = jax.lax.with_sharding_constraint(low, storage)  # cast on the shards...
     gathered = jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
+    if not widen:
+        return gathered
     return jax.tree.map(lambda x, p: x.astype(p.dtype), gathered, params)
 
 
@@ -318,13 +322,16 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
     once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding; in
     bf16 with `bf16`, see `_reduce_over_ranks`).
     Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
-    once per step, in `gather_dtype` where given: see `_gather_once`), and each rank differentiates
-    an fp32 copy, so the gradients stay fp32. A model whose head reports aux scalars (batch-wide,
+    once per step, the compute-dtype leaves cast to `gather_dtype` first: see `_gather_once`), and
+    each rank differentiates that copy, accumulating its gradients in fp32. A model whose head reports aux scalars (batch-wide,
     not a sum over rows) takes `fallback`.
     """
     def run(params, batch, key, loss_scale=None):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        compute = _gather_once(params, sh.storage, sh.compute, gather_dtype)  # gathered once
+        # Gathered once, the weights kept in the compute dtype: no fp32 copy of them lives
+        # through the loop, and each microbatch's weight gradients come in the compute dtype
+        # (the same values the fp32 copy's cast would widen), accumulated in fp32.
+        compute = _gather_once(params, sh.storage, sh.compute, gather_dtype, widen=False)
 
         def loss_fn(prm, mb, mb_key, norm):
             tokens, scale = norm
@@ -348,9 +355,10 @@ def _reduce_once_loss_and_grads(graphdef, sh: _Shardings, fallback, gather_dtype
                 mb, index = xs
                 (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                     prm, mb, jax.random.fold_in(key, index), norm)
-                return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, _sum_aux(aux_acc, aux)), None
+                return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads), loss_acc + loss,
+                        _sum_aux(aux_acc, aux)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, prm)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), prm)  # fp32 accumulators
             num_micro, rows_here = mbs["tokens"].shape[:2]
             rows = jax.lax.axis_index(ranks) * rows_here  # this rank's first row
             with use_rules(inner), rows_from(rows), rows_split(ranks, rows_total // rows_here):
@@ -474,7 +482,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
 
     loss_grads_aux, eval_sum = _plain_loss_and_grads(graphdef, sh)
     if _reduces_once(cfg, mesh):  # 1 data-parallel gradient reduction per step, not per microbatch
-        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, zero_gather_dtype(cfg),
+        loss_grads_aux = _reduce_once_loss_and_grads(graphdef, sh, loss_grads_aux, compute_dtype(cfg.model),
                                                      cfg.parallel.grad_reduce_in_bf16)
     if pipeline is not None:  # 6. pipeline: the schedule runs the microbatches
 

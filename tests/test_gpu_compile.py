@@ -183,3 +183,101 @@ def test_plan_reports_what_the_schedule_shows(plans):
         assert r["collectives_overlapped"] == sum(c["overlapped"] for c in r["collective_list"])
         if r["mesh"]["data"] > 1:
             assert r["data_parallel"]["gradient reduction"]["count"] >= 1, name
+
+
+# --------------------------------------------------------------------------- the command
+
+def _plan_cli(tmp_path, *args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root)
+    return subprocess.run([sys.executable, "-m", "mlm_jax.plan", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path, env=env)
+
+
+def _error_lines(p):
+    return [line for line in p.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_plan_cli_reports_and_writes_json_and_hlo(tmp_path):
+    p = _plan_cli(tmp_path, "--gpu", "h200", "--gpus", "8", "--json", "plan.json", "--dump-hlo", "step.hlo",
+                  *BF16.split(), "--tensor-model-parallel-size", "2", "--use-distributed-optimizer")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "fits" in p.stdout and "attention: cudnn" in p.stdout and "NVIDIA H200" in p.stdout, p.stdout
+    r = json.loads((tmp_path / "plan.json").read_text())
+    for key in ("fits", "device_memory_bytes", "per_device_bytes", "attention_backend", "collectives",
+                "compile_seconds"):
+        assert key in r, key
+    assert r["fits"] is True and r["device_memory_bytes"] == 150_754_820_096
+    b = r["per_device_bytes"]
+    assert b["total"] == b["arguments"] + b["outputs"] - b["aliased"] + b["temp"] and b["temp"] > 0
+    assert set(r["collectives"]) >= {"tensor", "data"} and r["mesh"]["tensor"] == 2
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in r["xla_flags"]
+    hlo = (tmp_path / "step.hlo").read_text()
+    assert "__cudnn$fmhaSoftmax" in hlo and "is_scheduled=true" in hlo
+
+
+def test_plan_cli_exit_1_when_it_does_not_fit(tmp_path):
+    p = _plan_cli(tmp_path, "--gpus", "8", *TINY.replace("--hidden-size 256", "--hidden-size 8192")
+                  .replace("--num-attention-heads 8", "--num-attention-heads 64")
+                  .replace("--seq-length 256", "--seq-length 8192")
+                  .replace("--max-position-embeddings 256", "--max-position-embeddings 8192")
+                  .replace("--micro-batch-size 2", "--micro-batch-size 4").split(), "--bf16")
+    assert p.returncode == 1, p.stderr[-3000:]
+    lines = _error_lines(p)
+    assert len(lines) == 1 and "GiB more than the" in lines[0] and "--recompute-granularity full" in lines[0], p.stderr
+    assert "does NOT fit" in p.stdout and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "v100"], "--gpu 'v100': choose one of h100, h200, a100, b200"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
+    (["--gpus", "0"], "--gpus 0 / --gpus-per-node 8: both must be >= 1"),
+    (["--gpus", "8", "--no-such-flag"], "--no-such-flag"),
+    (["--gpus", "8", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "nowhere/llama"],
+     "give --vocab-size N"),
+])
+def test_plan_cli_bad_flags_exit_2_naming_them(tmp_path, args, message):
+    p = _plan_cli(tmp_path, *args, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = _error_lines(p)
+    assert len(lines) == 1 and message in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_compile_only_devices_are_nvidia_for_every_platform_decision():
+    """The mesh's devices decide (a deviceless compile runs in a CPU process)."""
+    import jax
+
+    from mlm_jax import platform
+    from mlm_jax.plan.targets import GPUS, devices
+
+    for name, target in GPUS.items():
+        devs = devices(target, 2, 2)
+        assert devs[0].device_kind == target.description, name
+        assert platform.device_platform(devs[0]) == platform.CUDA
+    assert platform.device_platform(jax.devices()[0]) == platform.CPU
+    assert platform.current() == platform.CPU
+    with platform.use_platform(platform.CUDA):
+        assert platform.current() == platform.CUDA
+
+
+def test_no_fp32_copy_of_the_weights_lives_through_the_microbatch_loop():
+    """The once-per-step path gathers the weights in bf16 and differentiates that copy (its
+    gradients accumulated in fp32): the only fp32 array shaped like the stacked QKV weight in any
+    loop's state is the gradient accumulator. Before, an fp32 copy of every weight (and its fp32
+    gradient) lived through the loop too: 4 such arrays, 51.9 vs 41.3 MiB of temporaries here."""
+    import re
+
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.config import finalize
+    from mlm_jax.plan.compile import compile_step
+    from mlm_jax.plan.targets import devices, gpu
+
+    cfg = finalize(parse_args((BF16 + " --use-distributed-optimizer").split()), 8)
+    c = compile_step(cfg, devices(gpu("h100"), 8))
+    qkv = "[2,256,8,3,32]"  # [layers, embed, kv groups, r + 2, head dim] (dp8: whole on a device)
+    loops = [line for line in c.text.splitlines() if re.match(r"^\s*%while[.\d]* = ", line)]
+    assert loops
+    assert sum(line.count(f"f32{qkv}") for line in loops) == 1, [line.count(f"f32{qkv}") for line in loops]
+    assert sum(line.count(f"bf16{qkv}") for line in loops) >= 1
