@@ -68,14 +68,21 @@ def script_args(name: str, overrides: dict[str, str] | None = None) -> list[str]
     return argv
 
 
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
 # name -> (what, GPUs, GPUs per node, argv)
 CASES = {
     "gpt_1p3b": ("README GPT 1.3B (dp8, ZeRO, micro 8)", 8, 8, README_GPT_1P3B.format(micro=8).split()),
     "gpt_1p3b_micro4": ("README GPT 1.3B (dp8, ZeRO, micro 4)", 8, 8, README_GPT_1P3B.format(micro=4).split()),
-    "llama3_8b": ("Megatron Llama-3 8B script (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
+    "llama3_8b": ("Megatron Llama-3 8B script as written (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
                   script_args("llama3_8b_bf16")),
-    "mixtral_8x7b": ("Megatron Mixtral 8x7B script (pp4 x ep8, 32 GPUs)", 32, 8, script_args("mixtral_8x7b")),
-    "gpt3_175b": ("Megatron GPT-3 175B script (tp8 x pp16, 1024 GPUs, fp16)", 1024, 8,
+    "llama3_8b_recompute": ("the same + full recompute (the plan's first suggestion)", 8, 8,
+                            script_args("llama3_8b_bf16") + RECOMPUTE),
+    "llama3_8b_tp2_recompute": ("the same + full recompute, TP 2 (dp4)", 8, 8,
+                                script_args("llama3_8b_bf16", {"--tensor-model-parallel-size": "2"}) + RECOMPUTE),
+    "mixtral_8x7b": ("Megatron Mixtral 8x7B script (pp4 x ep8), 64 GPUs", 64, 8, script_args("mixtral_8x7b")),
+    "mixtral_8x7b_recompute": ("the same + full recompute", 64, 8, script_args("mixtral_8x7b") + RECOMPUTE),
+    "gpt3_175b": ("Megatron GPT-3 175B script (tp8 x pp16, fp16), 1024 GPUs", 1024, 8,
                   script_args("pretrain_gpt3_175B")),
 }
 
