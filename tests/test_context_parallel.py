@@ -151,3 +151,47 @@ def test_inspect_shows_each_context_ranks_chunks(capsys):
         assert per_rank == [inputs[0:2] + inputs[6:8], inputs[2:6]]
     assert inspect_cli.main(args + ["--context-parallel-size", "3"]) == 2
     assert "--seq-length 8 is not divisible by 2 x --context-parallel-size 3 = 6" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a2a_whole_sequence_in_natural_order_equals_the_stored_order(size):
+    """a2a's cuDNN path (`_a2a(whole=...)`) puts each device's whole sequence in the natural order
+    and runs plain causal attention; here XLA attention stands in for cuDNN's kernel (CPU): output
+    and every input gradient equal the stored-order path's (fp32, 1e-5), GQA, cp2 x tp2 and cp4."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlm_jax.models.attention import XLA
+    from mlm_jax.parallel.context import context_attention
+    from mlm_jax.parallelize import tracing
+    from mlm_jax.sharding import make_mesh
+    from mlm_jax.sharding.rules import activation_rules
+
+    tp = 2 if size == 2 else 1  # a2a splits the 4 kv heads over cp x tp
+    mesh = make_mesh(ParallelConfig(context_parallel_size=size, tensor_model_parallel_size=tp))
+    kq, kk, kv, kw = jax.random.split(jax.random.key(size), 4)
+    b, s = 4, 64
+    q = jax.random.normal(kq, (b, s, 8, 16), jnp.float32)  # [b, s, h, k], stored chunk order
+    k = jax.random.normal(kk, (b, s, 4, 16), jnp.float32)  # [b, s, g, k]
+    v = jax.random.normal(kv, (b, s, 4, 16), jnp.float32)
+    w = jax.random.normal(kw, q.shape, jnp.float32)
+
+    def grads(whole):
+        def loss(q, k, v):
+            return jnp.sum(context_attention(q, k, v, comm_type="a2a", whole=whole) * w)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    with tracing(mesh, activation_rules(False), "a2a"):
+        (ref_loss, ref), (loss, got) = grads(None), grads(XLA)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for a, r in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-5)
+
+
+def test_flash_with_context_parallelism_needs_a2a():
+    base = tiny_config(cp(2, "p2p"), 2, bf16=True, attention_backend="flash")
+    with pytest.raises(ConfigError, match=r"--cp-comm-type p2p: its blocks run XLA attention; use --cp-comm-type a2a"):
+        finalize(base, 8)
+    ok = tiny_config(cp(2, "a2a"), 2, bf16=True, attention_backend="flash")
+    assert finalize(ok, 8).model.attention_backend == "flash"

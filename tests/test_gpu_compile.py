@@ -5,7 +5,7 @@ same path as `python -m mlm_jax.plan`, and what each compiled program shows asse
 - it compiles (today's main failed every data-parallel layout under the default attention
   backend inside jax's cuDNN partitioner);
 - cuDNN's fused attention wherever the flags allow it (bf16/fp16, no attention dropout, no
-  document mask, no context parallelism), XLA attention elsewhere;
+  document mask; with context parallelism, a2a), XLA attention elsewhere;
 - no matmul with an fp32 operand in a bf16 dense step;
 - ZeRO's parameter all-gather sends bf16 under --bf16;
 - the data-parallel gradient reduction runs once, outside every loop;
@@ -47,7 +47,9 @@ LAYOUTS = {
     "tp8_sp": (BF16 + " --tensor-model-parallel-size 8 --sequence-parallel", True),
     "cp2_p2p": (BF16 + " --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2", False),
     "cp2_allgather": (BF16 + " --context-parallel-size 2 --cp-comm-type allgather --use-distributed-optimizer", False),
-    "cp2_a2a": (BF16 + " --context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2", False),
+    "cp2_a2a": (BF16 + " --context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2", True),
+    "cp2_a2a_pp2_flash": (BF16 + " --context-parallel-size 2 --cp-comm-type a2a --attention-backend flash "
+                          "--pipeline-model-parallel-size 2 --num-layers 4", True),
     "pp2_gpipe": (BF16 + " --pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-layers 4", True),
     "pp2_1f1b_tp2": (BF16 + " --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b --tensor-model-parallel-size 2"
                      " --sequence-parallel --num-layers 4", True),

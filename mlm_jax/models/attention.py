@@ -257,11 +257,11 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, y_bsd.dtype
         q, k, v = self._project(y_bsd, positions_bs)
         dropout_on = key is not None and cfg.attention_dropout > 0
-        o = self._context_parallel(q, k, v, segment_ids_bs, key)
-        if o is not None:
-            return self._project_out(o)
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=dropout_on)
+        o = self._context_parallel(q, k, v, segment_ids_bs, key, backend)
+        if o is not None:
+            return self._project_out(o)
         o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
                       dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, k]
         return self._project_out(o)
@@ -272,17 +272,18 @@ class Attention(nnx.Module):
         o = constrain(o_bshk, ("batch", "context_seq", "heads", "head_dim"))
         return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
 
-    def _context_parallel(self, q, k, v, segment_ids_bs, key):
+    def _context_parallel(self, q, k, v, segment_ids_bs, key, backend):
         """Attention over the sequence split on `context` (None when the context size is 1).
 
         The stored sequence is in the load-balanced chunk order; rotary has already used the
-        original positions, and the causal order is rebuilt from the chunk layout inside."""
+        original positions, and the causal order is rebuilt from the chunk layout inside.
+        `backend` CUDNN: a2a's whole-sequence attention runs cuDNN's kernel."""
         from mlm_jax.parallel.context import context_attention, context_size  # parallel imports us
 
         if context_size() == 1:
             return None
         return context_attention(q, k, v, segment_ids_bs, dropout_rate=self.cfg.attention_dropout,
-                                 dropout_key=key)
+                                 dropout_key=key, whole=CUDNN if backend == CUDNN else None)
 
     def cached(self, y_bsd, positions_bs, cache_k_btgk, cache_v_btgk):
         """Attention of s new tokens against a KV cache; returns (out [b, s, d], k cache, v cache).

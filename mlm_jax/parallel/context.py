@@ -37,6 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from mlm_jax.models.attention import attention, causal_mask
@@ -245,18 +246,28 @@ def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = Fa
                      dropout_key=_key(key, rank), inputs_only=True)
 
 
-def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
-    """a2a (Ulysses): [b, s/c, n, k] -> [b, s, n/c, k] for q (n = h) and k, v (n = g)."""
+def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, whole: str | None = None):
+    """a2a (Ulysses): [b, s/c, n, k] -> [b, s, n/c, k] for q (n = h) and k, v (n = g).
+
+    After the all-to-all each device holds the whole sequence (in the stored chunk order) for its
+    heads. `whole` (a backend, e.g. CUDNN on NVIDIA GPUs): put it in the natural order and run
+    plain causal attention with that backend, then back; None: XLA attention on the stored order
+    with explicit positions (documents and dropout need it)."""
     rank = jax.lax.axis_index(CONTEXT)
     s = q.shape[1]
 
     def to_heads(x):  # [b, s/c, n, k] -> [b, s, n/c, k]
         return jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
 
-    seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
-    idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
-    o = attention(to_heads(q), to_heads(k), to_heads(v), idx, idx, seg_all, seg_all,
-                  dropout_rate=rate, dropout_key=_key(key, rank), inputs_only=True)  # [b, s, h/c, k]
+    order = seq_order(s * c, c)  # stored slot j holds position order[j]
+    if whole is not None and seg is None and key is None:
+        natural = np.argsort(order)  # position p sits in stored slot natural[p]
+        o = attention(*(to_heads(x)[:, natural] for x in (q, k, v)), backend=whole)[:, order]  # [b, s, h/c, k]
+    else:
+        seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
+        idx = jnp.asarray(order)[None]  # [1, s]
+        o = attention(to_heads(q), to_heads(k), to_heads(v), idx, idx, seg_all, seg_all,
+                      dropout_rate=rate, dropout_key=_key(key, rank), inputs_only=True)  # [b, s, h/c, k]
     return jax.lax.all_to_all(o, CONTEXT, split_axis=1, concat_axis=2, tiled=True)  # [b, s/c, h, k]
 
 
@@ -310,10 +321,12 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_rate: float = 0.0,
-                      dropout_key=None, comm_type: str | None = None) -> jax.Array:
+                      dropout_key=None, comm_type: str | None = None, whole: str | None = None) -> jax.Array:
     """Causal attention over the context-parallel sequence: [b, s, h, k] sharded [batch,
     s/context, heads, k], keys/values [b, s, g, k]; the stored sequence is in the load-balanced
-    order of `chunks.seq_order`. Called inside the mesh and activation rules."""
+    order of `chunks.seq_order`. Called inside the mesh and activation rules. `whole`: the
+    backend of a2a's whole-sequence attention (CUDNN on NVIDIA GPUs, see `_a2a`); p2p and
+    allgather attend block by block with XLA's."""
     comm_type = comm_type or (_ACTIVE[-1] if _ACTIVE else "p2p")
     c = context_size()
     mesh = jax.sharding.get_abstract_mesh()
@@ -327,6 +340,8 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
              _spec(("batch", "context_seq"), axes))
     use_key = dropout_key is not None and dropout_rate > 0
     impl = functools.partial(_IMPLS[comm_type], in_pipeline=in_pipeline)
+    if comm_type == "a2a":
+        impl = functools.partial(impl, whole=whole)
     body = functools.partial(_body, impl, c, dropout_rate if use_key else 0.0)
     key = dropout_key if use_key else jax.random.key(0)
     return _attend((body, specs, axes), q_bshk, k_bsgk, v_bsgk, segment_ids_bs, key)
