@@ -1,8 +1,15 @@
 """mlm_jax: Megatron-LM's training features on JAX.
 
 `import mlm_jax` stays light (no jax import): data preprocessing workers import the package.
-`mlm_jax.load(path)` (mlm_jax/loading.py) imports jax when first called.
+`mlm_jax.load(path)` (mlm_jax/loading.py) imports jax when first called. The one exception:
+where jax's CUDA plugin is installed on a machine without a GPU (deviceless compiles), jax is
+imported here with stderr silenced, which keeps the plugin's driver-not-found lines out of every
+command's output (`platform.quiet_cuda_plugin`).
 """
+
+from mlm_jax.platform import quiet_cuda_plugin as _quiet
+
+_quiet()
 
 
 def __getattr__(name):

@@ -224,7 +224,7 @@ def test_plan_cli_exit_1_when_it_does_not_fit(tmp_path):
                   .replace("--num-attention-heads 8", "--num-attention-heads 64")
                   .replace("--seq-length 256", "--seq-length 8192")
                   .replace("--max-position-embeddings 256", "--max-position-embeddings 8192")
-                  .replace("--micro-batch-size 2", "--micro-batch-size 4").split(), "--bf16")
+                  .replace("--micro-batch-size 2", "--micro-batch-size 16").replace("--global-batch-size 32", "--global-batch-size 128").split(), "--bf16")
     assert p.returncode == 1, p.stderr[-3000:]
     lines = _error_lines(p)
     assert len(lines) == 1 and "GiB more than the" in lines[0] and "--recompute-granularity full" in lines[0], p.stderr
