@@ -44,7 +44,7 @@ from mlm_jax.models.attention import attention, causal_mask
 from mlm_jax.models.layers import dropout, fp32_einsum
 from mlm_jax.parallel.chunks import local_order, seq_order
 from mlm_jax.sharding.mesh import CONTEXT, PIPE
-from mlm_jax.sharding.rules import active_rules, logical_to_spec
+from mlm_jax.sharding.rules import active_rules, spec_on_axes
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
 NEG = -1e30  # a finite "minus infinity": fully masked rows stay NaN-free in value and gradient
@@ -274,15 +274,6 @@ def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, w
 _IMPLS = {"p2p": _ring, "allgather": _allgather, "a2a": _a2a}
 
 
-def _spec(names, axes) -> P:
-    """The activation spec of logical `names`, keeping only the mesh axes made manual here."""
-    parts = []
-    for part in logical_to_spec(names, active_rules()):
-        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in axes)
-        parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*parts)
-
-
 def _manual_axes(mesh) -> frozenset:
     """The axes this shard_map makes manual: every axis not manual already (inside the
     pipeline's shard_map, `pipe` is)."""
@@ -335,9 +326,9 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
     # ringing them; nested only in the per-rank body of the once-per-step gradient reduction
     # (`data` manual), the ring runs as at top level.
     in_pipeline = PIPE in mesh.axis_names and PIPE not in axes
-    specs = (_spec(("batch", "context_seq", "heads", "head_dim"), axes),
-             _spec(("batch", "context_seq", "kv_heads", "head_dim"), axes),
-             _spec(("batch", "context_seq"), axes))
+    specs = (spec_on_axes(("batch", "context_seq", "heads", "head_dim"), axes),
+             spec_on_axes(("batch", "context_seq", "kv_heads", "head_dim"), axes),
+             spec_on_axes(("batch", "context_seq"), axes))
     use_key = dropout_key is not None and dropout_rate > 0
     impl = functools.partial(_IMPLS[comm_type], in_pipeline=in_pipeline)
     if comm_type == "a2a":

@@ -54,8 +54,6 @@ def gpu(name: str) -> Gpu:
 
 def devices(target: Gpu, count: int, per_node: int = 8) -> list:
     """`count` compile-only devices of `target`, `per_node` to a host (hosts x gpus per host)."""
-    import jax
-
     why = plugin_missing()
     if why:
         raise UsageError(why)

@@ -131,11 +131,12 @@ def constrain(x, names: Sequence[str | None]):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, _ACTIVE_RULES[-1]))
 
 
-def _free_axes_spec(names: Sequence[str | None], free) -> P:
-    """The activation spec of logical `names` under the rules in force, keeping only `free` axes."""
+def spec_on_axes(names: Sequence[str | None], axes) -> P:
+    """The activation spec of logical `names` under the rules in force, keeping only the mesh
+    `axes` (those a shard_map makes manual)."""
     parts = []
     for part in logical_to_spec(names, _ACTIVE_RULES[-1]):
-        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in free)
+        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in axes)
         parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*parts)
 
@@ -159,8 +160,8 @@ def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence
         free = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
         if not free:
             return fn(*args)
-        return jax.shard_map(fn, in_specs=tuple(_free_axes_spec(n, free) for n in in_names),
-                             out_specs=_free_axes_spec(out_names, free), axis_names=free,
+        return jax.shard_map(fn, in_specs=tuple(spec_on_axes(n, free) for n in in_names),
+                             out_specs=spec_on_axes(out_names, free), axis_names=free,
                              check_vma=False)(*args)
 
     return run
