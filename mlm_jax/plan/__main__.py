@@ -80,13 +80,10 @@ def main(argv=None) -> int:
         print("\nEvery other flag is a training flag (python -m mlm_jax.train --help).")
         return 0
     from mlm_jax.arguments import parse_args
-    from mlm_jax.plan.targets import gpu, plugin_missing
+    from mlm_jax.plan.targets import check_cluster, gpu, plugin_missing
 
     target = gpu(own.gpu)
-    if own.gpus < 1 or own.gpus_per_node < 1:
-        raise UsageError(f"--gpus {own.gpus} / --gpus-per-node {own.gpus_per_node}: both must be >= 1")
-    if own.gpus % min(own.gpus, own.gpus_per_node):
-        raise UsageError(f"--gpus {own.gpus} is not a multiple of --gpus-per-node {own.gpus_per_node}")
+    check_cluster(own.gpus, own.gpus_per_node)  # before any parsing or compiling
     _writable(own.json, "--json")
     _writable(own.dump_hlo, "--dump-hlo")
     cfg = parse_args(train_argv)
@@ -109,9 +106,9 @@ def _plan(cfg, train_argv, own, target) -> int:
     from mlm_jax.config import finalize
     from mlm_jax.plan import check
     from mlm_jax.plan.compile import compile_step
-    from mlm_jax.plan.targets import devices
+    from mlm_jax.plan.targets import check_cluster, devices
 
-    gpus, per_node = own.gpus, min(own.gpus, own.gpus_per_node)
+    gpus, per_node = own.gpus, check_cluster(own.gpus, own.gpus_per_node)
     cfg = _with_vocab(finalize(cfg, gpus), train_argv, gpus)
     if cfg.parallel.tensor_model_parallel_size > per_node:
         print(f"> note: --tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} spans nodes "

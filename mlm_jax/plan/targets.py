@@ -52,16 +52,22 @@ def gpu(name: str) -> Gpu:
     return GPUS[name]
 
 
+def check_cluster(count: int, per_node: int) -> int:
+    """GPUs per node as used (a cluster smaller than a node is one node); UsageError naming
+    --gpus / --gpus-per-node when the counts do not make whole nodes."""
+    if count < 1 or per_node < 1:
+        raise UsageError(f"--gpus {count} / --gpus-per-node {per_node}: both must be >= 1")
+    if count % min(per_node, count):
+        raise UsageError(f"--gpus {count} is not a multiple of --gpus-per-node {per_node}")
+    return min(per_node, count)
+
+
 def devices(target: Gpu, count: int, per_node: int = 8) -> list:
     """`count` compile-only devices of `target`, `per_node` to a host (hosts x gpus per host)."""
     why = plugin_missing()
     if why:
         raise UsageError(why)
-    if count < 1 or per_node < 1:
-        raise UsageError(f"--gpus {count} / --gpus-per-node {per_node}: both must be >= 1")
-    per_node = min(per_node, count)
-    if count % per_node:
-        raise UsageError(f"--gpus {count} is not a multiple of --gpus-per-node {per_node}")
+    per_node = check_cluster(count, per_node)
     from jax.experimental import topologies
 
     with open(target.target_file) as f:
