@@ -29,9 +29,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mlm_jax.models.attention import CUDNN, XLA, attention, on_nvidia_gpu
 from mlm_jax.parallel.chunks import seq_order
-from mlm_jax.parallel.context import COMM_TYPES, context_attention, use_comm_type
+from mlm_jax.parallel.context import COMM_TYPES, context_attention
 from mlm_jax.sharding.mesh import AXES, CONTEXT
-from mlm_jax.sharding.rules import activation_rules, use_rules
+from mlm_jax.sharding import trace
+from mlm_jax.sharding.rules import activation_rules
 
 
 def inputs(seq, heads, groups, head_dim, dtype=jnp.float32):
@@ -75,8 +76,8 @@ def cp_row(cp, comm, args, steps):
     order = seq_order(args[0].shape[1], cp)
     sh = NamedSharding(mesh, P(None, CONTEXT))
     placed = [jax.device_put(x[:, order], sh) for x in args]  # the load-balanced chunk order
-    fn = grad_of(lambda q, k, v: context_attention(q, k, v))
-    with jax.set_mesh(mesh), use_rules(activation_rules(False)), use_comm_type(comm):
+    fn = grad_of(lambda q, k, v: context_attention(q, k, v, comm_type=comm))
+    with jax.set_mesh(mesh), trace.using(rules=activation_rules(False)):
         return measure(fn, placed, steps)
 
 

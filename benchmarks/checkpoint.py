@@ -23,7 +23,8 @@ import numpy as np
 
 from mlm_jax import checkpoint as ckpt
 from mlm_jax.config import CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig, finalize
-from mlm_jax.parallelize import count_params, parallelize
+from mlm_jax.models.build import count_params
+from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 
 SIZES = {

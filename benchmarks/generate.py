@@ -26,7 +26,7 @@ from flax import nnx
 from mlm_jax.config import Config, padded_vocab_size
 from mlm_jax.generate import Decoder
 from mlm_jax.models.presets import tiny_gpt
-from mlm_jax.parallelize import abstract_model, init_params
+from mlm_jax.models.build import abstract_model, init_params
 
 
 def _best(fn, repeats: int) -> float:

@@ -71,7 +71,8 @@ def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> d
     from mlm_jax.config import finalize
     from mlm_jax.instruments import step_memory
     from mlm_jax.metrics import device_memory, device_peak, flops_per_token
-    from mlm_jax.parallelize import count_params, parallelize
+    from mlm_jax.models.build import count_params
+    from mlm_jax.parallelize import parallelize
     from mlm_jax.sharding import make_mesh
 
     cfg = finalize(parse_args(flags(name, recompute, smoke, micro) + ["--train-iters", str(steps + 2)]), 1)

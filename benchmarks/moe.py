@@ -23,8 +23,10 @@ import numpy as np
 
 from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
 from mlm_jax.metrics import active_params, flops_per_token, time_train_steps
-from mlm_jax.models.moe_dispatch import dispatch_and_combine, expert_ffn
-from mlm_jax.parallelize import parallelize, tracing
+from mlm_jax.models.moe import expert_ffn
+from mlm_jax.parallel.experts import dispatch_and_combine
+from mlm_jax.parallel import tracing
+from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 
 

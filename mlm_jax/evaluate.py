@@ -169,7 +169,7 @@ class Scorer:
 
         from mlm_jax.config import Config
         from mlm_jax.models.gpt import cross_entropy
-        from mlm_jax.parallelize import abstract_model
+        from mlm_jax.models.build import abstract_model
 
         self.model = model
         graphdef, _, _ = abstract_model(Config(model=model.config))
@@ -188,7 +188,7 @@ class Scorer:
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
 
-        from mlm_jax.parallelize import tracing
+        from mlm_jax.parallel import tracing
         from mlm_jax.sharding.rules import activation_rules
         from mlm_jax.sharding.specs import tokens_spec
 

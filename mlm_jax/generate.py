@@ -222,7 +222,7 @@ class Decoder:
         if self.mesh is None:
             outs = fn(self.params, *arrays)
         else:
-            from mlm_jax.parallelize import tracing
+            from mlm_jax.parallel import tracing
 
             with tracing(self.mesh, self.rules):
                 outs = fn(self.params, *arrays)

@@ -43,7 +43,8 @@ class LoadedModel:
         from flax import nnx
         from jax.sharding import NamedSharding
 
-        from mlm_jax.parallelize import abstract_model, tracing
+        from mlm_jax.models.build import abstract_model
+        from mlm_jax.parallel import tracing
         from mlm_jax.sharding.rules import activation_rules
         from mlm_jax.sharding.specs import tokens_spec
 
@@ -75,7 +76,7 @@ class LoadedModel:
         if self._decoder is None:
             from mlm_jax.config import Config
             from mlm_jax.generate import Decoder
-            from mlm_jax.parallelize import abstract_model
+            from mlm_jax.models.build import abstract_model
             from mlm_jax.sharding.rules import activation_rules
 
             m = self.config
@@ -136,7 +137,7 @@ def _shardings(model: ModelConfig, mesh):
     import jax
     from jax.sharding import NamedSharding
 
-    from mlm_jax.parallelize import abstract_model
+    from mlm_jax.models.build import abstract_model
     from mlm_jax.sharding.rules import logical_to_spec, param_rules
 
     _, shapes, names = abstract_model(Config(model=model))

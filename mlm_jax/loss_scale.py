@@ -83,6 +83,14 @@ def _dynamic_update(rules: Scaler, state: dict, found_inf) -> dict:
             "hysteresis_tracker": jnp.where(found_inf, o_hyst, c_hyst).astype(jnp.int32)}
 
 
+def token_weight(batch: dict, loss_scale=None):
+    """The one factor every path of the step multiplies a microbatch's summed token loss by: one
+    over the unmasked tokens of the whole global batch (at least 1), so the step's loss is the
+    token mean however the batch is split, times the loss scale when there is one."""
+    weight = 1.0 / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    return weight if loss_scale is None else weight * loss_scale
+
+
 def unscale(loss, grads, scale):
     """(loss, grads, found_inf) from the scaled loss and its gradients: both multiplied by
     1/scale in fp32 (Megatron's inv_scale), found_inf when any gradient element is inf or NaN

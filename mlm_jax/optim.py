@@ -149,3 +149,16 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
             mask=decay_mask,
         ),
     )
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, shapes: dict, param_sharding: dict, mesh):
+    """The shardings of `tx`'s state for parameters of `shapes` stored as `param_sharding`: the
+    moments exactly like their parameters (sharded over `data` too under ZeRO), the counters
+    replicated."""
+    from jax.sharding import NamedSharding
+
+    from mlm_jax.sharding.specs import replicated
+
+    return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), param_sharding,
+                                 transform_non_params=lambda _: NamedSharding(mesh, replicated()))
+

@@ -2,8 +2,8 @@
 
 A deviceless GPU compile (`mlm_jax.plan`) runs in a CPU process whose mesh holds compile-only
 NVIDIA devices, so every platform decision (the attention backend, host offload, the XLA flags)
-asks the devices the step is traced for. `parallelize.tracing` puts the mesh's platform in force
-while a step is traced; outside it the default device decides.
+asks the devices the step is traced for. `parallel.tracing` puts the mesh's platform in the trace
+context (`sharding.trace`) while a step is traced; outside it the default device decides.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import os
 import sys
 
 CUDA, ROCM, CPU, TPU = "cuda", "rocm", "cpu", "tpu"
-
-_ACTIVE: list[str] = []  # the platform of the mesh being traced (innermost last)
-
 
 def device_platform(device) -> str:
     """'cuda' (NVIDIA GPU), 'rocm', 'cpu', 'tpu' or the device's own platform name."""
@@ -35,20 +32,12 @@ def mesh_platform(mesh) -> str:
     return device_platform(mesh.devices.flat[0])
 
 
-@contextlib.contextmanager
-def use_platform(platform: str):
-    """The platform in force while a step is traced (see `current`)."""
-    _ACTIVE.append(platform)
-    try:
-        yield platform
-    finally:
-        _ACTIVE.pop()
-
-
 def current() -> str:
     """The platform of the step being traced, else of the default device."""
-    if _ACTIVE:
-        return _ACTIVE[-1]
+    from mlm_jax.sharding import trace
+
+    if trace.current().platform is not None:
+        return trace.current().platform
     import jax
 
     return device_platform(jax.devices()[0])

@@ -157,7 +157,9 @@ def build_model(cfg: Config, log):
     from mlm_jax.metrics import active_params
     from mlm_jax.models.attention import backend_note
     from mlm_jax.platform import mesh_platform
-    from mlm_jax.parallelize import abstract_model, bf16_grad_reduce_note, count_params, parallelize
+    from mlm_jax.models.build import abstract_model, count_params
+    from mlm_jax.parallel.data import bf16_grad_reduce_note
+    from mlm_jax.parallelize import parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.parallel)
@@ -202,30 +204,22 @@ def build_loaders(cfg: Config, pz, data, start, plan: RunPlan):
     the data order is a function of the sample index, so resuming continues it exactly
     (validation too: a checkpoint records how many validation batches were used). With a
     batch-size schedule, `plan` gives each iteration's batch."""
-    from mlm_jax.data import BatchLoader, make_batch
+    from mlm_jax.data import BatchLoader
+    from mlm_jax.data.batch import batch_fn
 
     t, tokenizer = cfg.train, data.tokenizer
-    keep = ("tokens", "labels", "loss_mask", "position_ids") + (
-        ("segment_ids",) if cfg.data.reset_attention_mask else ())
-
-    def batch_fn(samples):
-        full = make_batch(samples, eod=tokenizer.eod if tokenizer else cfg.model.vocab_size - 1,
-                          eod_mask_loss=cfg.data.eod_mask_loss,
-                          reset_position_ids=cfg.data.reset_position_ids,
-                          reset_attention_mask=cfg.data.reset_attention_mask)
-        return {k: full[k] for k in keep}
-
+    make = batch_fn(cfg.data, tokenizer.eod if tokenizer else cfg.model.vocab_size - 1)
     shape, sharding = pz.batch_shape(), pz.batch_sharding()
     if plan.schedule.varies:  # loader index k serves iteration k + 1
-        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
+        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, make,
                              start_iteration=start.iteration, prefetch=cfg.data.prefetch,
                              end_iteration=t.train_iters,
                              plan=lambda k: (plan.first_sample(k + 1), pz.batch_shape(plan.batch_size(k + 1))))
     else:
-        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, batch_fn,
+        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, make,
                              start_iteration=start.consumed_samples // t.global_batch_size,
                              prefetch=cfg.data.prefetch)
-    valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, batch_fn,
+    valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, make,
                          start_iteration=start.valid_batches, prefetch=0)
              if data.valid is not None and t.eval_iters > 0 else None)  # --eval-iters 0: no validation
     return loader, valid

@@ -10,7 +10,7 @@ without the flag, each as a jit named grads_<case> so the dumps can be told apar
 import jax
 
 from mlm_jax.config import ParallelConfig
-from mlm_jax.parallelize import tracing
+from mlm_jax.parallel import tracing
 from tests.parallel_util import build, fixed_batch, place
 
 CASES = {

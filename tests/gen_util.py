@@ -9,7 +9,7 @@ import numpy as np
 
 from mlm_jax.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
 from mlm_jax.loading import LoadedModel, _shardings
-from mlm_jax.parallelize import init_params
+from mlm_jax.models.build import init_params
 from mlm_jax.sharding.mesh import make_mesh
 from tests.test_hf import gpt2_reference, llama_reference, make_gpt2, make_llama  # noqa: F401
 

@@ -260,7 +260,7 @@ def test_per_device_blocks_equal_the_whole_attention():
     level and inside a per-rank body manual over `data`, on data4 x tensor2."""
     from jax.sharding import PartitionSpec as P
 
-    from mlm_jax.parallelize import tracing
+    from mlm_jax.parallel import tracing
     from mlm_jax.sharding import make_mesh
     from mlm_jax.sharding.rules import activation_rules, per_device
 

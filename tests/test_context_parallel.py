@@ -163,7 +163,7 @@ def test_a2a_whole_sequence_in_natural_order_equals_the_stored_order(size):
 
     from mlm_jax.models.attention import XLA
     from mlm_jax.parallel.context import context_attention
-    from mlm_jax.parallelize import tracing
+    from mlm_jax.parallel import tracing
     from mlm_jax.sharding import make_mesh
     from mlm_jax.sharding.rules import activation_rules
 

@@ -48,7 +48,7 @@ def test_cache_is_sharded_like_the_heads():
     """The compiled program keeps the [layers, batch, len, kv_heads, head_dim] cache split on
     kv_heads over tensor: each device's cache buffer holds kv_heads / tp heads."""
     from mlm_jax.generate import _decode_program
-    from mlm_jax.parallelize import tracing
+    from mlm_jax.parallel import tracing
 
     m = memory_model(2, "gpt2")
     dec = m.decoder()

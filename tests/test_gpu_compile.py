@@ -253,6 +253,7 @@ def test_compile_only_devices_are_nvidia_for_every_platform_decision():
 
     from mlm_jax import platform
     from mlm_jax.plan.targets import GPUS, devices
+    from mlm_jax.sharding import trace
 
     for name, target in GPUS.items():
         devs = devices(target, 2, 2)
@@ -260,7 +261,7 @@ def test_compile_only_devices_are_nvidia_for_every_platform_decision():
         assert platform.device_platform(devs[0]) == platform.CUDA
     assert platform.device_platform(jax.devices()[0]) == platform.CPU
     assert platform.current() == platform.CPU
-    with platform.use_platform(platform.CUDA):
+    with trace.using(platform=platform.CUDA):
         assert platform.current() == platform.CUDA
 
 

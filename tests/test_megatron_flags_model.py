@@ -285,7 +285,7 @@ def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding(par
 
 
 def test_grad_reduce_in_bf16_says_where_it_does_not_apply():
-    from mlm_jax.parallelize import bf16_grad_reduce_note
+    from mlm_jax.parallel.data import bf16_grad_reduce_note
     from mlm_jax.sharding.mesh import make_mesh
 
     def note(parallel, **model):
@@ -344,7 +344,7 @@ def test_partial_rotary_in_the_model_and_its_kv_cache():
     from tests.gen_util import LLAMA_STYLE, V, uncached_greedy
     from mlm_jax.config import Config, ModelConfig, padded_vocab_size
     from mlm_jax.loading import LoadedModel, _shardings
-    from mlm_jax.parallelize import init_params
+    from mlm_jax.models.build import init_params
     from mlm_jax.sharding.mesh import make_mesh
 
     def loaded(percent):

@@ -1,4 +1,4 @@
-"""Mixture of experts (mlm_jax/models/moe.py, moe_dispatch.py).
+"""Mixture of experts (mlm_jax/models/moe.py, mlm_jax/parallel/experts.py).
 
 Checked here:
   - the MoE layer (dropless, grouped matmul) equals a per-token dense reference written below
@@ -226,7 +226,7 @@ LAYOUTS = {
                             MOE + (("moe_expert_capacity_factor", 1.0), ("moe_token_drop_policy", "position"),
                                    ("moe_pad_expert_input_to_capacity", True))),
     # A MoE reduces its gradients once per step: each data rank runs its own rows, the router's
-    # counts summed over the ranks (moe.rows_split); so do the layouts above (each data x expert
+    # counts summed over the ranks (the trace's rank_split); so do the layouts above (each data x expert
     # rank its rows and experts; capacity decided over every rank's tokens).
     "dp8_reduce_once": (ParallelConfig(), 1, MOE),
     # Capacity dropping reduces once too: the keep decision sees every rank's tokens.

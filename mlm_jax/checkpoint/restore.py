@@ -25,15 +25,6 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def _opt_shardings(tx, shapes, param_sharding, mesh):
-    import jax
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, shapes), param_sharding,
-                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
-
-
 def plain_layout(pz):
     """(shapes, param shardings, opt shardings, pipeline or None) of the layout checkpoints hold.
 
@@ -45,12 +36,13 @@ def plain_layout(pz):
         return pz.shapes, pz.param_sharding, pz.opt_sharding, None
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from mlm_jax.parallelize import abstract_model
+    from mlm_jax.models.build import abstract_model
+    from mlm_jax.optim import optimizer_shardings
     from mlm_jax.pipeline.layout import map_layer_leaves
 
     _, shapes, _ = abstract_model(pz.cfg)
     p_sh = map_layer_leaves(lambda s: NamedSharding(s.mesh, P(None, *tuple(s.spec)[1:])), pz.param_sharding)
-    return shapes, p_sh, _opt_shardings(pz.tx, shapes, p_sh, pz.mesh), pipe
+    return shapes, p_sh, optimizer_shardings(pz.tx, shapes, p_sh, pz.mesh), pipe
 
 
 def layout_record(pz) -> dict:
@@ -247,7 +239,7 @@ def restore_host_params(found: Found) -> dict:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from mlm_jax.parallelize import abstract_model
+    from mlm_jax.models.build import abstract_model
 
     saved = found.config
     if saved.model.padded_vocab_size is None:

@@ -57,3 +57,24 @@ def make_batch(
         "position_ids": position_ids,
         "segment_ids": segment_ids,
     }
+
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # + segment_ids with reset mask
+
+
+def batch_keys(data) -> tuple[str, ...]:
+    """The arrays of a training batch for a `DataConfig` (segment_ids only with
+    --reset-attention-mask: without it every segment id is 0 and the step does not read them)."""
+    return BATCH_KEYS + (("segment_ids",) if data.reset_attention_mask else ())
+
+
+def batch_fn(data, eod: int):
+    """[n, seq+1] samples -> the training batch (`batch_keys`) under `data`'s document flags."""
+
+    def make(samples):
+        full = make_batch(samples, eod=eod, eod_mask_loss=data.eod_mask_loss,
+                          reset_position_ids=data.reset_position_ids,
+                          reset_attention_mask=data.reset_attention_mask)
+        return {k: full[k] for k in batch_keys(data)}
+
+    return make

@@ -1,7 +1,7 @@
 """Training batches for a parallelized model in one call: what a notebook (or a short script)
 needs to step `train_step` without re-assembling `train.py`'s data plumbing.
 
-    batches = train_batches(pz)                      # pz = mlm_jax.parallelize.parallelize(cfg, mesh)
+    batches = train_batches(pz)                      # pz = mlm_jax.parallelize(cfg, mesh)
     state, metrics = pz.train_step(state, next(batches), key)
 
 The data are `cfg.data`'s (mock data, the default corpus, or --data-path prefixes), sampled as
@@ -20,10 +20,9 @@ def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: 
     `pz` is a `mlm_jax.parallelize.Parallel`. Its config's vocab must be the data's: with a
     tokenizer whose vocab differs from `cfg.model.vocab_size`, this raises naming both.
     """
-    from mlm_jax.data.batch import make_batch
+    from mlm_jax.data.batch import batch_fn
     from mlm_jax.data.builder import build_datasets, megatron_num_samples
     from mlm_jax.data.loader import BatchLoader
-    from mlm_jax.parallelize import batch_keys
 
     cfg, t = pz.cfg, pz.cfg.train
     sizes = megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
@@ -33,16 +32,8 @@ def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: 
         raise ValueError(f"the data's tokenizer has {tok.vocab_size} tokens but the model's vocab_size "
                          f"is {cfg.model.vocab_size}; build the config with vocab_size={tok.vocab_size}")
     dataset = {"train": data.train, "valid": data.valid, "test": data.test}[split]
-    keep = batch_keys(cfg)
     eod = tok.eod if tok is not None else cfg.model.vocab_size - 1
-
-    def batch_fn(samples):
-        full = make_batch(samples, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss,
-                          reset_position_ids=cfg.data.reset_position_ids,
-                          reset_attention_mask=cfg.data.reset_attention_mask)
-        return {k: full[k] for k in keep}
-
-    loader = BatchLoader(dataset, t.global_batch_size, pz.batch_sharding(), pz.batch_shape(), batch_fn,
-                         start_iteration=start_iteration, prefetch=prefetch)
+    loader = BatchLoader(dataset, t.global_batch_size, pz.batch_sharding(), pz.batch_shape(),
+                         batch_fn(cfg.data, eod), start_iteration=start_iteration, prefetch=prefetch)
     for batch, _ in loader:
         yield batch

@@ -29,7 +29,8 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
-from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, rows_from, zeros
+from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, zeros
+from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
 
 XLA, CUDNN = "xla", "cudnn"
@@ -132,7 +133,7 @@ def _attend_plain(q, k, v, mask, key, row0, rate):
 
 def _attend_forward(q, k, v, mask, key, row0, rate):
     probs, lse = _probs(q, k, mask)
-    with rows_from(row0):
+    with trace.using(row_offset=row0):
         probs = dropout(probs, rate, key)
     out = jnp.einsum("bgqt,bgtk->bgqk", probs.astype(v.dtype), v)
     return out, (q, k, v, mask, key, row0, lse, out)
@@ -144,7 +145,7 @@ def _attend_backward(rate, residuals, d_out):
     q, k, v, mask, key, row0, lse, out = residuals
     probs, _ = _probs(q, k, mask, lse)
     d_probs = jnp.einsum("bgqk,bgtk->bgqt", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    with rows_from(row0):  # the forward's mask again (a function of the key and the global rows)
+    with trace.using(row_offset=row0):  # the forward's mask again (a function of the key and the global rows)
         dropped = dropout(probs, rate, key).astype(v.dtype)
         d_probs = dropout(d_probs, rate, key)  # through the dropout: the same mask and scale
     d_v = jnp.einsum("bgqt,bgqk->bgtk", dropped, d_out.astype(v.dtype),
@@ -158,7 +159,7 @@ def _attend_backward(rate, residuals, d_out):
 
 
 # The XLA attention core on heads-major operands, q [b, g, rows, k], k and v [b, g, t, k], mask
-# [b or 1, 1, rows, t], the dropout key and the global index of row 0 (`rows_from`). Like a
+# [b or 1, 1, rows, t], the dropout key and the global index of row 0 (the trace's `row_offset`). Like a
 # fused (flash) kernel it keeps only the output and the softmax's log-normaliser [b, g, rows]
 # for the backward, not the [b, g, rows, t] probabilities; products in the compute dtype with
 # fp32 accumulation, the softmax in fp32.
@@ -273,14 +274,14 @@ class Attention(nnx.Module):
         return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
 
     def _context_parallel(self, q, k, v, segment_ids_bs, key, backend):
-        """Attention over the sequence split on `context` (None when the context size is 1).
+        """Attention over the context-parallel sequence split (None when it is not split).
 
         The stored sequence is in the load-balanced chunk order; rotary has already used the
         original positions, and the causal order is rebuilt from the chunk layout inside.
-        `backend` CUDNN: a2a's whole-sequence attention runs cuDNN's kernel."""
-        from mlm_jax.parallel.context import context_attention, context_size  # parallel imports us
-
-        if context_size() == 1:
+        `backend` CUDNN: a2a's whole-sequence attention runs cuDNN's kernel. The function is
+        the trace's (`parallel.tracing` installs it where the mesh splits the sequence)."""
+        context_attention = trace.current().context_attention
+        if context_attention is None:
             return None
         return context_attention(q, k, v, segment_ids_bs, dropout_rate=self.cfg.attention_dropout,
                                  dropout_key=key, whole=CUDNN if backend == CUDNN else None)

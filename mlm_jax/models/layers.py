@@ -4,13 +4,12 @@ rotary embeddings and the compute dtype. No mesh here: parameters carry logical 
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.sharding import trace
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -91,8 +90,8 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0.
 
     The mask is a function of the key and each element's index in the *global* tensor (dim 0,
-    the batch rows, offset by `rows_from`), never of how the tensor is split: a data-parallel rank
-    running its own rows (parallelize's reduce-once step) draws exactly the mask those rows get
+    the batch rows, offset by the trace's `row_offset`), never of how the tensor is split: a
+    data-parallel rank running its own rows (parallelize's reduce-once step) draws exactly the mask those rows get
     on one device."""
     if key is None or rate == 0.0:
         return x
@@ -100,23 +99,12 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-_ROW_OFFSET: list = []  # stack of the global index of this program's row 0 (see rows_from)
-
-
-@contextlib.contextmanager
-def rows_from(offset):
-    """Trace the body's dropout masks as rows offset.. of the global batch (a per-rank body)."""
-    _ROW_OFFSET.append(offset)
-    try:
-        yield
-    finally:
-        _ROW_OFFSET.pop()
-
-
 def row_offset() -> jax.Array:
-    """The current global index of row 0 (0 outside `rows_from`), as an int32 array: for a
-    custom VJP, whose backward is traced apart and so must receive it as an argument."""
-    return jnp.asarray(_ROW_OFFSET[-1] if _ROW_OFFSET else 0, jnp.int32)
+    """The global index of this program's row 0 (the trace's `row_offset`; 0 outside a per-rank
+    body), as an int32 array: for a custom VJP, whose backward is traced apart and so must
+    receive it as an argument."""
+    offset = trace.current().row_offset
+    return jnp.asarray(0 if offset is None else offset, jnp.int32)
 
 
 def _fmix32(h):
@@ -138,8 +126,8 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.A
     h = jnp.broadcast_to(h, shape)
     for dim in range(len(shape)):
         idx = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
-        if dim == 0 and _ROW_OFFSET:
-            idx = idx + jnp.asarray(_ROW_OFFSET[-1]).astype(jnp.uint32)
+        if dim == 0 and trace.current().row_offset is not None:
+            idx = idx + jnp.asarray(trace.current().row_offset).astype(jnp.uint32)
         h = _fmix32(h ^ (idx * jnp.uint32(0x9E3779B1) + jnp.uint32(dim + 1)))
     threshold = jnp.uint32(min(int(keep_prob * (1 << 24)), 1 << 24))
     return (h >> 8) < threshold  # 24 uniform bits against keep_prob

@@ -3,10 +3,11 @@ z losses, capacity dropping) and grouped experts, optionally with a shared exper
 
 The router runs on every token of the microbatch (GSPMD: the statistics and the capacity are
 those of the whole microbatch, so every parallel layout computes the same function; where the
-step runs each data-parallel rank's rows on their own to reduce gradients once, `rows_split`
-sums the router's counts over the ranks so that the statistics stay the whole microbatch's). The token
-dispatch to the experts, their grouped matmul and the combine live in
-`mlm_jax/models/moe_dispatch.py` (shard_map over `expert`, all-to-all or all-gather).
+step runs each data-parallel rank's rows on their own to reduce gradients once, it
+sums the router's counts over the ranks (the trace's `rank_split`) so that the statistics stay the
+whole microbatch's). The experts' grouped matmul is here (`expert_ffn`); the token dispatch to
+expert-parallel ranks and the combine (shard_map over `expert`, all-to-all or all-gather) are
+`mlm_jax/parallel/experts.py`'s, installed in the trace context by the step.
 
 Formulas (Megatron-LM, megatron/core/transformer/moe/router.py and moe_utils.py), for T tokens,
 E experts, top-k K, router logits z [T, E]:
@@ -26,7 +27,6 @@ Shape letters: t token, e expert, k top-k choice, d embed, f expert mlp, b batch
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -37,6 +37,7 @@ from flax import nnx
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.layers import cast, normal, param, zeros
 from mlm_jax.models.mlp import MLP
+from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain
 
 # The per-layer statistics a MoE layer reports (summed over layers by the layer scan).
@@ -54,41 +55,39 @@ class Routing:
     stats: dict
 
 
-_SPLIT: list = []  # stack of (axis name, ranks): this program holds one rank's rows (rows_split)
+# Where the step runs each data-parallel rank's rows on their own (the reduce-once step, the
+# pipeline's per-rank schedule), the trace's `rank_split` is (manual axes, ranks): this program
+# holds one of `ranks` row blocks of the microbatch. The router's statistics stay those of the
+# whole microbatch: the counts the losses need are summed over the ranks (a psum of a few
+# scalars per layer, no gradient through it) and every reported loss and metric becomes this
+# rank's share, so that summing the ranks' losses, gradients and metrics gives the whole
+# microbatch's. Capacity too: the keep decision counts the earlier ranks' rows first (position
+# policy) or ranks every rank's router scores (probs policy).
 
 
-@contextlib.contextmanager
-def rows_split(axis: str, ranks: int):
-    """Trace the body as one of `ranks` ranks of a microbatch split by rows over the manual mesh
-    axis `axis` (parallelize's reduce-once step). The router's statistics stay those of the whole
-    microbatch: the counts the losses need are summed over the ranks (a psum of a few scalars
-    per layer, no gradient through it) and every reported loss and metric becomes this rank's
-    share, so that summing the ranks' losses, gradients and metrics gives the whole
-    microbatch's. Capacity too: the keep decision counts the earlier ranks' rows first
-    (position policy) or ranks every rank's router scores (probs policy)."""
-    _SPLIT.append((axis, ranks))
-    try:
-        yield
-    finally:
-        _SPLIT.pop()
+def _split_axes():
+    split = trace.current().rank_split
+    return None if split is None else split[0]
 
 
 def _whole(x):
     """The whole microbatch's sum of a per-rank statistic `x` (no gradient through it)."""
-    if not _SPLIT:
+    axes = _split_axes()
+    if axes is None:
         return x
-    return jax.lax.psum(jax.lax.stop_gradient(x), _SPLIT[-1][0])
+    return jax.lax.psum(jax.lax.stop_gradient(x), axes)
 
 
 def _ranks() -> int:
-    return _SPLIT[-1][1] if _SPLIT else 1
+    split = trace.current().rank_split
+    return 1 if split is None else split[1]
 
 
 def _ranks_before(x):
     """The sum of a per-rank statistic `x` over the ranks holding earlier rows (no gradient)."""
-    if not _SPLIT:
+    axis = _split_axes()
+    if axis is None:
         return jnp.zeros_like(x)
-    axis = _SPLIT[-1][0]
     every = jax.lax.all_gather(jax.lax.stop_gradient(x), axis)  # [ranks, ...] in row order
     before = jnp.arange(every.shape[0]) < jax.lax.axis_index(axis)
     return jnp.sum(jnp.where(before.reshape(-1, *([1] * x.ndim)), every, 0), axis=0)
@@ -96,9 +95,10 @@ def _ranks_before(x):
 
 def _rows_of_all_ranks(x_et):
     """[E, T] per rank -> [E, ranks * T]: every rank's columns, in row order (no gradient)."""
-    if not _SPLIT:
+    axes = _split_axes()
+    if axes is None:
         return x_et
-    return jax.lax.all_gather(jax.lax.stop_gradient(x_et), _SPLIT[-1][0], axis=1, tiled=True)
+    return jax.lax.all_gather(jax.lax.stop_gradient(x_et), axes, axis=1, tiled=True)
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -155,7 +155,7 @@ def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
     if cfg.moe_expert_capacity_factor is None:
         return jnp.ones(experts_tk.shape, bool)
     T, E = experts_tk.shape[0], cfg.num_experts
-    C = capacity(T * _ranks(), cfg)  # the whole microbatch's (rows_split: this rank holds T of them)
+    C = capacity(T * _ranks(), cfg)  # the whole microbatch's (rank_split: this rank holds T of them)
     onehot_tke = jax.nn.one_hot(experts_tk, E, dtype=jnp.int32)  # [T, K, E]
     chosen_te = jnp.sum(onehot_tke, axis=1)  # [T, E]
     if cfg.moe_token_drop_policy == "position":
@@ -169,7 +169,8 @@ def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
         score_et = _rows_of_all_ranks(jnp.where(chosen_te > 0, prob_te, -1.0).T)  # [E, all tokens]
         _, top_ec = jax.lax.top_k(score_et, min(C, score_et.shape[1]))  # [E, C]
         keep_et = jnp.zeros(score_et.shape, bool).at[jnp.arange(E)[:, None], top_ec].set(True)
-        first = T * jax.lax.axis_index(_SPLIT[-1][0]) if _SPLIT else 0  # this rank's columns
+        axes = _split_axes()
+        first = 0 if axes is None else T * jax.lax.axis_index(axes)  # this rank's columns
         keep_te = jax.lax.dynamic_slice_in_dim(keep_et, first, T, axis=1).T & (chosen_te > 0)
     return jnp.take_along_axis(keep_te, experts_tk, axis=1)  # [T, K]
 
@@ -228,8 +229,8 @@ class MoE(nnx.Module):
         self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs) if shared else None
 
     def __call__(self, y_bsd) -> tuple[jax.Array, dict]:
-        from mlm_jax.models.moe_dispatch import dispatch_and_combine
-
+        # The expert-parallel dispatch where a step installed one (parallel/experts.py).
+        dispatch_and_combine = trace.current().expert_dispatch or all_experts_here
         cfg, dt = self.cfg, y_bsd.dtype
         b, s, d = y_bsd.shape
         logits = jnp.einsum("bsd,de->bse", y_bsd.astype(jnp.float32), self.router[...])  # [b, s, E] fp32
@@ -291,3 +292,78 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
         "moe_microbatches": jnp.full((), 1.0 / _ranks(), jnp.float32),
     }
     return w - jax.lax.stop_gradient(w), metrics
+
+
+# --------------------------------------------------------------------------- the experts' compute
+# The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by expert, or,
+# with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
+# Shape letters here: r row (= token x choice). The dispatch of tokens to expert-parallel ranks
+# (shard_map over `expert`) is `parallel/experts.py`'s, installed in the trace context.
+
+
+def _activation(cfg: ModelConfig, h):
+    if cfg.swiglu:  # [r, 2, f]
+        return jax.nn.silu(h[:, 0]) * h[:, 1]
+    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
+
+
+def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
+    """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
+
+    w1 [n_local, d, (2,) f], w2 [n_local, f, d], b1 [n_local, (2,) f] or None. The partial sum
+    over a tensor-split f is returned unreduced. `cap`: run as [n_local, cap] slots (padded to
+    capacity) instead of the grouped matmul; every expert must have at most `cap` rows."""
+    n_local, R = w1.shape[0], x_rd.shape[0]
+    order = jnp.argsort(ids_r, stable=True)  # rows grouped by expert, empty rows last
+    ids_s = ids_r[order]
+    xs = x_rd[order]  # [R, d]
+    sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
+    valid = ids_s < n_local
+    if cap is None:
+        w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
+        h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
+        if b1 is not None:
+            h = h + b1[jnp.minimum(ids_s, n_local - 1)]
+        u = jnp.where(valid[:, None], _activation(cfg, h), 0)  # [r, f]
+        ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
+    else:
+        starts = jnp.cumsum(sizes) - sizes
+        slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
+        e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
+        buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
+        h = jnp.einsum("ecd,ed...->ec...", buf, w1)  # [e, c, (2,) f]
+        if b1 is not None:
+            h = h + b1[:, None]
+        y_ecd = jnp.einsum("ecf,efd->ecd", _activation_ec(cfg, h), w2)
+        ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
+    return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
+
+
+def _activation_ec(cfg: ModelConfig, h):
+    if cfg.swiglu:  # [e, c, 2, f]
+        return jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
+
+
+def row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:
+    """Slots per expert with --moe-pad-expert-input-to-capacity (capacity of the microbatch)."""
+    if not cfg.moe_pad_expert_input_to_capacity:
+        return None
+    return capacity(tokens_per_group * _ranks(), cfg)  # a per-rank body holds 1/ranks of them
+
+
+def local_experts(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
+    """Every expert on this device: [T, d] -> [T, d] (partial over a tensor-split f)."""
+    T, K = e_tk.shape
+    ids = jnp.where(w_tk != 0, e_tk, w1.shape[0]).reshape(T * K)  # dropped rows: empty
+    y_rd = expert_ffn(cfg, jnp.repeat(x_td, K, axis=0), ids, w1, w2, b1, cap)  # [T*K, d]
+    return jnp.einsum("tk,tkd->td", w_tk, y_rd.reshape(T, K, -1))
+
+
+def all_experts_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
+    """Every expert on every token, here: [b, s, d] -> [b, s, d] (no mesh, or nothing to split)."""
+    b, s, d = y_bsd.shape
+    cap = row_capacity(cfg, b * s)
+    out = local_experts(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
+                 weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
+    return out.reshape(b, s, d)

@@ -44,13 +44,10 @@ from mlm_jax.models.attention import attention, causal_mask
 from mlm_jax.models.layers import dropout, fp32_einsum
 from mlm_jax.parallel.chunks import local_order, seq_order
 from mlm_jax.sharding.mesh import CONTEXT, PIPE
-from mlm_jax.sharding.rules import active_rules, spec_on_axes
+from mlm_jax.sharding.rules import spec_on_axes
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
 NEG = -1e30  # a finite "minus infinity": fully masked rows stay NaN-free in value and gradient
-
-_ACTIVE: list[str] = []
-
 
 # q k^T [b, g, r, s, t] in fp32 from compute-dtype q [b, s, g, r, k] and k [b, t, g, k].
 _scores = fp32_einsum("bsgrk,btgk->bgrst", "bgrst,btgk->bsgrk", "bgrst,bsgrk->btgk")
@@ -59,30 +56,11 @@ _scores = fp32_einsum("bsgrk,btgk->bgrst", "bgrst,btgk->bsgrk", "bgrst,bsgrk->bt
 _values = fp32_einsum("bgrst,btgk->bgrsk", "bgrsk,btgk->bgrst", "bgrsk,bgrst->btgk")
 
 
-class use_comm_type:
-    """Context manager: the --cp-comm-type in force while a step is traced."""
-
-    def __init__(self, comm_type: str):
-        if comm_type not in COMM_TYPES:
-            raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
-        self.comm_type = comm_type
-
-    def __enter__(self):
-        _ACTIVE.append(self.comm_type)
-
-    def __exit__(self, *exc):
-        _ACTIVE.pop()
-
-
-def context_size() -> int:
-    """The `context` axis size of the mesh being traced under; 1 outside a mesh, the rules or
-    `use_comm_type` (callers whose sequence is not in the chunk order, e.g. generation)."""
-    if not active_rules() or not _ACTIVE:
-        return 1
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or CONTEXT not in mesh.axis_names:
-        return 1
-    return dict(mesh.shape)[CONTEXT]
+def check_comm_type(comm_type: str) -> str:
+    """`comm_type` if it is one of Megatron's --cp-comm-type values, else ValueError."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+    return comm_type
 
 
 # --------------------------------------------------------------------------- one block
@@ -318,9 +296,9 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
     order of `chunks.seq_order`. Called inside the mesh and activation rules. `whole`: the
     backend of a2a's whole-sequence attention (CUDNN on NVIDIA GPUs, see `_a2a`); p2p and
     allgather attend block by block with XLA's."""
-    comm_type = comm_type or (_ACTIVE[-1] if _ACTIVE else "p2p")
-    c = context_size()
+    comm_type = check_comm_type(comm_type or "p2p")
     mesh = jax.sharding.get_abstract_mesh()
+    c = dict(mesh.shape)[CONTEXT]
     axes = _manual_axes(mesh)
     # Inside the pipeline's stage body (`pipe` manual already) p2p gathers its blocks instead of
     # ringing them; nested only in the per-rank body of the once-per-step gradient reduction

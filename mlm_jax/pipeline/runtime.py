@@ -67,23 +67,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config, ConfigError, pipeline_plan
 from mlm_jax.models.gpt import VocabSplit, stage_keys
-from mlm_jax.models.layers import compute_dtype, rows_from
-from mlm_jax.models.moe import aux_terms, rows_split
+from mlm_jax.models.layers import compute_dtype
+from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves
-from mlm_jax.parallelize import (_gather_once, _rank_axes, _reduce_over_ranks, _reduces_once, _without_manual,
-                                 zero_gather_dtype)
+from mlm_jax.parallel.data import (gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once,
+                                   zero_gather_dtype)
 from mlm_jax.sharding.mesh import DATA, PIPE, varying
-from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
+from mlm_jax.sharding.rules import constrain, zero_spec
 from mlm_jax.sharding.specs import (auto_part, blocks_over_pipe, holds, manual_part, pipe_blocks, pipe_scatter_dim,
                                     pipe_stored, replicated, rows_over, stacked_per_rank, stage_chunks, with_pipe)
 
@@ -254,27 +254,23 @@ class Pipeline:
                        loss_scale=None):
         """(token-mean loss of the global batch, grads in the storage sharding, summed aux);
         with `loss_scale` (fp16) the loss and grads are those of loss x loss_scale."""
-        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-        if loss_scale is not None:
-            total_tokens = total_tokens / loss_scale  # the `scale` below: loss_scale / tokens
-        # ZeRO: the one all-gather per step, the weights in bf16 under --bf16 (see _gather_once).
-        params = _gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
+        # ZeRO: the one all-gather per step, the weights in bf16 under --bf16 (see gather_once).
+        params = gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
         per_rank = self.reduces_once(params, batch)
-        loss, grads, aux = self._run(program, params, batch, key, 1.0 / total_tokens, specs, per_rank,
+        weight = ls.token_weight(batch, loss_scale)
+        loss, grads, aux = self._run(program, params, batch, key, weight, specs, per_rank,
                                      jax.tree.map(lambda sh: sh.spec, param_sharding))
         if per_rank:  # [dp/data, ...] per-rank gradients: the one data-parallel reduction
-            return loss, _reduce_over_ranks(grads, param_sharding, self.cfg.parallel.grad_reduce_in_bf16), aux
+            return loss, reduce_over_ranks(grads, param_sharding, self.cfg.parallel.grad_reduce_in_bf16), aux
         return loss, jax.lax.with_sharding_constraint(grads, param_sharding), aux
 
     def reduces_once(self, params: dict, batch: dict) -> bool:
         """Whether data-parallel gradients are accumulated per rank over the whole schedule and
-        reduced once after it: `parallelize`'s conditions (data parallel, a MoE only dropless:
-        its router's counts are summed over the ranks, see `moe.rows_split`; no expert
-        parallelism: inside a stage the dispatch runs every expert on the whole microbatch), and
-        no head aux (batch-wide statistics that a per-rank body would change)."""
-        if not _reduces_once(self.cfg, self.mesh):
+        reduced once after it: `parallel.data.reduces_once`, the rule the plain step follows,
+        asked with the head's aux (batch-wide statistics that a per-rank body would change)."""
+        if not reduces_once(self.mesh):
             return False
 
         def head_aux():
@@ -282,7 +278,7 @@ class Pipeline:
             x = jnp.zeros((B, S, self.cfg.model.hidden_size), compute_dtype(self.cfg.model))
             return nnx.merge(self.graphdef, params).head(x, batch["labels"][0], batch["loss_mask"][0])[1]
 
-        return not jax.tree.leaves(jax.eval_shape(head_aux))
+        return reduces_once(self.mesh, jax.eval_shape(head_aux))
 
     def loss_sum(self, params: dict, batch: dict, compute_sharding) -> jax.Array:
         """Sum of masked token losses of the batch, no dropout (evaluation)."""
@@ -310,9 +306,8 @@ class Pipeline:
         arrays = {k: jnp.asarray(v) for k, v in program.arrays.items()}
         use_dropout = key is not None
         key = jax.random.key(0) if key is None else key
-        ranks = _rank_axes(self.mesh) if per_rank else ()
+        ranks = rank_axes(self.mesh) if per_rank else ()
         axes = (PIPE, *ranks)
-        rules = tuple((n, _without_manual(a, ranks)) for n, a in active_rules())
         specs_in = specs
         shared_held = jax.tree.map(lambda sp: manual_part(sp, axes), {k: v for k, v in specs.items() if k != "layers"})
         head_split = VocabSplit(PIPE, blocked="lm_head" in specs and holds(specs["lm_head"], PIPE))
@@ -325,10 +320,8 @@ class Pipeline:
         def body(layers_blk, shared, batch, key, scale, arrays):
             # Per rank, dropout masks are drawn for this rank's rows of the global batch.
             # A dropless MoE router keeps the whole microbatch's statistics (summed over the ranks).
-            rows = jax.lax.axis_index(ranks) * batch["tokens"].shape[1] if per_rank else 0
-            num_ranks = math.prod(dict(self.mesh.shape)[a] for a in ranks)
-            split = rows_split(ranks, num_ranks) if per_rank else contextlib.nullcontext()
-            with use_rules(rules), rows_from(rows), split:
+            inner = per_rank_trace(self.mesh, ranks, batch["tokens"].shape[1]) if per_rank else contextlib.nullcontext()
+            with inner:
                 stage = _Stage(self, program, specs, use_dropout, layers_blk, shared, batch, key, scale, axes,
                                head_split)
                 loss, d_layers, d_shared, aux = stage.run(arrays)

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from jax.sharding import AxisType, PartitionSpec as P
 
+from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT, TENSOR
 
 Axes = str | tuple[str, ...] | None
@@ -98,44 +99,26 @@ def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int], axis: s
     return P(*parts)
 
 
-# The activation rules in force while a step is traced (set by `use_rules`); model code calls
-# `constrain` with logical names only and never sees a mesh.
-_ACTIVE_RULES: list[Rules] = []
-
-
-class use_rules:
-    """Context manager: the activation rules `constrain` resolves against (needs jax.set_mesh)."""
-
-    def __init__(self, rules: Rules):
-        self.rules = rules
-
-    def __enter__(self):
-        _ACTIVE_RULES.append(self.rules)
-        return self.rules
-
-    def __exit__(self, *exc):
-        _ACTIVE_RULES.pop()
-
-
 def active_rules() -> Rules:
-    """The activation rules in force (empty outside `use_rules`)."""
-    return _ACTIVE_RULES[-1] if _ACTIVE_RULES else ()
+    """The activation rules in force while a step is traced (`sharding.trace`; empty outside)."""
+    return trace.current().rules
 
 
 def constrain(x, names: Sequence[str | None]):
-    """Pin activation `x` to the sharding its logical dims map to; a no-op outside `use_rules`."""
-    if not _ACTIVE_RULES:
+    """Pin activation `x` to the sharding its logical dims map to; a no-op without rules in force."""
+    rules = active_rules()
+    if not rules:
         return x
     import jax
 
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, _ACTIVE_RULES[-1]))
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
 def spec_on_axes(names: Sequence[str | None], axes) -> P:
     """The activation spec of logical `names` under the rules in force, keeping only the mesh
     `axes` (those a shard_map makes manual)."""
     parts = []
-    for part in logical_to_spec(names, _ACTIVE_RULES[-1]):
+    for part in logical_to_spec(names, active_rules()):
         kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a in axes)
         parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*parts)
@@ -144,7 +127,7 @@ def spec_on_axes(names: Sequence[str | None], axes) -> P:
 def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence[str | None]):
     """`fn` run on each device's own block of its arguments: a fully manual shard_map over every
     mesh axis not manual already, the blocks laid out as the logical `in_names` / `out_names`
-    map under the rules in force; `fn` itself outside `use_rules`.
+    map under the rules in force; `fn` itself without rules in force.
 
     For kernels whose custom partitioner cannot see through a partly manual program (cuDNN's
     fused attention inside the per-rank data-parallel body or a pipeline stage): given per-device
@@ -152,7 +135,7 @@ def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence
     def run(*args):
         import jax
 
-        if not _ACTIVE_RULES:
+        if not active_rules():
             return fn(*args)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:

@@ -1,4 +1,4 @@
-"""Token dispatch to the experts and combine back, written by hand in shard_map.
+"""Expert parallelism: token dispatch to the experts and combine back, written by hand in shard_map.
 
 Expert parallelism is carved out of data parallelism (Megatron): the batch rows are split over
 (data, expert), the experts over `expert`, each expert's hidden dim over `tensor`. Inside the
@@ -13,8 +13,7 @@ shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/e
              the rows routed to them, and a reduce-scatter over `expert` returns each device's
              tokens (Megatron's allgather dispatcher).
 
-The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by expert, or,
-with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
+The experts themselves run as the model's grouped matmul (`models.moe.expert_ffn`).
 With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
 
 Where the step reduces gradients once per step (any data- or expert-parallel step), its
@@ -22,9 +21,9 @@ per-rank body is already manual over data and expert: the dispatch nests a shard
 `tensor` alone there, or, in the pipeline's per-rank schedule, runs its collectives without one
 (`tensor` then stays GSPMD's).
 
-Outside a mesh (single-device model code, tests) the same functions run on all tokens with
-every expert local. Shape letters: t token, k choice, r row (= token x choice), e expert,
-d embed, f expert mlp, g expert-parallel rank.
+`parallel.tracing` installs `dispatch_and_combine` in the trace context; outside a step the model
+runs every expert on every token itself (`models.moe.all_experts_here`). Shape letters: t token,
+k choice, r row (= token x choice), e expert, d embed, f expert mlp, g expert-parallel rank.
 """
 
 from __future__ import annotations
@@ -33,73 +32,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, row_capacity
 from mlm_jax.sharding.mesh import EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
-
-
-def _activation(cfg: ModelConfig, h):
-    if cfg.swiglu:  # [r, 2, f]
-        return jax.nn.silu(h[:, 0]) * h[:, 1]
-    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
-
-
-def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
-    """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
-
-    w1 [n_local, d, (2,) f], w2 [n_local, f, d], b1 [n_local, (2,) f] or None. The partial sum
-    over a tensor-split f is returned unreduced. `cap`: run as [n_local, cap] slots (padded to
-    capacity) instead of the grouped matmul; every expert must have at most `cap` rows."""
-    n_local, R = w1.shape[0], x_rd.shape[0]
-    order = jnp.argsort(ids_r, stable=True)  # rows grouped by expert, empty rows last
-    ids_s = ids_r[order]
-    xs = x_rd[order]  # [R, d]
-    sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
-    valid = ids_s < n_local
-    if cap is None:
-        w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
-        h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
-        if b1 is not None:
-            h = h + b1[jnp.minimum(ids_s, n_local - 1)]
-        u = jnp.where(valid[:, None], _activation(cfg, h), 0)  # [r, f]
-        ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
-    else:
-        starts = jnp.cumsum(sizes) - sizes
-        slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
-        e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
-        buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
-        h = jnp.einsum("ecd,ed...->ec...", buf, w1)  # [e, c, (2,) f]
-        if b1 is not None:
-            h = h + b1[:, None]
-        y_ecd = jnp.einsum("ecf,efd->ecd", _activation_ec(cfg, h), w2)
-        ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
-    return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
-
-
-def _activation_ec(cfg: ModelConfig, h):
-    if cfg.swiglu:  # [e, c, 2, f]
-        return jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
-    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
-
-
-def _row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:
-    """Slots per expert with --moe-pad-expert-input-to-capacity (capacity of the microbatch)."""
-    if not cfg.moe_pad_expert_input_to_capacity:
-        return None
-    from mlm_jax.models.moe import _ranks, capacity
-
-    return capacity(tokens_per_group * _ranks(), cfg)  # a per-rank body holds 1/ranks of them
-
-
-def _local(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
-    """Every expert on this device: [T, d] -> [T, d] (partial over a tensor-split f)."""
-    T, K = e_tk.shape
-    ids = jnp.where(w_tk != 0, e_tk, w1.shape[0]).reshape(T * K)  # dropped rows: empty
-    y_rd = expert_ffn(cfg, jnp.repeat(x_td, K, axis=0), ids, w1, w2, b1, cap)  # [T*K, d]
-    return jnp.einsum("tk,tkd->td", w_tk, y_rd.reshape(T, K, -1))
 
 
 def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
@@ -139,7 +77,7 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     w_all = jax.lax.all_gather(w_tk, EXPERT, axis=0, tiled=True)
     mine = (e_all // n_local == me) & (w_all != 0)
     local_e = jnp.where(mine, e_all - me * n_local, 0)
-    y_all = _local(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1, cap)  # [ep*T, d]
+    y_all = local_experts(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1, cap)  # [ep*T, d]
     return jax.lax.psum_scatter(y_all, EXPERT, scatter_dimension=0, tiled=True)  # [T, d]
 
 
@@ -154,14 +92,14 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules:  # outside a mesh: every expert on every token, here
-        return _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
+        return all_experts_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1)
     sizes = dict(mesh.shape)
     tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
     outer = frozenset(getattr(mesh, "manual_axes", ()))
     # Manual over `expert` already (the per-rank bodies of a step that reduces gradients once,
-    # see `parallelize._reduces_once`): the rows and experts here are this rank's own; the
+    # see `parallel.data.reduces_once`): the rows and experts here are this rank's own; the
     # shard_map below adds `tensor` (in parallelize's body; the pipeline's: no shard_map).
     per_rank = EXPERT in outer and sizes[EXPERT] > 1
     if (outer and not per_rank) or uneven:
@@ -175,13 +113,13 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         # device runs every expert on the microbatch: the same function, without expert
         # parallelism's savings.
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
-        out = _everything_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
+        out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
                                whole(w1), whole(w2), whole(b1))
         return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
     ep = sizes[EXPERT]
     # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
     # per expert.
-    cap = _row_capacity(cfg, b * s)
+    cap = row_capacity(cfg, b * s)
     if per_rank and PIPE in outer:
         # The pipeline's per-rank schedule: a shard_map nested in the layer scan there fails
         # Shardy's verifier, so the dispatch's collectives run right here and `tensor` stays
@@ -197,7 +135,7 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         bl = x.shape[0]
         args = (cfg, x.reshape(bl * s, d), e.reshape(bl * s, -1), w.reshape(bl * s, -1), w1_, w2_, b1_, cap)
         if ep == 1:
-            out = _local(*args)
+            out = local_experts(*args)
         elif cfg.moe_token_dispatcher_type == "allgather":
             out = _allgather(*args, ep)
         else:
@@ -270,14 +208,6 @@ def _spec_axes(spec) -> set:
 
 def _sum_over(x, axes):
     return jax.lax.psum(x, tuple(sorted(axes))) if axes else x
-
-
-def _everything_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
-    b, s, d = y_bsd.shape
-    cap = _row_capacity(cfg, b * s)
-    out = _local(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
-                 weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
-    return out.reshape(b, s, d)
 
 
 def _weight_names(cfg: ModelConfig, w1_ndim: int):

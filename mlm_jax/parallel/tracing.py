@@ -1,0 +1,30 @@
+"""What a step is traced in: the mesh and the trace context (`sharding/trace.py`), with the
+hand-written parallel pieces the model calls installed in it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax.sharding import Mesh
+
+from mlm_jax.parallel.context import check_comm_type, context_attention
+from mlm_jax.parallel.experts import dispatch_and_combine
+from mlm_jax.platform import mesh_platform
+from mlm_jax.sharding import trace
+from mlm_jax.sharding.mesh import CONTEXT
+
+
+@contextlib.contextmanager
+def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
+    """The mesh, its activation `rules`, its devices' platform and the expert dispatch in force
+    while a step is traced. `cp_comm_type` (the train and eval steps, whose batches are in the
+    load-balanced chunk order) installs context-parallel attention where the mesh splits the
+    sequence over `context`; without it attention runs on the whole sequence."""
+    cp = None
+    if cp_comm_type is not None and check_comm_type(cp_comm_type) and dict(mesh.shape)[CONTEXT] > 1:
+        cp = functools.partial(context_attention, comm_type=cp_comm_type)
+    with jax.set_mesh(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp,
+                                         expert_dispatch=dispatch_and_combine):
+        yield

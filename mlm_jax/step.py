@@ -1,0 +1,221 @@
+"""The training step: loss and gradients over the microbatches, one optimizer update, overflow
+skipping. `parallelize` builds it (with the shardings) and jits it.
+
+The step takes a global batch shaped [microbatches, micro * dp, seq] and averages the loss over
+every unmasked token of the global batch (`loss_scale.token_weight`), so the result does not
+depend on how the batch is split. How the microbatches run is chosen once, as a value (`loss_functions`):
+  - the pipeline's schedule (mlm_jax/pipeline/runtime.py) with pipeline size > 1;
+  - else a `lax.scan` over the microbatches, per data-parallel rank with the gradients reduced
+    once after the loop where `parallel.data.reduces_once` allows; else (one rank, or a model
+    whose head reports batch-wide aux) with GSPMD reducing each microbatch's gradients.
+All of them run the model's stage API (`GPT.loss` = embed_tokens, run_layers, head); the head's
+`aux` scalars are summed over microbatches into the metrics (`metrics["aux"]`).
+
+Loss scaling (--fp16, or a static --loss-scale; mlm_jax/loss_scale.py): every gradient path takes
+the scale and differentiates loss x scale; the step unscales in fp32, skips the update when any
+gradient overflowed (the whole state but the scaler kept) and moves the scaler, which lives in
+the state under "loss_scale".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mlm_jax import loss_scale as ls
+from mlm_jax.config import Config
+from mlm_jax.models.layers import compute_dtype
+from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
+from mlm_jax.parallel.data import gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once
+from mlm_jax.sharding.specs import manual_part, rows_over, stacked_per_rank
+
+# (params, batch, key, loss_scale=None) -> (token-mean loss, grads in storage sharding, summed aux)
+LossAndGrads = Callable
+# (params, batch) -> the batch's summed token loss (evaluation: no dropout)
+LossSum = Callable
+
+
+def sum_aux(acc: dict, aux: dict) -> dict:
+    return jax.tree.map(jnp.add, acc, aux)
+
+
+def loss_functions(cfg: Config, mesh, graphdef, compute: dict, storage: dict,
+                   pipeline=None) -> tuple[LossAndGrads, LossSum]:
+    """The step's (loss_and_grads, loss_sum) for parameters stored as `storage` and computed
+    with as `compute`: the pipeline's schedule when there is a `pipeline`, else the microbatch
+    loop (reducing gradients once per step where `reduces_once` allows)."""
+    if pipeline is not None:
+
+        def pipelined(params, batch, key, loss_scale=None):
+            return pipeline.loss_and_grads(params, batch, key, compute, storage, loss_scale=loss_scale)
+
+        return pipelined, lambda params, batch: pipeline.loss_sum(params, batch, compute)
+    run, loss_sum = plain_loss_and_grads(graphdef, compute, storage)
+    if reduces_once(mesh):  # one data-parallel gradient reduction per step, not per microbatch
+        run = reduce_once_loss_and_grads(graphdef, compute, storage, run, compute_dtype(cfg.model),
+                                         cfg.parallel.grad_reduce_in_bf16)
+    return run, loss_sum
+
+
+def plain_loss_and_grads(graphdef, compute: dict, storage: dict) -> tuple[LossAndGrads, LossSum]:
+    """The microbatches accumulated with lax.scan under GSPMD: each microbatch's gradients are
+    reduced (reduce-scattered into ZeRO's storage) as they come."""
+
+    def gathered(params):
+        # Storage -> compute mapping: under ZeRO this is the all-gather of the parameters.
+        return jax.lax.with_sharding_constraint(params, compute)
+
+    def run(params, batch, key, loss_scale=None):
+        weight = ls.token_weight(batch, loss_scale)
+
+        def loss_fn(prm, mb, mb_key):
+            loss_sum, aux = nnx.merge(graphdef, gathered(prm)).loss(mb, mb_key)
+            return loss_sum * weight, aux
+
+        def micro(carry, xs):
+            grads_acc, loss_acc, aux_acc = carry
+            mb, index = xs
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, mb, jax.random.fold_in(key, index))
+            # Back to storage: under ZeRO the gradient reduce-scatters over data.
+            grads = jax.lax.with_sharding_constraint(grads, storage)
+            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, sum_aux(aux_acc, aux)), None
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first, key)[1])
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), storage)
+        num_micro = batch["tokens"].shape[0]  # [microbatches, micro * dp, seq]
+        (grads, loss, aux), _ = jax.lax.scan(
+            micro, (zeros, jnp.zeros((), jnp.float32), aux0), (batch, jnp.arange(num_micro)))
+        return loss, grads, aux
+
+    def loss_sum(params, batch):
+        def micro(acc, mb):
+            return acc + nnx.merge(graphdef, gathered(params)).loss(mb, None)[0], None
+
+        return jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)[0]
+
+    return run, loss_sum
+
+
+def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback: LossAndGrads,
+                               gather_dtype=None, bf16: bool = False) -> LossAndGrads:
+    """Like `plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
+
+    The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
+    stays GSPMD's), so every rank accumulates the gradient of its own rows and nothing ties the
+    ranks together inside the loop: the accumulator is one unreduced gradient per rank
+    (Megatron's local gradient buffer), stacked [dp/data, ...] on the way out and summed over dp
+    once after the loop (an all-reduce, or a reduce-scatter into ZeRO's storage sharding; in
+    bf16 with `bf16`, see `parallel.data.reduce_over_ranks`).
+    Parameters are gathered to the compute sharding once, before the loop (ZeRO's all-gather
+    once per step, the compute-dtype leaves cast to `gather_dtype` first: see
+    `parallel.data.gather_once`), and each rank differentiates that copy, accumulating its
+    gradients in fp32. A model whose head reports aux scalars that are not MoE rank shares
+    takes `fallback` (`reduces_once`).
+    """
+    def run(params, batch, key, loss_scale=None):
+        # Gathered once, the weights kept in the compute dtype: no fp32 copy of them lives
+        # through the loop, and each microbatch's weight gradients come in the compute dtype
+        # (the same values the fp32 copy's cast would widen), accumulated in fp32.
+        gathered = gather_once(params, storage, compute, gather_dtype, widen=False)
+
+        def loss_fn(prm, mb, mb_key, weight):
+            loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
+            return loss_sum * weight, aux
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        weight = ls.token_weight(batch, loss_scale)  # one replicated argument of the shard_map
+        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, gathered, first, key, weight)[1])
+        mesh = jax.tree.leaves(compute)[0].mesh
+        if not reduces_once(mesh, aux0):
+            return fallback(params, batch, key, loss_scale)
+        ranks = rank_axes(mesh)
+
+        def per_rank(prm, mbs, key, weight):
+            # Manual over `data` (and `expert`; tensor still GSPMD's): mbs [m, b, s] holds this
+            # rank's rows, prm this rank's experts.
+            def micro(carry, xs):
+                grads_acc, loss_acc, aux_acc = carry
+                mb, index = xs
+                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    prm, mb, jax.random.fold_in(key, index), weight)
+                return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads), loss_acc + loss,
+                        sum_aux(aux_acc, aux)), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), prm)  # fp32 accumulators
+            num_micro, rows_here = mbs["tokens"].shape[:2]
+            with per_rank_trace(mesh, ranks, rows_here):
+                (grads, loss, aux), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), aux0),
+                                                     (mbs, jnp.arange(num_micro)))
+            # [1, ...] per rank: stacked over the ranks outside, summed there once.
+            return jax.tree.map(lambda g: g[None], (grads, loss, aux))
+
+        held = jax.tree.map(lambda sharding: manual_part(sharding.spec, ranks), compute)  # the experts
+        stacked = jax.shard_map(
+            per_rank, in_specs=(held, rows_over(ranks), P(), P()),
+            out_specs=(jax.tree.map(lambda spec: stacked_per_rank(spec, ranks), held), P(ranks), P(ranks)),
+            axis_names=set(ranks), check_vma=False)
+        grads, loss, aux = stacked(gathered, batch, key, weight)
+        aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)  # each rank holds its share
+        return jnp.sum(loss), reduce_over_ranks(grads, storage, bf16), aux  # the one dp reduction
+
+    return run
+
+
+def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: LossAndGrads):
+    """(state, batch, key) -> (state, metrics): gradients, one AdamW update, the metrics
+    (the head's aux scalars, summed over the microbatches, under "aux").
+
+    The learning rate follows Megatron's scheduler, driven by the samples of the completed
+    updates: `state["schedule_samples"]`, advanced here by this batch's size (so a step that
+    keeps the old state, e.g. an fp16 overflow, keeps the schedule where it was).
+
+    With loss scaling (--fp16, --loss-scale; mlm_jax/loss_scale.py) the gradients are those of
+    loss x scale, unscaled in fp32; an overflow keeps the whole state but the scaler as it was
+    (a skipped iteration: metrics["skipped"]) and the scaler moves by Megatron's rules."""
+    scaler = ls.Scaler.of(cfg)
+
+    def train_step(state, batch, key):  # the name of the compiled program (HLO module jit_train_step)
+        params = state["params"]
+        if scaler is None:
+            loss, grads, aux = loss_and_grads(params, batch, key)
+        else:
+            loss, grads, aux = loss_and_grads(params, batch, key, state[ls.KEY]["scale"])
+            loss, grads, found_inf = ls.unscale(loss, grads, state[ls.KEY]["scale"])
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        lr = lr_for(cfg, state["schedule_samples"])
+        updates = apply_lr(updates, lr, decoupled_lr_for(cfg, state["schedule_samples"]))
+        samples = batch["loss_mask"].shape[0] * batch["loss_mask"].shape[1]  # microbatches x rows
+        metrics = {
+            "lm_loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+            "tokens": jnp.sum(batch["loss_mask"]),
+            "aux": aux,
+        }
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
+        if scaler is not None:
+            new_state, metrics = skip_on_overflow(scaler, state, new_state, metrics, found_inf)
+        return new_state, metrics
+
+    return train_step
+
+
+def skip_on_overflow(scaler: ls.Scaler, old: dict, new: dict, metrics: dict, found_inf):
+    """The state and metrics of a loss-scaled step: `old` (but the scaler) on an overflow; the
+    scaler after this step's update ("loss_scale", as Megatron logs it) and the skip in the
+    metrics. An overflow is no NaN stop: "finite" looks at the loss only."""
+    new = ls.keep_on_overflow({**old, **new}, old, found_inf)
+    new[ls.KEY] = scaler.update(old[ls.KEY], found_inf)
+    metrics = {**metrics, "finite": jnp.isfinite(metrics["lm_loss"]),
+               "loss_scale": new[ls.KEY]["scale"], "skipped": found_inf.astype(jnp.int32)}
+    return new, metrics
