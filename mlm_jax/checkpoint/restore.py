@@ -158,7 +158,9 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+
+    from mlm_jax.sharding.specs import replicated
 
     c = cfg.checkpoint
     t0 = time.perf_counter()
@@ -191,7 +193,7 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
         with jax.set_mesh(pz.mesh):
             opt_state = jax.jit(pz.tx.init, out_shardings=pz.opt_sharding)(params)
     opt_step = int(meta.get("opt_step", meta["iteration"])) if load_optim else 0
-    rep = NamedSharding(pz.mesh, P())
+    rep = NamedSharding(pz.mesh, replicated())
     step = jax.device_put(jnp.asarray(opt_step, jnp.int32), rep)
     samples = jax.device_put(jnp.asarray(schedule_samples(meta, saved_cfg) if load_optim else 0, jnp.int32), rep)
     state = {"params": params, "opt_state": opt_state, "step": step, "schedule_samples": samples,
@@ -221,16 +223,17 @@ def _scaler_state(cfg: Config, pz, meta: dict, load_optim: bool) -> dict:
     not loaded (Megatron keeps the scaler with the optimizer's) or the scale is static
     (--loss-scale: this run's value). {} for other runs."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
     from mlm_jax import loss_scale as ls
+    from mlm_jax.sharding.specs import replicated
 
     scaler = ls.Scaler.of(cfg)
     if scaler is None:
         return {}
     record = meta.get("loss_scale") if load_optim and scaler.static is None else None
     state = ls.from_record(record) if record else scaler.init()
-    return {ls.KEY: jax.device_put(state, NamedSharding(pz.mesh, P()))}
+    return {ls.KEY: jax.device_put(state, NamedSharding(pz.mesh, replicated()))}
 
 
 def restore_host_params(found: Found) -> dict:
