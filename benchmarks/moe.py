@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.metrics import active_params, flops_per_token, time_train_steps
 from mlm_jax.models.moe_dispatch import dispatch_and_combine, expert_ffn
 from mlm_jax.parallelize import parallelize, tracing
 from mlm_jax.sharding import make_mesh
+from mlm_jax.validation import finalize
 
 
 def _median_time(fn, *args, reps: int) -> float:

@@ -1,24 +1,50 @@
-"""The cross-field rules of a `Config`, checked before anything is compiled.
+"""The cross-field rules of a `Config`, checked before anything is compiled, and `finalize`,
+which fills the derived fields and then checks them.
 
 `validate` runs the rule groups below in a fixed order; each error names the flags, the values
-and the rule. Import these names from `mlm_jax.config` (which re-exports them) or from here.
-Kept free of jax so that `mlm_jax.config` stays light to import.
+and the rule. Kept free of jax so that validating stays light to import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from mlm_jax.batch_schedule import from_config
 from mlm_jax.config import (
     CheckpointConfig,
     Config,
-    ConfigError,
     InstrumentsConfig,
     ModelConfig,
     data_parallel_size,
     num_microbatches,
+    padded_vocab_size,
 )
-from mlm_jax.errors import UsageError
+from mlm_jax.errors import ConfigError, UsageError
+
+
+def finalize(cfg: Config, world_size: int) -> Config:
+    """Fill derived fields (padded vocab, global batch, the iterations of --train-samples) and
+    validate against the device count. The true vocab size (the tokenizer's) must be known
+    first: a run finalizes its config once (mlm_jax/train.py `prepare`)."""
+    dp = data_parallel_size(cfg.parallel, world_size)
+    model = dataclasses.replace(
+        cfg.model,
+        padded_vocab_size=padded_vocab_size(
+            cfg.model.vocab_size,
+            cfg.model.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size,
+        ),
+    )
+    train = cfg.train
+    if train.global_batch_size is None:
+        train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
+    if train.train_samples is not None and train.train_samples > 0:  # Megatron's update_train_iters
+        train = dataclasses.replace(train, train_iters=from_config(cfg.replace(train=train), dp).train_iters(
+            train.train_samples))
+    cfg = cfg.replace(model=model, train=train)
+    validate(cfg, world_size)
+    return cfg
 
 
 def _positive(name: str, value) -> None:
@@ -178,10 +204,6 @@ def validate_samples(cfg: Config, world_size: int) -> None:
     """Sample-based training and the batch-size schedules (mlm_jax/batch_schedule.py): Megatron's
     combinations, its calculator's checks on every batch size the run reaches, and the
     pipeline's microbatch rules for each of them."""
-    import dataclasses
-
-    from mlm_jax.batch_schedule import from_config
-
     t = cfg.train
     _refuse_mixed_schedule(cfg)
     if t.train_samples is not None and t.train_samples <= 0:

@@ -20,6 +20,7 @@ def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: 
     `pz` is a `mlm_jax.parallelize.Parallel`. Its config's vocab must be the data's: with a
     tokenizer whose vocab differs from `cfg.model.vocab_size`, this raises naming both.
     """
+    from mlm_jax.batch_layout import batch_layout
     from mlm_jax.data.batch import make_batch
     from mlm_jax.data.builder import build_datasets, megatron_num_samples
     from mlm_jax.data.loader import BatchLoader
@@ -42,7 +43,8 @@ def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: 
                           reset_attention_mask=cfg.data.reset_attention_mask)
         return {k: full[k] for k in keep}
 
-    loader = BatchLoader(dataset, t.global_batch_size, pz.batch_sharding(), pz.batch_shape(), batch_fn,
+    layout = batch_layout(cfg, pz.mesh)
+    loader = BatchLoader(dataset, layout.global_batch_size, pz.batch_sharding(), layout.batch_shape(), batch_fn,
                          start_iteration=start_iteration, prefetch=prefetch)
     for batch, _ in loader:
         yield batch

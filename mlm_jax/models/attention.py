@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax import platform
-from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
+from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, rows_from, zeros
 from mlm_jax.sharding.rules import constrain, per_device
+from mlm_jax.validation import fused_attention_obstacle
 
 XLA, CUDNN = "xla", "cudnn"
 _FLAG_TO_BACKEND = {"unfused": XLA, "local": XLA, "flash": CUDNN, "fused": CUDNN}

@@ -74,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mlm_jax.config import Config, ConfigError, pipeline_plan
+from mlm_jax.config import Config, ConfigError
 from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype, rows_from
 from mlm_jax.models.moe import aux_terms, rows_split
@@ -86,6 +86,7 @@ from mlm_jax.sharding.mesh import DATA, PIPE, varying
 from mlm_jax.sharding.rules import active_rules, constrain, use_rules, zero_spec
 from mlm_jax.sharding.specs import (auto_part, blocks_over_pipe, holds, manual_part, pipe_blocks, pipe_scatter_dim,
                                     pipe_stored, replicated, rows_over, stacked_per_rank, stage_chunks, with_pipe)
+from mlm_jax.validation import pipeline_plan
 
 ACT_BUFFER = (None, "batch", "seq", "embed")  # [slot, batch, seq, embed], like a block boundary
 

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.errors import RunFailure, UsageError
 
 # Vocab sizes of tokenizers whose files may not be on the planning machine.
@@ -45,7 +45,7 @@ def _with_vocab(cfg, train_argv: list[str], gpus: int):
     tokenizer's own when its files are here, a known size for Megatron's standard tokenizers."""
     import dataclasses
 
-    from mlm_jax.config import finalize
+    from mlm_jax.validation import finalize
 
     d = cfg.data
     if "--vocab-size" in train_argv or d.tokenizer_type in (None, "NullTokenizer"):
@@ -71,7 +71,7 @@ def _writable(path: str | None, flag: str) -> None:
         writable_file(os.path.abspath(path), flag)
 
 
-@errors.cli
+@cli
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_argv = _own_parser().parse_known_args(argv)
@@ -103,10 +103,10 @@ def main(argv=None) -> int:
 
 
 def _plan(cfg, train_argv, own, target) -> int:
-    from mlm_jax.config import finalize
     from mlm_jax.plan import check
     from mlm_jax.plan.compile import compile_step
     from mlm_jax.plan.targets import check_cluster, devices
+    from mlm_jax.validation import finalize
 
     gpus, per_node = own.gpus, check_cluster(own.gpus, own.gpus_per_node)
     cfg = _with_vocab(finalize(cfg, gpus), train_argv, gpus)
