@@ -22,10 +22,11 @@ import jax
 import numpy as np
 
 from mlm_jax import checkpoint as ckpt
-from mlm_jax.config import CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.config import CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig
 from mlm_jax.models.build import count_params
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
+from mlm_jax.validation import finalize
 
 SIZES = {
     "small": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=8192),

@@ -68,12 +68,12 @@ def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> d
     import numpy as np
 
     from mlm_jax.arguments import parse_args
-    from mlm_jax.config import finalize
     from mlm_jax.instruments import step_memory
     from mlm_jax.metrics import device_memory, device_peak, flops_per_token
     from mlm_jax.models.build import count_params
     from mlm_jax.parallelize import parallelize
     from mlm_jax.sharding import make_mesh
+    from mlm_jax.validation import finalize
 
     cfg = finalize(parse_args(flags(name, recompute, smoke, micro) + ["--train-iters", str(steps + 2)]), 1)
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])

@@ -57,11 +57,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlm_jax.config import (  # noqa: E402
-    Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize,
+    Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
 )
 from mlm_jax.parallelize import parallelize  # noqa: E402
 from mlm_jax.pipeline import lockstep, schedules  # noqa: E402
 from mlm_jax.sharding import make_mesh  # noqa: E402
+from mlm_jax.validation import finalize  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 BACKWARD_COST = 3.0  # recompute (1 forward) + backward (~2 forwards)

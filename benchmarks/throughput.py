@@ -16,10 +16,11 @@ import time
 import jax
 import numpy as np
 
-from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.metrics import flops_per_token, measure_matmul_peak, time_train_steps
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
+from mlm_jax.validation import finalize
 
 
 def layouts(n: int) -> dict[str, ParallelConfig]:

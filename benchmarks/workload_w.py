@@ -42,10 +42,10 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
     from flax import nnx
 
     from mlm_jax.arguments import parse_args
-    from mlm_jax.config import finalize
     from mlm_jax.models import recompute
     from mlm_jax.models.gpt import GPT
     from mlm_jax.optim import apply_lr, lr_for, make_optimizer
+    from mlm_jax.validation import finalize
 
     cfg = finalize(parse_args(W_FLAGS + ["--train-iters", str(steps + 2)]), 1)
     with nnx.use_eager_sharding(False):

@@ -25,7 +25,8 @@ _quiet()
 _EXPORTS = {
     **{name: "mlm_jax.config" for name in (
         "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
-        "CheckpointConfig", "finalize")},
+        "CheckpointConfig")},
+    "finalize": "mlm_jax.validation",
     "tiny_gpt": "mlm_jax.models.presets",
     "make_mesh": "mlm_jax.sharding.mesh",
     "parallelize": "mlm_jax.parallelize",

@@ -278,7 +278,7 @@ def _looks_negative(text: str) -> bool:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for every mlm_jax command: a bad flag or value is ONE line naming the flag (and
-    the closest known flag for a typo), raised as `ConfigError` (exit 2 under `errors.cli`)
+    the closest known flag for a typo), raised as `ConfigError` (exit 2 under `mlm_jax.cli`)
     instead of a usage screen; a negative number after a flag is its value (`--lr -1e-3`),
     where plain argparse takes `-1e-3` for a flag; no abbreviated flags. `--help` is unchanged."""
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from mlm_jax.config import ConfigError
+from mlm_jax.errors import ConfigError
 
 
 class ScheduleError(ConfigError):
@@ -196,28 +196,23 @@ def from_config(cfg, data_parallel_size: int) -> BatchSchedule:
                          tuple(t.rampup_batch_size) if t.rampup_batch_size is not None else None, steps)
 
 
-def for_run(cfg) -> BatchSchedule:
-    """The schedule of a finalized Config on this process's devices (jax.device_count())."""
-    import jax
-
-    from mlm_jax.config import data_parallel_size
-
-    return from_config(cfg, data_parallel_size(cfg.parallel, jax.device_count()))
+def for_layout(cfg, layout) -> BatchSchedule:
+    """The schedule of a finalized Config on its run's `BatchLayout` (mlm_jax/batch_layout.py)."""
+    return from_config(cfg, layout.data_parallel_size)
 
 
-def train_sample_count(cfg) -> int:
+def train_sample_count(cfg, schedule: BatchSchedule) -> int:
     """Training samples the dataset is built for: Megatron's (--train-samples, else iterations x
     global batch), or more where a batch-size schedule consumes more by --train-iters."""
     t = cfg.train
     count = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    schedule = for_run(cfg)
     return max(count, schedule.consumed_after(t.train_iters)) if schedule.varies else count
 
 
-def describe(cfg) -> str:
+def describe(cfg, schedule: BatchSchedule) -> str:
     """One log line on a run's batch-size schedule: what it gives, and (with --train-iters) the
     samples Megatron's LR scheduler counts per iteration, which is not the batch."""
-    schedule, t = for_run(cfg), cfg.train
+    t = cfg.train
     line = (f"> batch-size schedule: {t.train_iters} iterations, {schedule.consumed_after(t.train_iters)} "
             f"samples, global batch {schedule.batch_size(0)} first")
     if t.train_samples is None:

@@ -2,8 +2,9 @@
 
 Each component owns one dataclass; `Config` groups them. Flags map onto these fields in one
 table (`mlm_jax/arguments.py`); presets are Python functions (`mlm_jax/models/presets.py`).
-`validate` (mlm_jax/validation.py, re-exported here) checks every cross-field rule before anything
-is compiled, and each error names the values and the rule.
+`mlm_jax.validation.finalize` fills the derived fields and checks every cross-field rule before
+anything is compiled (each error names the values and the rule). This module imports only
+`mlm_jax.errors` (whose `ConfigError` it hands on to the modules that take it with the config).
 """
 
 from __future__ import annotations
@@ -13,11 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mlm_jax.errors import UsageError
-
-
-class ConfigError(UsageError):
-    """A configuration that cannot run; the message names the values and the rule."""
+from mlm_jax.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -30,7 +27,7 @@ class ModelConfig:
     num_query_groups: int | None = None  # None: multi-head attention (groups = heads)
     kv_channels: int | None = None  # head dim; None: hidden / heads
     vocab_size: int = 8192  # the tokenizer's true vocab size
-    padded_vocab_size: int | None = None  # set by `finalize`; what the embedding is built with
+    padded_vocab_size: int | None = None  # set by `validation.finalize`; what the embedding is built with
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 256
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
@@ -119,7 +116,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
-    # step reduces once per step: mlm_jax/parallelize.py `_reduce_once_loss_and_grads`).
+    # step reduces once per step: mlm_jax/step.py `reduce_once_loss_and_grads`).
     grad_reduce_in_bf16: bool = False
     # --overlap-grad-reduce / --overlap-param-gather: XLA's GPU scheduler flags (mlm_jax/xla_flags.py).
     overlap_grad_reduce: bool = False
@@ -202,7 +199,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro * dp (no accumulation)
     seq_length: int = 128
-    train_iters: int = 300  # derived from train_samples when that is set (`finalize`)
+    train_iters: int = 300  # derived from train_samples when that is set (`validation.finalize`)
     train_samples: int | None = None  # sample-based training (mlm_jax/batch_schedule.py)
     rampup_batch_size: tuple[int, int, int] | None = None  # (start, increment, ramp-up samples)
     step_batch_size_schedule: str | None = None  # Megatron's "THRESHOLD:BS ..." (thresholds in tokens)
@@ -312,8 +309,9 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int | None:
-    """Microbatches per step, global batch / (micro batch x data-parallel size): the one place
-    it is computed. None while the sizes do not divide (`validate` says why)."""
+    """Microbatches per step, global batch / (micro batch x data-parallel size), on `world_size`
+    devices before a mesh exists (the rules of `mlm_jax.validation`); a run reads it from its
+    `mlm_jax.batch_layout.BatchLayout`. None while the sizes do not divide (`validate` says why)."""
     p, t = cfg.parallel, cfg.train
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if model_parallel <= 0 or world_size % model_parallel or not t.global_batch_size:
@@ -322,48 +320,3 @@ def num_microbatches(cfg: Config, world_size: int) -> int | None:
     if per_step <= 0 or t.global_batch_size % per_step:
         return None
     return t.global_batch_size // per_step
-
-
-def finalize(cfg: Config, world_size: int) -> Config:
-    """Fill derived fields (padded vocab, global batch) and validate against the device count."""
-    dp = data_parallel_size(cfg.parallel, world_size)
-    model = dataclasses.replace(
-        cfg.model,
-        padded_vocab_size=padded_vocab_size(
-            cfg.model.vocab_size,
-            cfg.model.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size,
-        ),
-    )
-    train = cfg.train
-    if train.global_batch_size is None:
-        train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
-    if train.train_samples is not None and train.train_samples > 0:  # Megatron's update_train_iters
-        from mlm_jax.batch_schedule import from_config
-
-        train = dataclasses.replace(train, train_iters=from_config(cfg.replace(train=train), dp).train_iters(
-            train.train_samples))
-    cfg = cfg.replace(model=model, train=train)
-    from mlm_jax.validation import validate
-
-    validate(cfg, world_size)
-    return cfg
-
-
-# The rules live in mlm_jax/validation.py, which imports this module; they are re-exported here
-# lazily (PEP 562) so that either module may be imported first without an import cycle.
-_VALIDATION_NAMES = frozenset({
-    "ATTENTION_BACKENDS", "fused_attention_obstacle", "pipeline_plan", "validate",
-    "validate_attention_backend", "validate_checkpoint", "validate_context_parallel",
-    "validate_instruments", "validate_lengths", "validate_moe", "validate_numbers",
-    "validate_optimizer", "validate_pipeline", "validate_samples", "validate_sizes",
-    "validate_tensor_parallel", "validate_training",
-})
-
-
-def __getattr__(name: str):
-    if name in _VALIDATION_NAMES:
-        from mlm_jax import validation
-
-        return getattr(validation, name)
-    raise AttributeError(f"module 'mlm_jax.config' has no attribute {name!r}")

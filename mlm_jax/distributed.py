@@ -42,8 +42,8 @@ import threading
 import time
 from typing import Mapping
 
-from mlm_jax.config import ConfigError, DistributedConfig
-from mlm_jax.errors import RunFailure
+from mlm_jax.config import DistributedConfig
+from mlm_jax.errors import ConfigError, RunFailure
 
 ENV_ADDRESS = "MLM_JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MLM_JAX_NUM_PROCESSES"
@@ -279,7 +279,7 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
     from mlm_jax.peers import PeerWatch, report_aborts
 
     _watch = PeerWatch(plan.process_id, plan.num_processes, plan.peer_timeout).start()
-    report_aborts(_watch, plan.coordinator_address)
+    report_aborts(_watch, plan.coordinator_address, split_address(plan.coordinator_address))
     return plan
 
 

@@ -35,7 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mlm_jax.errors import UsageError, cli
+from mlm_jax.cli import cli
+from mlm_jax.errors import UsageError
 
 TASKS = ("LAMBADA", "WIKITEXT103", "VALID")
 

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mlm_jax.errors import UsageError, cli
+from mlm_jax.cli import cli
+from mlm_jax.errors import UsageError
 
 MIN_PROMPT_BUCKET = 8
 

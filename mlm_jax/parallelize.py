@@ -35,7 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from mlm_jax import loss_scale as ls
-from mlm_jax.config import Config, num_microbatches
+from mlm_jax.batch_layout import BatchLayout, batch_layout
+from mlm_jax.config import Config
 from mlm_jax.data.batch import batch_keys
 from mlm_jax.models.build import abstract_model, init_params
 from mlm_jax.models.gpt import GPT
@@ -60,7 +61,7 @@ class Parallel:
     compute_sharding: dict  # where parameters live while the step computes
     opt_sharding: Any
     tx: optax.GradientTransformation
-    num_microbatches: int
+    layout: BatchLayout  # the batch sizes: [microbatches, micro * dp, seq]
     init: Callable  # seed -> state (sharded)
     train_step: Callable  # (state, batch, key) -> (state, metrics); metrics["aux"]: the head's aux
     eval_step: Callable  # (params, batch) -> (loss_sum, token_count)
@@ -78,14 +79,13 @@ class Parallel:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec())
 
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches
+
     def batch_shape(self, global_batch_size: int | None = None) -> tuple[int, int, int]:
         """[microbatches, micro * dp, seq] of a global batch (default: --global-batch-size)."""
-        t = self.cfg.train
-        rows = t.global_batch_size // self.num_microbatches  # micro * dp
-        size = t.global_batch_size if global_batch_size is None else global_batch_size
-        if size % rows:
-            raise ValueError(f"global batch {size} is not a multiple of micro batch x data-parallel size {rows}")
-        return (size // rows, rows, t.seq_length)
+        return self.layout.batch_shape(global_batch_size)
 
     def model(self, params: dict) -> GPT:
         return nnx.merge(self.graphdef, self.plain(params))
@@ -146,7 +146,6 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     scaler = ls.Scaler.of(cfg)
     if scaler is not None:  # --fp16 / --loss-scale: the scaler's state, replicated
         state_sharding[ls.KEY] = jax.tree.map(lambda _: rep, scaler.init())
-    num_micro = num_microbatches(cfg, mesh.size)
     batch_sharding = {k: NamedSharding(mesh, batch_spec()) for k in batch_keys(cfg.data)}
 
     # 7. jit
@@ -185,7 +184,7 @@ def parallelize(cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
     return Parallel(
         cfg=cfg, mesh=mesh, graphdef=graphdef, shapes=sh.shapes, param_sharding=sh.storage,
         compute_sharding=sh.compute, opt_sharding=sh.opt, tx=tx,
-        num_microbatches=num_micro, init=init, train_step=_traced(train_jit, mesh, act_rules, cp),
+        layout=batch_layout(cfg, mesh), init=init, train_step=_traced(train_jit, mesh, act_rules, cp),
         eval_step=_traced(eval_jit, mesh, act_rules, cp), rules=act_rules,
         loss_and_grads=_traced(grads_jit, mesh, act_rules, cp), pipeline=pipeline,
         abstract_state=abstract_state,

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any
 
+from mlm_jax.errors import ConfigError
+
 PREFIX = "mlm_jax/heartbeat/"
 CONFIG_PREFIX = "mlm_jax/config/"
 DONE, FAILED = "done", "failed:"
@@ -161,8 +163,6 @@ def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str
 def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: float, client=None) -> None:
     """Every process compares its config with every other's; any difference is a ConfigError
     naming the fields, raised on every process before anything is compiled."""
-    from mlm_jax.config import ConfigError
-
     client = client if client is not None else _client()
     mine = json.loads(json.dumps(flat_config(cfg), default=str))  # as the others will read it
     client.key_value_set(f"{CONFIG_PREFIX}{process_id}", json.dumps(mine), allow_overwrite=True)
@@ -193,7 +193,7 @@ def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: fl
 _abort_handler = None  # the ctypes thunk must outlive the call that installs it
 
 
-def report_aborts(watch: PeerWatch, coordinator_address: str) -> None:
+def report_aborts(watch: PeerWatch, coordinator_address: str, coordinator: tuple[str, int]) -> None:
     """Turn jax's C++ abort on a lost coordination service into our one-line error.
 
     When process 0 (and with it the coordination service) goes away, jax's distributed client
@@ -202,13 +202,13 @@ def report_aborts(watch: PeerWatch, coordinator_address: str) -> None:
     type). So a C-level SIGABRT handler prints the verdict instead and leaves with exit 1:
     the peer watch's, else 'process 0 stopped' when its address no longer accepts connections;
     an abort for any other reason is only labelled as one, and its own lines stay above.
+    `coordinator` is the (host, port) of `coordinator_address`, parsed by the caller
+    (`distributed.split_address`) before any abort can come.
     """
     global _abort_handler
     import ctypes
     import signal
     import socket
-
-    from mlm_jax.distributed import split_address
 
     def on_abort(signum):
         if watch.leaving is not None:  # already failing on its own: say that, not jax's abort
@@ -218,7 +218,7 @@ def report_aborts(watch: PeerWatch, coordinator_address: str) -> None:
         reason = watch.verdict()
         if reason is None and watch.pid != 0:
             try:
-                with socket.create_connection(split_address(coordinator_address), timeout=1.0):
+                with socket.create_connection(coordinator, timeout=1.0):
                     pass
             except OSError:
                 reason = f"process 0 stopped (its coordinator at {coordinator_address} is gone)"

@@ -23,7 +23,8 @@ import time
 import uuid
 from typing import Sequence
 
-from mlm_jax.errors import UsageError, cli
+from mlm_jax.cli import cli
+from mlm_jax.errors import UsageError
 
 MAX_PROMPTS = 128  # Megatron's limit per request
 STATIC = os.path.join(os.path.dirname(__file__), "static")

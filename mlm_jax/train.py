@@ -3,8 +3,9 @@
 With no flags: a small GPT on the installed Python standard library's source, tokenized by a
 SentencePiece model trained on it on first use (cached), on whatever devices exist.
 
-`train(cfg)` reads top to bottom: prepare (flags, --load, output paths), build the data, the
-model and its state, the loaders and the saver; run the loop (`Loop`); sample; write the summary.
+`train(cfg)` reads top to bottom: prepare (flags, --load, tokenizer, output paths: the config is
+finalized once), the mesh and the batch layout, build the data, the model and its state, the
+loaders and the saver; run the loop (`Loop`); sample; write the summary.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from mlm_jax import errors
 from mlm_jax.arguments import parse_args
-from mlm_jax.batch_schedule import RunPlan, describe, for_run as batch_schedule, train_sample_count
-from mlm_jax.config import Config, finalize
+from mlm_jax.batch_layout import BatchLayout, batch_layout
+from mlm_jax.batch_schedule import BatchSchedule, RunPlan, describe, for_layout, train_sample_count
+from mlm_jax.cli import cli
+from mlm_jax.config import Config
 from mlm_jax.errors import RunFailure, UsageError
+from mlm_jax.validation import finalize, validate_checkpoint
 
 # Files that mark a run folder as holding a run: reusing it is an error unless resuming.
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")
@@ -43,12 +46,6 @@ def _run_dir(cfg: Config) -> str:
         n += 1
         path = f"{base}-{n}"
     return path
-
-
-def _data_parallel_rows(mesh) -> int:
-    from mlm_jax.sharding.mesh import DATA, EXPERT
-
-    return mesh.shape[DATA] * mesh.shape[EXPERT]
 
 
 # --------------------------------------------------------------------------- preparing
@@ -105,69 +102,73 @@ def check_outputs(cfg: Config, run_dir: str, main: bool) -> None:
         raise UsageError(problem)
 
 
-def prepare(cfg: Config, log) -> tuple[Config, Any, str, bool, Callable]:
-    """Join the other processes, check the flags, find the --load checkpoint and check every
-    output path: all before any data or compile work. Returns (cfg, found, run_dir, main, log)."""
+def with_vocab_of(cfg: Config, tokenizer) -> Config:
+    """`cfg` with the tokenizer's vocab size: the model's true vocab (None: the flag's)."""
+    if tokenizer is None or tokenizer.vocab_size == cfg.model.vocab_size:
+        return cfg
+    return cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size, padded_vocab_size=None))
+
+
+def prepare(cfg: Config, log) -> tuple[Config, Any, Any, str, bool, Callable]:
+    """Join the other processes; find the --load checkpoint (with --use-checkpoint-args the model
+    and tokenizer flags come from it) and build the tokenizer (whose vocab sizes the model), so
+    that the config is finalized once, knowing both; check every output path: all before any data
+    or compile work. Returns (cfg, found, tokenizer, run_dir, main, log)."""
     import jax
 
     from mlm_jax import checkpoint as ckpt
+    from mlm_jax.data.builder import run_tokenizer
     from mlm_jax.distributed import broadcast_str, check_same_config, initialize
 
     initialize(cfg.distributed)  # joins the other processes (if any) before any device is touched
-    world = jax.device_count()
-    cfg = absolute_paths(finalize(cfg, world))  # flag errors surface before any data or compile work
+    cfg = absolute_paths(cfg)
+    validate_checkpoint(cfg.checkpoint)  # the --load flags' own rules, before --load is read
+    cfg, found = ckpt.resolve_load(cfg, log)  # --load: which checkpoint (model args from it)
+    # A --vocab-size below 1 is refused by finalize, naming the flag, before any tokenizer is built.
+    tokenizer = run_tokenizer(cfg.data, cfg.model.vocab_size) if cfg.model.vocab_size > 0 else None
+    cfg = finalize(with_vocab_of(cfg, tokenizer), jax.device_count())  # flag errors before data or compile work
     check_same_config(cfg)  # processes started with other flags fail here, naming the fields
-    cfg, found = ckpt.resolve_load(cfg, world, log)  # --load: which checkpoint (model args from it)
     run_dir = os.path.abspath(broadcast_str(_run_dir(cfg)))  # one run folder, named by process 0
     main = jax.process_index() == 0
     check_outputs(cfg, run_dir, main)
     if not main:  # only process 0 prints; every process still does all the work
         log = lambda *args, **kwargs: None  # noqa: E731
-    return cfg, found, run_dir, main, log
+    return cfg, found, tokenizer, run_dir, main, log
 
 
 # --------------------------------------------------------------------------- building
 
 
-def build_data(cfg: Config, log):
-    """The datasets; the tokenizer decides the true vocab size. Returns (cfg, data)."""
-    import jax
-
+def build_data(cfg: Config, schedule: BatchSchedule, tokenizer, log):
+    """The datasets, read with the tokenizer `prepare` built (None: the data's own)."""
     from mlm_jax.data import build_datasets, megatron_num_samples
 
     t = cfg.train
     t0 = time.perf_counter()
     sizes = megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
-    sizes = (train_sample_count(cfg), *sizes[1:])
-    data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size)
-    tokenizer = data.tokenizer
-    if tokenizer is not None and tokenizer.vocab_size != cfg.model.vocab_size:
-        cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size,
-                                                    padded_vocab_size=None))
-        cfg = finalize(cfg, jax.device_count())
+    sizes = (train_sample_count(cfg, schedule), *sizes[1:])
+    data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size, tokenizer=tokenizer)
     log(f"> data ready in {time.perf_counter() - t0:.1f} s: {len(data.train)} training samples"
         + (f", {len(data.valid)} validation samples" if data.valid is not None else ""))
-    return cfg, data
+    return data
 
 
-def build_model(cfg: Config, log):
-    """(mesh, parallelized model and steps, parameter count)."""
+def build_model(cfg: Config, mesh, layout: BatchLayout, log):
+    """(parallelized model and steps, parameter count)."""
     import jax
 
     from mlm_jax.metrics import active_params
     from mlm_jax.models.attention import backend_note
-    from mlm_jax.platform import mesh_platform
     from mlm_jax.models.build import abstract_model, count_params
     from mlm_jax.parallel.data import bf16_grad_reduce_note
     from mlm_jax.parallelize import parallelize
-    from mlm_jax.sharding.mesh import make_mesh
+    from mlm_jax.platform import mesh_platform
 
-    mesh = make_mesh(cfg.parallel)
     pz = parallelize(cfg, mesh)
     n_params = count_params(abstract_model(cfg)[1])  # pz.shapes may hold pipeline padding rows
     log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
-        f"{pz.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size} per data-parallel rank")
+        f"{layout.num_microbatches} microbatch(es) of {layout.micro_batch_size} per data-parallel rank")
     note = bf16_grad_reduce_note(cfg, mesh)
     if note:
         log(f"> --grad-reduce-in-bf16: {note}")
@@ -178,10 +179,10 @@ def build_model(cfg: Config, log):
     if active is not None:
         log(f"> MoE: FLOPs and MFU count {active / 1e6:.2f} M active parameters per token (top-"
             f"{cfg.model.moe_router_topk} of {cfg.model.num_experts} experts in each MoE layer)")
-    return mesh, pz, n_params
+    return pz, n_params
 
 
-def build_state(cfg: Config, pz, found, log):
+def build_state(cfg: Config, pz, found, schedule: BatchSchedule, log):
     """(train state, Start): restored from `found`, or initialised from --seed."""
     from mlm_jax import checkpoint as ckpt
 
@@ -192,14 +193,14 @@ def build_state(cfg: Config, pz, found, log):
     else:
         state, start = pz.init(t.seed), ckpt.Start()
         log(f"> parameters initialised in {time.perf_counter() - t0:.1f} s")
-    if start.consumed_samples % t.global_batch_size and not batch_schedule(cfg).varies:
+    if start.consumed_samples % t.global_batch_size and not schedule.varies:
         raise ckpt.CheckpointError(
             f"the checkpoint consumed {start.consumed_samples} samples, not a multiple of "
             f"--global-batch-size {t.global_batch_size}; resume with the batch size it was saved with")
     return state, start
 
 
-def build_loaders(cfg: Config, pz, data, start, plan: RunPlan):
+def build_loaders(cfg: Config, layout: BatchLayout, pz, data, start, plan: RunPlan):
     """(training loader, validation loader or None), each continuing where `start` left off:
     the data order is a function of the sample index, so resuming continues it exactly
     (validation too: a checkpoint records how many validation batches were used). With a
@@ -207,21 +208,19 @@ def build_loaders(cfg: Config, pz, data, start, plan: RunPlan):
     from mlm_jax.data import BatchLoader
     from mlm_jax.data.batch import batch_fn
 
-    t, tokenizer = cfg.train, data.tokenizer
+    tokenizer = data.tokenizer
     make = batch_fn(cfg.data, tokenizer.eod if tokenizer else cfg.model.vocab_size - 1)
-    shape, sharding = pz.batch_shape(), pz.batch_sharding()
+    gbs, shape, sharding = layout.global_batch_size, layout.batch_shape(), pz.batch_sharding()
     if plan.schedule.varies:  # loader index k serves iteration k + 1
-        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, make,
+        loader = BatchLoader(data.train, gbs, sharding, shape, make,
                              start_iteration=start.iteration, prefetch=cfg.data.prefetch,
-                             end_iteration=t.train_iters,
-                             plan=lambda k: (plan.first_sample(k + 1), pz.batch_shape(plan.batch_size(k + 1))))
+                             end_iteration=cfg.train.train_iters,
+                             plan=lambda k: (plan.first_sample(k + 1), layout.batch_shape(plan.batch_size(k + 1))))
     else:
-        loader = BatchLoader(data.train, t.global_batch_size, sharding, shape, make,
-                             start_iteration=start.consumed_samples // t.global_batch_size,
-                             prefetch=cfg.data.prefetch)
-    valid = (BatchLoader(data.valid, t.global_batch_size, sharding, shape, make,
-                         start_iteration=start.valid_batches, prefetch=0)
-             if data.valid is not None and t.eval_iters > 0 else None)  # --eval-iters 0: no validation
+        loader = BatchLoader(data.train, gbs, sharding, shape, make,
+                             start_iteration=start.consumed_samples // gbs, prefetch=cfg.data.prefetch)
+    valid = (BatchLoader(data.valid, gbs, sharding, shape, make, start_iteration=start.valid_batches, prefetch=0)
+             if data.valid is not None and cfg.train.eval_iters > 0 else None)  # --eval-iters 0: no validation
     return loader, valid
 
 
@@ -267,11 +266,12 @@ class Loop:
     """
 
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
-                 throughput, log, plan: RunPlan):
+                 throughput, log, plan: RunPlan, layout: BatchLayout):
         import jax
 
         self.cfg, self.t, self.pz, self.state, self.start = cfg, cfg.train, pz, state, start
         self.plan = plan  # each iteration's global batch and consumed samples (constant, or a ramp-up)
+        self.layout = layout
         self.loader, self.valid_loader, self.saver = loader, valid_loader, saver
         self.logger, self.inst, self.throughput, self.log = logger, inst, throughput, log
         self.seed_key = (jax.random.key(cfg.train.seed) if start.rng_key_data is None
@@ -378,7 +378,7 @@ class Loop:
         size = self.plan.batch_size(iteration)
         before = self.plan.batch_size(iteration - 1) if iteration - 1 > self.start.iteration else None
         if self.plan.schedule.varies and size != before:
-            micro = self.pz.batch_shape(size)[0]
+            micro = self.layout.microbatches(size)
             self.log(f"> {'setting initial batch size to' if before is None else f'ramping up batch size from {before} to'}"
                      f" {size} at iteration {iteration} ({micro} microbatch(es), {self.consumed(iteration - 1)} "
                      "consumed samples)")
@@ -524,18 +524,23 @@ def train(cfg: Config, log=print) -> dict:
     from mlm_jax import checkpoint as ckpt
     from mlm_jax.instruments import Instruments, RunLogger, Wandb
 
+    from mlm_jax.sharding.mesh import make_mesh
+
     start_time = time.time()
-    cfg, found, run_dir, main, log = prepare(cfg, log)
-    cfg, data = build_data(cfg, log)
-    if batch_schedule(cfg).varies:
-        log(describe(cfg))
-    mesh, pz, n_params = build_model(cfg, log)
+    cfg, found, tokenizer, run_dir, main, log = prepare(cfg, log)
+    mesh = make_mesh(cfg.parallel)
+    layout = batch_layout(cfg, mesh)  # the batch sizes that the data, the loaders and the loop read
+    schedule = for_layout(cfg, layout)
+    data = build_data(cfg, schedule, tokenizer, log)
+    if schedule.varies:
+        log(describe(cfg, schedule))
+    pz, n_params = build_model(cfg, mesh, layout, log)
     if main:
         write_config(run_dir, cfg, found)
-    state, start = build_state(cfg, pz, found, log)
-    plan = RunPlan(batch_schedule(cfg), start.iteration, start.consumed_samples, cfg.train.train_iters)
+    state, start = build_state(cfg, pz, found, schedule, log)
+    plan = RunPlan(schedule, start.iteration, start.consumed_samples, cfg.train.train_iters)
     plan.schedule.check_sizes(plan.sizes)  # from a resumed position too (Megatron checks after loading)
-    loader, valid_loader = build_loaders(cfg, pz, data, start, plan)
+    loader, valid_loader = build_loaders(cfg, layout, pz, data, start, plan)
     saver = ckpt.Saver(cfg, pz, data.tokenizer, run_dir, start, log, start_time, valid_loader=valid_loader)
     t = cfg.train
     logger = RunLogger(t.metrics_file or os.path.join(run_dir, "metrics.jsonl"),
@@ -543,7 +548,7 @@ def train(cfg: Config, log=print) -> dict:
                        write=tqdm.write, wandb=Wandb(cfg.instruments, cfg, run_dir, main, log))
     inst = Instruments(cfg.instruments, profile_dir=os.path.join(run_dir, "profile"), main=main)
     loop = Loop(cfg, pz, state, start, loader, valid_loader, saver, logger, inst,
-                build_throughput(cfg, mesh, log), log, plan)
+                build_throughput(cfg, mesh, log), log, plan, layout)
     bar = tqdm(total=t.train_iters, initial=start.iteration, desc="training", unit="it", dynamic_ncols=True,
                disable=not (main and t.progress_bar), file=sys.stderr)
     try:
@@ -597,10 +602,10 @@ def use_every_cpu_core() -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-@errors.cli
+@cli
 def main(argv=None) -> int:
     """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
-    last (see mlm_jax.errors)."""
+    last (see mlm_jax.cli)."""
     cfg = parse_args(argv)
     from mlm_jax import xla_flags
 

@@ -1,24 +1,50 @@
-"""The cross-field rules of a `Config`, checked before anything is compiled.
+"""The cross-field rules of a `Config`, checked before anything is compiled, and `finalize`,
+which fills the derived fields and then checks them.
 
 `validate` runs the rule groups below in a fixed order; each error names the flags, the values
-and the rule. Import these names from `mlm_jax.config` (which re-exports them) or from here.
-Kept free of jax so that `mlm_jax.config` stays light to import.
+and the rule. Kept free of jax so that validating stays light to import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from mlm_jax.batch_schedule import from_config
 from mlm_jax.config import (
     CheckpointConfig,
     Config,
-    ConfigError,
     InstrumentsConfig,
     ModelConfig,
     data_parallel_size,
-    num_microbatches,
+    padded_vocab_size,
 )
-from mlm_jax.errors import UsageError
+from mlm_jax.errors import ConfigError, UsageError
+from mlm_jax.pipeline.layout import pipeline_plan
+
+
+def finalize(cfg: Config, world_size: int) -> Config:
+    """Fill derived fields (padded vocab, global batch, the iterations of --train-samples) and
+    validate against the device count. The true vocab size (the tokenizer's) must be known
+    first: a run finalizes its config once (mlm_jax/train.py `prepare`)."""
+    dp = data_parallel_size(cfg.parallel, world_size)
+    model = dataclasses.replace(
+        cfg.model,
+        padded_vocab_size=padded_vocab_size(
+            cfg.model.vocab_size,
+            cfg.model.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size,
+        ),
+    )
+    train = cfg.train
+    if train.global_batch_size is None:
+        train = dataclasses.replace(train, global_batch_size=train.micro_batch_size * dp)
+    if train.train_samples is not None and train.train_samples > 0:  # Megatron's update_train_iters
+        train = dataclasses.replace(train, train_iters=from_config(cfg.replace(train=train), dp).train_iters(
+            train.train_samples))
+    cfg = cfg.replace(model=model, train=train)
+    validate(cfg, world_size)
+    return cfg
 
 
 def _positive(name: str, value) -> None:
@@ -178,10 +204,6 @@ def validate_samples(cfg: Config, world_size: int) -> None:
     """Sample-based training and the batch-size schedules (mlm_jax/batch_schedule.py): Megatron's
     combinations, its calculator's checks on every batch size the run reaches, and the
     pipeline's microbatch rules for each of them."""
-    import dataclasses
-
-    from mlm_jax.batch_schedule import from_config
-
     t = cfg.train
     _refuse_mixed_schedule(cfg)
     if t.train_samples is not None and t.train_samples <= 0:
@@ -279,19 +301,6 @@ def validate_context_parallel(cfg: Config) -> None:
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
-def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
-    """Why cuDNN's fused attention cannot run this model (None: it can, on an NVIDIA GPU)."""
-    if not (m.bf16 or m.fp16):
-        return "cuDNN fused attention needs bf16 compute (add --bf16) or fp16 compute (--fp16)"
-    if m.attention_dropout > 0:
-        return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
-    if documents:
-        return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
-    if m.head_dim % 8 or m.head_dim > 128:
-        return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
-    return None
-
-
 def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
     """--attention-backend flash/fused where cuDNN cannot run is refused here, before compiling
     (the platform is checked when the model is placed on devices)."""
@@ -299,6 +308,8 @@ def validate_attention_backend(m: ModelConfig, documents: bool) -> None:
         raise ConfigError(f"--attention-backend {m.attention_backend!r} is unknown; choose one of "
                           f"{', '.join(ATTENTION_BACKENDS)}")
     if m.attention_backend in ("flash", "fused"):
+        from mlm_jax.models.attention import fused_attention_obstacle
+
         why = fused_attention_obstacle(m, documents)
         if why:
             raise ConfigError(f"--attention-backend {m.attention_backend}: {why}; or use "
@@ -451,27 +462,6 @@ def validate_pipeline(cfg: Config, world_size: int) -> None:
     too few microbatches (or not a multiple of the pipeline size) for the interleaved schedule.
     """
     pipeline_plan(cfg, world_size)
-
-
-def pipeline_plan(cfg: Config, world_size: int | None = None):
-    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
-    from mlm_jax.pipeline.layout import PipelinePlanError, plan_pipeline
-
-    p = cfg.parallel
-    m = None if world_size is None else num_microbatches(cfg, world_size)
-    try:
-        return plan_pipeline(
-            num_layers=cfg.model.num_layers,
-            pipeline_size=p.pipeline_model_parallel_size,
-            schedule=p.pipeline_schedule,
-            virtual_stages=p.virtual_pipeline_model_parallel_size,
-            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-            first_stage_layers=p.decoder_first_pipeline_num_layers,
-            last_stage_layers=p.decoder_last_pipeline_num_layers,
-            num_microbatches=m,
-        )
-    except PipelinePlanError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _check_recompute(m: ModelConfig) -> None:

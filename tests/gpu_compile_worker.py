@@ -23,10 +23,10 @@ def main(out: str, cases: list[str]) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from mlm_jax.config import finalize
     from mlm_jax.plan import check
     from mlm_jax.plan.compile import compile_step
     from mlm_jax.plan.targets import devices, gpu
+    from mlm_jax.validation import finalize
 
     target = gpu("h100")
     devs = devices(target, 8)

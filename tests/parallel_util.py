@@ -7,10 +7,11 @@ import functools
 import jax
 import numpy as np
 
-from mlm_jax.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, finalize
+from mlm_jax.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.parallel.chunks import sharding_seq_order
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
+from mlm_jax.validation import finalize
 
 VOCAB = 500  # padded to 512 for tp <= 4 but to 1024 for tp = 8: padding must not matter
 SEQ = 32

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
 from mlm_jax.models.attention import CUDNN, XLA, attention, choose_backend
+from mlm_jax.validation import finalize
 from tests.parallel_util import tiny_config
 
 RNG = np.random.default_rng(0)

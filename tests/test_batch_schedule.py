@@ -14,11 +14,12 @@ import pytest
 from mlm_jax import checkpoint as ckpt
 from mlm_jax.arguments import parse_args
 from mlm_jax.batch_schedule import BatchSchedule, RunPlan, ScheduleError, from_config, parse_step_schedule
-from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig
 from mlm_jax.optim import lr_at, lr_for
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.train import main, train
+from mlm_jax.validation import finalize
 from tests.parallel_util import SEQ, VOCAB, tiny_config
 
 
@@ -233,13 +234,16 @@ def test_ramp_run_logs_megatrons_batches_and_lr(straight):
 def test_ramp_run_equals_the_same_batches_by_hand(straight, tmp):
     """The loader and loop against hand-assembled batches of the planned sizes, stepped through
     the train step directly: identical losses and final parameters."""
+    from mlm_jax.batch_layout import batch_layout
+    from mlm_jax.batch_schedule import for_layout
     from mlm_jax.data import make_batch
     from mlm_jax.train import build_data
 
     summary, records, _ = straight
-    cfg, data = build_data(finalize(parse_args(TINY + RAMP), jax.device_count()), log=lambda *_: None)
-    eod = data.tokenizer.eod if data.tokenizer is not None else VOCAB - 1
+    cfg = finalize(parse_args(TINY + RAMP), jax.device_count())
     pz = parallelize(cfg, make_mesh(cfg.parallel))
+    data = build_data(cfg, for_layout(cfg, batch_layout(cfg, pz.mesh)), None, log=lambda *_: None)
+    eod = data.tokenizer.eod if data.tokenizer is not None else VOCAB - 1
     state, key = pz.init(cfg.train.seed), jax.random.key(cfg.train.seed)
     consumed, losses = 0, []
     for iteration, size in enumerate(SIZES, start=1):

@@ -16,10 +16,11 @@ import pytest
 import mlm_jax
 from mlm_jax import checkpoint as ckpt
 from mlm_jax.arguments import parse_args
-from mlm_jax.config import ConfigError, finalize
+from mlm_jax.config import ConfigError
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.train import main, train
+from mlm_jax.validation import finalize
 
 # Dropout on, so resuming must restore the dropout stream too. --make-vocab-size-divisible-by 100
 # makes the padded vocab depend on the tensor-parallel size (tp4: 800, tp2: 600, tp1: 500 rows),
@@ -301,15 +302,15 @@ def test_load_errors_name_the_problem(straight, tmp, capsys):
     empty.mkdir()
     cfg = parse_args(TINY + ["--train-iters", "2", "--load", str(empty)])
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint in this folder"):
-        ckpt.resolve_load(finalize(cfg, world), world, log=lambda *_: None)
+        ckpt.resolve_load(finalize(cfg, world), log=lambda *_: None)
     logs = []
     cfg = finalize(parse_args(TINY + ["--train-iters", "2", "--load", str(empty), "--save", str(empty)]), world)
-    assert ckpt.resolve_load(cfg, world, log=logs.append)[1] is None and "starting from scratch" in logs[-1]
+    assert ckpt.resolve_load(cfg, log=logs.append)[1] is None and "starting from scratch" in logs[-1]
     # ... and --exit-on-missing-checkpoint makes that an error too.
     cfg = finalize(parse_args(TINY + ["--train-iters", "2", "--load", str(empty), "--save", str(empty),
                                       "--exit-on-missing-checkpoint"]), world)
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint there; exiting .--exit-on-missing"):
-        ckpt.resolve_load(cfg, world)
+        ckpt.resolve_load(cfg)
     # --ckpt-step of an iteration that was not saved lists the ones that were.
     with pytest.raises(ckpt.CheckpointError, match=r"--ckpt-step 4: .* \(complete: \[3, 6\]\)"):
         ckpt.find_checkpoint(str(tmp / "S"), 4)
@@ -325,7 +326,7 @@ def test_load_errors_name_the_problem(straight, tmp, capsys):
     # --use-checkpoint-args takes the sizes from the checkpoint instead.
     cfg = finalize(parse_args(TINY + ["--train-iters", "2", "--load", str(tmp / "S"), "--hidden-size", "32",
                                       "--num-layers", "3", "--use-checkpoint-args"]), world)
-    cfg, found = ckpt.resolve_load(cfg, world, log=lambda *_: None)
+    cfg, found = ckpt.resolve_load(cfg, log=lambda *_: None)
     assert (cfg.model.hidden_size, cfg.model.num_layers, found.iteration) == (64, 2, 6)
     # Saving into a folder that holds later checkpoints of another run is refused.
     cfg = finalize(parse_args(TINY + ["--train-iters", "6", "--save", str(tmp / "S")]), world)

@@ -3,7 +3,8 @@
 import pytest
 
 from mlm_jax.arguments import FLAGS, parse_args
-from mlm_jax.config import ConfigError, finalize, padded_vocab_size
+from mlm_jax.config import ConfigError, padded_vocab_size
+from mlm_jax.validation import finalize
 
 
 def config_error(argv, world=8) -> str:
@@ -58,7 +59,7 @@ def test_help_lists_the_flags(capsys):
 
 
 def test_unknown_flag_is_an_error_naming_it(capsys):
-    # One line naming the flag and the closest known one, no usage screen (exit 2 via errors.cli).
+    # One line naming the flag and the closest known one, no usage screen (exit 2 via mlm_jax.cli).
     with pytest.raises(ConfigError) as e:
         parse_args(["--num-layerz", "4"])
     assert str(e.value) == "unknown flag --num-layerz; did you mean --num-layers?"

@@ -13,8 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mlm_jax.config import ConfigError, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, ParallelConfig
 from mlm_jax.parallel.chunks import local_order, permute_seq, seq_order, unpermute_seq
+from mlm_jax.validation import finalize
 from tests.parallel_util import VOCAB, build, document_grads_for, grads_for, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, REFERENCE, assert_trees_close
 

@@ -16,10 +16,11 @@ import pytest
 from mlm_jax import checkpoint as ckpt
 from mlm_jax import loss_scale as ls
 from mlm_jax.arguments import parse_args
-from mlm_jax.config import ParallelConfig, finalize
+from mlm_jax.config import ParallelConfig
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.train import TrainingStopped, main, train
+from mlm_jax.validation import finalize
 from tests.parallel_util import GLOBAL_BATCH, SEQ, VOCAB, place, tiny_config
 
 # --------------------------------------------------------------------------- 1. the rules

@@ -273,9 +273,9 @@ def test_no_fp32_copy_of_the_weights_lives_through_the_microbatch_loop():
     import re
 
     from mlm_jax.arguments import parse_args
-    from mlm_jax.config import finalize
     from mlm_jax.plan.compile import compile_step
     from mlm_jax.plan.targets import devices, gpu
+    from mlm_jax.validation import finalize
 
     cfg = finalize(parse_args((BF16 + " --use-distributed-optimizer").split()), 8)
     c = compile_step(cfg, devices(gpu("h100"), 8))

@@ -167,8 +167,8 @@ def test_llama3_fused_attention_off_a_gpu_is_a_note(files, tmp_path):
     """As written (--attention-backend fused) the script asks for cuDNN's fused attention: off an
     NVIDIA GPU the run says, in one line, that XLA attention runs instead (the GPU-compile tier
     checks it is cuDNN on an NVIDIA target)."""
-    from mlm_jax.config import finalize
     from mlm_jax.models.attention import backend_note
+    from mlm_jax.validation import finalize
 
     import jax
 

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from mlm_jax.arguments import ACCEPTED, REFUSED, parse_args
-from mlm_jax.config import ConfigError, finalize
+from mlm_jax.config import ConfigError
 from mlm_jax.distributed import resolve
+from mlm_jax.validation import finalize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,12 +17,13 @@ import optax
 import pytest
 from flax import nnx
 
-from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig
 from mlm_jax.arguments import parse_args
 from mlm_jax.models import GPT, tiny_gpt
 from mlm_jax.models.layers import rotary
 from mlm_jax.optim import apply_lr, decay_mask, decoupled_config, lr_at, make_optimizer
 from mlm_jax.tools.hf_mapping import hf_to_params, params_to_hf
+from mlm_jax.validation import finalize
 from tests.parallel_util import build, fixed_batch, grads_for, place, tiny_config
 
 CFG = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, padded_vocab_size=384,

@@ -28,9 +28,10 @@ import pytest
 from flax import nnx
 
 from mlm_jax.arguments import parse_args
-from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
 from mlm_jax.models import moe as moe_lib
 from mlm_jax.models.moe import MoE, route
+from mlm_jax.validation import finalize
 from tests.parallel_util import VOCAB, grads_for, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
 

@@ -168,7 +168,7 @@ def test_offload_is_refused_on_cpu_and_allowed_on_gpu():
 ])
 def test_recompute_flag_errors_name_the_flag(argv, message):
     from mlm_jax.arguments import parse_args
-    from mlm_jax.config import finalize
+    from mlm_jax.validation import finalize
 
     with pytest.raises(ConfigError) as err:
         finalize(parse_args(["--mock-data"] + argv), 1)

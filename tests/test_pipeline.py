@@ -34,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.config import ConfigError, ParallelConfig, finalize
+from mlm_jax.config import ConfigError, ParallelConfig
 from mlm_jax.models import GPT
 from mlm_jax.parallelize import parallelize
 from mlm_jax.pipeline.layout import PipelineLayout
 from mlm_jax.pipeline.runtime import build_program
 from mlm_jax.sharding import make_mesh
 from mlm_jax.sharding.hlo import collectives
+from mlm_jax.validation import finalize
 from tests.test_compiled import _COLLECTIVE, _data_parallel_collectives_in_loops, _lines_in_loops
 from tests.parallel_util import VOCAB, build, fixed_batch, grads_for, place, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close

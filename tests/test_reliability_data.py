@@ -345,7 +345,7 @@ def test_train_bad_split(tmp_path, split):
 
 
 # ----------------------------------------------------------------------------- python -m mlm_jax.train: data
-# These need train.py's main to end through `errors.cli` (the train/checkpoint helper's change):
+# These need train.py's main to end through `mlm_jax.cli` (the train/checkpoint helper's change):
 # the data module raises UsageErrors with the right message; main must print them as one line.
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-from mlm_jax.config import Config, finalize
+from mlm_jax.config import Config
 from mlm_jax.checkpoint.format import (ARCH_FIELDS, FORMAT, META, ORBAX_COMMIT, PARAMS, TMP_MARK,
                                        CheckpointError, config_from_dict, tokenizer_flags)
 
@@ -120,9 +120,10 @@ def find_checkpoint(path: str, step: int | None = None, flag: str = "--load",
 
 
 
-def resolve_load(cfg: Config, world: int, log=print) -> tuple[Config, Found | None]:
-    """Find the `--load` checkpoint (before data and model are built) and apply
-    --use-checkpoint-args. Returns the (possibly updated, finalized) config and the checkpoint."""
+def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
+    """Find the `--load` checkpoint (before the config is finalized: its args are part of it) and
+    apply --use-checkpoint-args (the model sizes, and the tokenizer flags where none are given).
+    Returns the (possibly updated, not yet finalized) config and the checkpoint."""
     c = cfg.checkpoint
     if not c.load:
         return cfg, None
@@ -146,7 +147,7 @@ def resolve_load(cfg: Config, world: int, log=print) -> tuple[Config, Found | No
         data = cfg.data
         if data.tokenizer_type is None:
             data = dataclasses.replace(data, **tokenizer_flags(found.path, found.meta.get("tokenizer")))
-        cfg = finalize(cfg.replace(model=model, data=data), world)
+        cfg = cfg.replace(model=model, data=data)
         log(f"> --use-checkpoint-args: model from {found.path}: {cfg.model.num_layers} layers, hidden "
             f"{cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}"
             + (f"; tokenizer {data.tokenizer_type} from the checkpoint" if data is not cfg.data or

@@ -118,14 +118,35 @@ def _vocab_rule(tokenizer):
     return tokenizer.vocab_size, f"the vocab of --tokenizer-type {kind}"
 
 
-def _tokenizer_for(data_cfg, vocab_size, optional=False):
-    if data_cfg.tokenizer_type is None and optional:
+def _check_paths(data_cfg) -> None:
+    if data_cfg.data_path and (data_cfg.train_data_path or data_cfg.valid_data_path or data_cfg.test_data_path):
+        raise DatasetError("--data-path cannot be combined with --train/valid/test-data-path")
+
+
+def _tokenizer(data_cfg, vocab_size, optional=False):
+    if data_cfg.tokenizer_type is not None:
+        return build_tokenizer(data_cfg, vocab_size)
+    if data_cfg.mock_data:
+        if vocab_size is None:
+            raise DatasetError("mock data without --tokenizer-type needs a vocab size")
+        return NullTokenizer(vocab_size - 1)
+    if data_cfg.uses_default_corpus:
+        from mlm_jax.data.default_corpus import own_tokenizer
+
+        return own_tokenizer()
+    if optional:
         return None
-    if data_cfg.tokenizer_type is None:
-        raise DatasetError(
-            "--data-path/--train-data-path need --tokenizer-type (and its files) to know the EOD token"
-        )
-    return build_tokenizer(data_cfg, vocab_size)
+    raise DatasetError("--data-path/--train-data-path need --tokenizer-type (and its files) to know the EOD token")
+
+
+def run_tokenizer(data_cfg, vocab_size: int | None = None):
+    """The tokenizer that `build_datasets` reads `data_cfg`'s data with, built on its own: a run
+    learns its model's true vocab size from it before it finalizes its config, then passes it to
+    `build_datasets` (`tokenizer=`). `vocab_size`: NullTokenizer's `--vocab-size`, and the vocab
+    of mock data without a tokenizer type (NullTokenizer(vocab_size - 1), EOD = vocab_size - 1).
+    The default corpus's own tokenizer is trained on first use (the corpus is built later)."""
+    _check_paths(data_cfg)
+    return _tokenizer(data_cfg, vocab_size)
 
 
 def build_datasets(
@@ -135,6 +156,7 @@ def build_datasets(
     num_samples: Sequence[int | None] = (None, None, None),
     vocab_size: int | None = None,
     tokenizer_optional: bool = False,
+    tokenizer=None,
 ) -> Datasets:
     """Build the (train, valid, test) datasets and the tokenizer of `data_cfg` (a `DataConfig`).
 
@@ -142,27 +164,24 @@ def build_datasets(
     or None still gets one epoch. `vocab_size`: NullTokenizer's `--vocab-size`, and the vocab
     of mock data without a tokenizer type (then EOD = vocab_size - 1). `tokenizer_optional`:
     read --data-path data without a tokenizer (tokenizer None; for inspecting token ids).
-    Every dataset's token ids must lie below the model's vocab (the tokenizer's): checked once
-    per .bin (`vocab_check`), a `VocabularyError` naming it if not.
+    `tokenizer`: `data_cfg`'s tokenizer already built (`run_tokenizer`), used instead of building
+    it again. Every dataset's token ids must lie below the model's vocab (the tokenizer's): checked
+    once per .bin (`vocab_check`), a `VocabularyError` naming it if not.
     """
-    return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True))
+    return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True),
+                  tokenizer)
 
 
-def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, wanted) -> Datasets:
+def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, wanted, tokenizer=None) -> Datasets:
     sizes = list(num_samples)
     if len(sizes) != 3:
         raise DatasetError(f"num_samples must be (train, valid, test), got {num_samples}")
     cache_path = data_cfg.data_cache_path
-    if data_cfg.data_path and (data_cfg.train_data_path or data_cfg.valid_data_path or data_cfg.test_data_path):
-        raise DatasetError("--data-path cannot be combined with --train/valid/test-data-path")
+    _check_paths(data_cfg)
+    if tokenizer is None:
+        tokenizer = _tokenizer(data_cfg, vocab_size, tokenizer_optional)
 
     if data_cfg.mock_data:
-        if data_cfg.tokenizer_type is not None:
-            tokenizer = build_tokenizer(data_cfg, vocab_size)
-        elif vocab_size is None:
-            raise DatasetError("mock data without --tokenizer-type needs a vocab size")
-        else:
-            tokenizer = NullTokenizer(vocab_size - 1)
         split = _mask(split_matrix(parse_split("1,1,1")), wanted)
         splits = build_gpt_splits(None, split, sizes, seq_length, seed, mock_eod=tokenizer.eod)
         return Datasets(*splits, tokenizer)
@@ -170,13 +189,12 @@ def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_option
     if data_cfg.uses_default_corpus:
         from mlm_jax.data.default_corpus import build_default_corpus
 
-        given = build_tokenizer(data_cfg, vocab_size) if data_cfg.tokenizer_type else None
-        prefix, tokenizer = build_default_corpus(tokenizer=given)
+        # Without --tokenizer-type the corpus is read with its own tokenizer (and cached as such).
+        prefix, _ = build_default_corpus(tokenizer=tokenizer if data_cfg.tokenizer_type else None)
         split = _mask(split_matrix(parse_split(data_cfg.split)), wanted)
         vocab = _vocab_rule(tokenizer)
         return Datasets(*build_gpt_splits(prefix, split, sizes, seq_length, seed, cache_path, vocab=vocab), tokenizer)
 
-    tokenizer = _tokenizer_for(data_cfg, vocab_size, tokenizer_optional)
     vocab = _vocab_rule(tokenizer)
     if data_cfg.data_path:
         prefixes, weights = parse_blend(data_cfg.data_path)

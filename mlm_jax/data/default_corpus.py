@@ -16,6 +16,7 @@ The stdlib differs between Python versions, so so does this corpus; the cache ke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -114,6 +115,22 @@ def _files_md5(paths: list[str]) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=2)
+def _sources(cache_dir: str, max_bytes: int, vocab_size: int) -> tuple[tuple, str, int]:
+    """(the stdlib sources, the corpus's cache folder, their UTF-8 bytes), read once per process:
+    a run asks for the corpus's own tokenizer before it asks for the corpus."""
+    docs = tuple(gather_stdlib_sources(max_bytes))
+    return docs, _corpus_root(cache_dir, docs, max_bytes, vocab_size), sum(len(t.encode("utf-8")) for _, t in docs)
+
+
+def own_tokenizer(cache_dir: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                  vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The corpus's own lossless SentencePiece tokenizer (a GPTSentencePieceTokenizer, EOD = its
+    eos id), trained on first use and then loaded from the cache; the corpus itself is not built."""
+    docs, root, nbytes = _sources(cache_dir or _cache.default_cache_dir(), max_bytes, vocab_size)
+    return _own_tokenizer(root, docs, nbytes, vocab_size)
+
+
 def build_default_corpus(
     cache_dir: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -122,14 +139,10 @@ def build_default_corpus(
 ) -> tuple[str, object]:
     """Build (or load from cache) the default corpus; returns (dataset prefix, tokenizer).
 
-    With `tokenizer` None, the corpus's own lossless SentencePiece tokenizer (a
-    GPTSentencePieceTokenizer, EOD = its eos id) is trained or loaded; otherwise the given
-    tokenizer tokenizes the corpus.
+    With `tokenizer` None, the corpus's own tokenizer (`own_tokenizer`) is trained or loaded;
+    otherwise the given tokenizer tokenizes the corpus.
     """
-    cache_dir = cache_dir or _cache.default_cache_dir()
-    docs = gather_stdlib_sources(max_bytes)
-    root = _corpus_root(cache_dir, docs, max_bytes, vocab_size)
-    nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
+    docs, root, nbytes = _sources(cache_dir or _cache.default_cache_dir(), max_bytes, vocab_size)
     if tokenizer is None:
         tokenizer = _own_tokenizer(root, docs, nbytes, vocab_size)
         tok_key = "own"

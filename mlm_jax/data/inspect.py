@@ -21,6 +21,7 @@ import json
 import sys
 
 from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.arguments import ArgumentParser
 from mlm_jax.config import DataConfig
 from mlm_jax.data.builder import build_split
@@ -48,7 +49,7 @@ def _context_chunks(sample: list[int], cp: int) -> list[list[int]]:
     return [[inputs[k] for k in row] for row in order]
 
 
-@errors.cli
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)

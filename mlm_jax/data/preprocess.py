@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from mlm_jax.data.tokenizers import TokenizerError, make_tokenizer
 
@@ -376,7 +377,7 @@ def tokenizer_kwargs_from(args) -> dict:
     )
 
 
-@errors.cli
+@cli
 def main(argv: list[str] | None = None) -> int:
     from mlm_jax.arguments import ArgumentParser
 

@@ -33,7 +33,7 @@ def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: 
                          f"is {cfg.model.vocab_size}; build the config with vocab_size={tok.vocab_size}")
     dataset = {"train": data.train, "valid": data.valid, "test": data.test}[split]
     eod = tok.eod if tok is not None else cfg.model.vocab_size - 1
-    loader = BatchLoader(dataset, t.global_batch_size, pz.batch_sharding(), pz.batch_shape(),
+    loader = BatchLoader(dataset, pz.layout.global_batch_size, pz.batch_sharding(), pz.layout.batch_shape(),
                          batch_fn(cfg.data, eod), start_iteration=start_iteration, prefetch=prefetch)
     for batch, _ in loader:
         yield batch

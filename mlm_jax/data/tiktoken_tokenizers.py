@@ -24,7 +24,7 @@ import binascii
 import os
 from typing import Iterable, Sequence
 
-from mlm_jax.data.tokenizers import TokenizerError, _need_file, _read_json
+from mlm_jax.data.tokenizer_files import TokenizerError, need_file, read_json
 
 PATTERN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 PATTERN_V2 = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
@@ -69,7 +69,7 @@ class _TikTokenBase:
 
 def _megatron_ranks(path: str, max_ranks: int, offset: int) -> dict[bytes, int]:
     """Megatron's TikTokenizer JSON vocab -> tiktoken mergeable ranks shifted by `offset`."""
-    vocab = _read_json(path, "--tokenizer-model")
+    vocab = read_json(path, "--tokenizer-model")
     where = f"--tokenizer-model {path}"
     if not isinstance(vocab, list):
         raise TokenizerError(f"{where}: expected a JSON list of {{rank, token_bytes, token_str}} "
@@ -100,7 +100,7 @@ class TikTokenizer(_TikTokenBase):
 
     def __init__(self, model_file: str, pattern: str = "v2", num_special_tokens: int = 1000,
                  special_tokens: Sequence[str] | None = None):
-        self.model_file = _need_file(model_file, "--tokenizer-model", self.tokenizer_type)
+        self.model_file = need_file(model_file, "--tokenizer-model", self.tokenizer_type)
         if pattern not in ("v1", "v2"):
             raise TokenizerError(f"--tiktoken-pattern {pattern!r}: choose one of v1, v2")
         special = list(special_tokens) if special_tokens else list(MEGATRON_SPECIAL)
@@ -156,7 +156,7 @@ class Llama3Tokenizer(_TikTokenBase):
     tokenizer_type = "Llama3Tokenizer"
 
     def __init__(self, model_file: str):
-        self.model_file = _need_file(model_file, "--tokenizer-model", self.tokenizer_type)
+        self.model_file = need_file(model_file, "--tokenizer-model", self.tokenizer_type)
         with open(self.model_file, "rb") as f:
             head = f.read(1)
         if head in (b"{", b"["):

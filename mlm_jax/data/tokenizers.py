@@ -18,11 +18,10 @@ EOD per type, as Megatron-LM's `megatron/training/tokenizer/tokenizer.py` define
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Iterator, Sequence
 
-from mlm_jax.errors import UsageError
+from mlm_jax.data.tokenizer_files import TokenizerError, TokenizerFileNotFound, need_file, read_json
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -36,40 +35,10 @@ TOKENIZER_TYPES = (
 )
 
 
-class TokenizerError(UsageError):
-    """A tokenizer that cannot be built from the flags given, or text it cannot encode; the
-    message names the flag, the file (and line) or the text."""
-
-
-class TokenizerFileNotFound(TokenizerError, FileNotFoundError):
-    """A tokenizer file that does not exist (still a `FileNotFoundError`)."""
-
-
-def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
-    if not path:
-        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
-    if not os.path.isfile(path):
-        raise TokenizerFileNotFound(f"{flag} {path}: no such file (needed by --tokenizer-type {tokenizer_type})")
-    return path
-
-
-def _read_json(path: str, what: str):
-    """A JSON file's value; TokenizerError naming the file and line when it is not JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except UnicodeDecodeError as e:
-        raise TokenizerError(f"{what} {path}: not UTF-8 text (byte {e.start}); expected a JSON file") from None
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{what} {path}: not valid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
-    except OSError as e:
-        raise TokenizerError(f"{what} {path}: cannot read ({e.strerror or e})") from None
-
-
 def _check_gpt2_files(vocab_file: str, merge_file: str) -> None:
     """GPT-2's vocab.json (token -> id) and merges.txt (`a b` per line) checked before the
     `tokenizers` library reads them, since its errors name neither the file nor the right line."""
-    vocab = _read_json(vocab_file, "--vocab-file")
+    vocab = read_json(vocab_file, "--vocab-file")
     if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
         raise TokenizerError(f"--vocab-file {vocab_file}: expected a JSON object of token -> integer id (GPT-2's vocab.json)")
     try:
@@ -112,8 +81,8 @@ class GPT2BPETokenizer(_TokenizersLibrary):
     def __init__(self, vocab_file: str, merge_file: str):
         from tokenizers import ByteLevelBPETokenizer
 
-        self.vocab_file = _need_file(vocab_file, "--vocab-file", self.tokenizer_type)
-        self.merge_file = _need_file(merge_file, "--merge-file", self.tokenizer_type)
+        self.vocab_file = need_file(vocab_file, "--vocab-file", self.tokenizer_type)
+        self.merge_file = need_file(merge_file, "--merge-file", self.tokenizer_type)
         _check_gpt2_files(self.vocab_file, self.merge_file)
         try:
             self._tok = ByteLevelBPETokenizer(self.vocab_file, self.merge_file, add_prefix_space=False)
@@ -133,7 +102,7 @@ class _SentencePieceBase:
     def __init__(self, model_file: str):
         import sentencepiece as spm
 
-        self.model_file = _need_file(model_file, "--tokenizer-model", self.tokenizer_type)
+        self.model_file = need_file(model_file, "--tokenizer-model", self.tokenizer_type)
         try:
             self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
         except (RuntimeError, OSError) as e:
@@ -281,7 +250,7 @@ class HuggingFaceTokenizer(_TokenizersLibrary):
             )
         self.path = path
         self.tokenizer_file = file
-        if not isinstance(_read_json(file, "--tokenizer-model"), dict):
+        if not isinstance(read_json(file, "--tokenizer-model"), dict):
             raise TokenizerError(f"--tokenizer-model {file}: expected a JSON object (a tokenizers tokenizer.json)")
         try:
             self._tok = Tokenizer.from_file(file)
@@ -295,7 +264,7 @@ class HuggingFaceTokenizer(_TokenizersLibrary):
         ]
         eos = None
         for f in self._extra_files:
-            config = _read_json(f, "--tokenizer-model")
+            config = read_json(f, "--tokenizer-model")
             if not isinstance(config, dict):
                 raise TokenizerError(f"--tokenizer-model {f}: expected a JSON object")
             entry = config.get("eos_token")

@@ -12,12 +12,12 @@ import argparse
 import sys
 import time
 
-from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.arguments import ArgumentParser
 from mlm_jax.data.tokenizers import GPTSentencePieceTokenizer, train_sentencepiece
 
 
-@errors.cli
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m mlm_jax.data.train_tokenizer", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax import platform
-from mlm_jax.config import ConfigError, ModelConfig, fused_attention_obstacle
+from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, zeros
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
@@ -42,6 +42,19 @@ def on_nvidia_gpu() -> bool:
     """Is the step being traced for NVIDIA (CUDA) GPUs? cuDNN's kernels exist nowhere else. The
     mesh's devices decide (a deviceless compile for GPUs runs in a CPU process)."""
     return platform.current() == platform.CUDA
+
+
+def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
+    """Why cuDNN's fused attention cannot run this model (None: it can, on an NVIDIA GPU)."""
+    if not (m.bf16 or m.fp16):
+        return "cuDNN fused attention needs bf16 compute (add --bf16) or fp16 compute (--fp16)"
+    if m.attention_dropout > 0:
+        return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
+    if documents:
+        return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
+    if m.head_dim % 8 or m.head_dim > 128:
+        return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
+    return None
 
 
 def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, dropout_on: bool,

@@ -27,6 +27,9 @@ import functools
 
 import numpy as np
 
+from mlm_jax.config import Config, num_microbatches
+from mlm_jax.errors import ConfigError
+
 SCHEDULE_DEFAULT_FLAT = "1f1b"
 SCHEDULE_DEFAULT_VIRTUAL = "interleaved"
 
@@ -316,3 +319,22 @@ def _check_microbatches(name: str, m: int, P: int) -> None:
             f"(micro batch x data-parallel size)) to be a multiple of "
             f"--pipeline-model-parallel-size {P}"
         )
+
+
+def pipeline_plan(cfg: Config, world_size: int | None = None):
+    """(schedule name, layer layout) of a config; ConfigError naming the numbers if invalid."""
+    p = cfg.parallel
+    m = None if world_size is None else num_microbatches(cfg, world_size)
+    try:
+        return plan_pipeline(
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline_model_parallel_size,
+            schedule=p.pipeline_schedule,
+            virtual_stages=p.virtual_pipeline_model_parallel_size,
+            layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            num_microbatches=m,
+        )
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None

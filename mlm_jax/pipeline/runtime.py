@@ -74,12 +74,12 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax import loss_scale as ls
-from mlm_jax.config import Config, ConfigError, pipeline_plan
+from mlm_jax.config import Config, ConfigError
 from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
-from mlm_jax.pipeline.layout import map_layer_leaves
+from mlm_jax.pipeline.layout import map_layer_leaves, pipeline_plan
 from mlm_jax.parallel.data import (gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once,
                                    zero_gather_dtype)
 from mlm_jax.sharding.mesh import DATA, PIPE, varying

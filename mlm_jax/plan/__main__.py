@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.errors import RunFailure, UsageError
 
 # Vocab sizes of tokenizers whose files may not be on the planning machine.
@@ -40,12 +40,11 @@ def _own_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _with_vocab(cfg, train_argv: list[str], gpus: int):
-    """The vocab size training would learn from the tokenizer: --vocab-size when given, the
-    tokenizer's own when its files are here, a known size for Megatron's standard tokenizers."""
+def _with_vocab(cfg, train_argv: list[str]):
+    """`cfg` with the vocab size training would learn from the tokenizer (before it is
+    finalized, as training does): --vocab-size when given, the tokenizer's own when its files are
+    here, a known size for Megatron's standard tokenizers."""
     import dataclasses
-
-    from mlm_jax.config import finalize
 
     d = cfg.data
     if "--vocab-size" in train_argv or d.tokenizer_type in (None, "NullTokenizer"):
@@ -61,7 +60,7 @@ def _with_vocab(cfg, train_argv: list[str], gpus: int):
         raise UsageError(f"--tokenizer-type {d.tokenizer_type}: its files are not on this machine; give "
                          "--vocab-size N (the tokenizer's vocab size) to plan without them")
     model = dataclasses.replace(cfg.model, vocab_size=size, padded_vocab_size=None)
-    return finalize(cfg.replace(model=model), gpus)
+    return cfg.replace(model=model)
 
 
 def _writable(path: str | None, flag: str) -> None:
@@ -71,7 +70,7 @@ def _writable(path: str | None, flag: str) -> None:
         writable_file(os.path.abspath(path), flag)
 
 
-@errors.cli
+@cli
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_argv = _own_parser().parse_known_args(argv)
@@ -103,13 +102,13 @@ def main(argv=None) -> int:
 
 
 def _plan(cfg, train_argv, own, target) -> int:
-    from mlm_jax.config import finalize
     from mlm_jax.plan import check
     from mlm_jax.plan.compile import compile_step
     from mlm_jax.plan.targets import check_cluster, devices
+    from mlm_jax.validation import finalize
 
     gpus, per_node = own.gpus, check_cluster(own.gpus, own.gpus_per_node)
-    cfg = _with_vocab(finalize(cfg, gpus), train_argv, gpus)
+    cfg = finalize(_with_vocab(cfg, train_argv), gpus)  # once, knowing the vocab (as training)
     if cfg.parallel.tensor_model_parallel_size > per_node:
         print(f"> note: --tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} spans nodes "
               f"({per_node} GPUs per node): its collectives leave NVLink", flush=True)

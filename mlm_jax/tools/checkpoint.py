@@ -33,7 +33,7 @@ import shutil
 
 import numpy as np
 
-from mlm_jax import errors
+from mlm_jax.cli import cli
 from mlm_jax.config import Config, ModelConfig, padded_vocab_size
 from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
@@ -399,7 +399,7 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
     return hf_dir
 
 
-@errors.cli
+@cli
 def main(argv=None) -> int:
     """The command: exit 0, 2 (a bad flag, file or checkpoint) or 1, one `error:` line last."""
     parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",

@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
-from mlm_jax.errors import RunFailure, UsageError, cli
+from mlm_jax.cli import cli
+from mlm_jax.errors import RunFailure, UsageError
 
 
 def put(url: str, body: dict, timeout: float = 300.0) -> dict:
