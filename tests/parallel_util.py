@@ -57,10 +57,18 @@ def place(pz, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 
 def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=None, data=None,
           **model):
-    devices = jax.devices() if devices is None else devices
-    cfg = finalize(tiny_config(parallel, micro_batch, data, **model), len(devices))
+    """The parallelized tiny model of one layout, built once per session: configs are frozen and
+    hashable, so every test (and every file) asking for the same layout shares one set of compiled
+    programs."""
+    devices = tuple(jax.devices() if devices is None else devices)
+    return _build(parallel, micro_batch, devices, model_class, data, tuple(sorted(model.items())))
+
+
+@functools.cache
+def _build(parallel, micro_batch, devices, model_class, data, model):
+    cfg = finalize(tiny_config(parallel, micro_batch, data, **dict(model)), len(devices))
     extra = {} if model_class is None else {"model_class": model_class}
-    return parallelize(cfg, make_mesh(cfg.parallel, devices), **extra)
+    return parallelize(cfg, make_mesh(cfg.parallel, list(devices)), **extra)
 
 
 @functools.cache

@@ -4,7 +4,6 @@ ramp-up run against the same batches stepped by hand; dp2 and pp2 against one de
 exact resume mid-ramp; Megatron's refusals."""
 
 import dataclasses
-import json
 import math
 
 import jax
@@ -18,7 +17,8 @@ from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig
 from mlm_jax.optim import lr_at, lr_for
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
-from mlm_jax.train import main, train
+from mlm_jax.train import main
+from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 from mlm_jax.validation import finalize
 from tests.parallel_util import SEQ, VOCAB, tiny_config
 
@@ -186,11 +186,9 @@ def test_warmup_fraction_and_warmup_init_hand_computed():
 # --------------------------------------------------------------------------- 3-5. runs
 
 
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
-        "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1",
-        "--eval-interval", "100", "--no-progress-bar", "--sample-tokens", "0", "--log-interval", "1",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--peak-flops-per-device", "1e9"]
+TINY = tiny("--micro-batch-size", "1", *NO_DROPOUT, "--eval-iters", "1", "--eval-interval", "100",
+            "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+            "--peak-flops-per-device", "1e9")
 # 8 devices, dp8: batches 8, 8, 16, 24, 24, 24, 24 (ramp 8 -> 24 by 8 over 32 samples, then
 # (136 - 56) // 24 = 3 whole batches of 24).
 RAMP = ["--global-batch-size", "24", "--rampup-batch-size", "8", "8", "32", "--train-samples", "136",
@@ -199,11 +197,8 @@ SIZES = [8, 8, 16, 24, 24, 24, 24]
 
 
 def run(tmp, name, extra):
-    run_dir = tmp / name
-    logs = []
-    summary = train(parse_args(TINY + RAMP + ["--run-dir", str(run_dir)] + extra), log=logs.append)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return summary, [r for r in records if "lm_loss" in r], "\n".join(map(str, logs))
+    summary, records, log = train_run(TINY + RAMP + extra, tmp / name)
+    return summary, [r for r in records if "lm_loss" in r], log
 
 
 @pytest.fixture(scope="module")

@@ -20,31 +20,26 @@ from mlm_jax.config import ConfigError
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.train import main, train
+from tests.tiny_flags import tiny, train_run
 from mlm_jax.validation import finalize
 
 # Dropout on, so resuming must restore the dropout stream too. --make-vocab-size-divisible-by 100
 # makes the padded vocab depend on the tensor-parallel size (tp4: 800, tp2: 600, tp1: 500 rows),
 # so restoring across tp sizes also re-pads the embedding and its Adam moments.
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
-        "--make-vocab-size-divisible-by", "100", "--global-batch-size", "16", "--hidden-dropout", "0.1",
-        "--attention-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
-        "--no-progress-bar", "--sample-tokens", "0", "--lr", "1e-3", "--peak-flops-per-device", "1e12",
-        "--micro-batch-size", "1"]  # dp8 unless a layout below overrides
+TINY = tiny("--make-vocab-size-divisible-by", "100", "--global-batch-size", "16", "--hidden-dropout", "0.1",
+            "--attention-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
+            "--lr", "1e-3", "--peak-flops-per-device", "1e12",
+            "--micro-batch-size", "1")  # dp8 unless a layout below overrides
 LAYOUT_A = ["--tensor-model-parallel-size", "4", "--use-distributed-optimizer", "--micro-batch-size", "2"]  # dp2
 # dp4, no ZeRO; micro 1 keeps A's split of the batch (4 microbatches of 4 rows), hence its dropout masks.
 LAYOUT_B = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1"]
 
 
 def run(tmp, name, extra, iters=6):
-    run_dir = tmp / name
-    logs = []
-    argv = TINY + ["--train-iters", str(iters), "--run-dir", str(run_dir)] + extra
-    summary = train(parse_args(argv), log=logs.append)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    summary, records, log = train_run(TINY + ["--train-iters", str(iters)] + extra, tmp / name)
     losses = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
     summary["valid_losses"] = {r["iteration"]: r["valid_lm_loss"] for r in records if "valid_lm_loss" in r}
-    return summary, losses, "\n".join(map(str, logs))
+    return summary, losses, log
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from mlm_jax.config import ParallelConfig
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.train import TrainingStopped, main, train
+from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 from mlm_jax.validation import finalize
 from tests.parallel_util import GLOBAL_BATCH, SEQ, VOCAB, place, tiny_config
 
@@ -110,6 +111,7 @@ def learnable_batch(seed: int) -> dict[str, np.ndarray]:
             "position_ids": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (GLOBAL_BATCH, SEQ)).copy()}
 
 
+@functools.cache  # one set of compiled programs per layout and loss-scale setting
 def build(parallel: ParallelConfig, micro_batch: int, devices: int, fp16: bool = True, **optim):
     cfg = tiny_config(parallel, micro_batch, fp16=fp16)
     cfg = cfg.replace(optim=dataclasses.replace(cfg.optim, lr=3e-3, **optim))
@@ -232,11 +234,8 @@ def test_fp16_curve_follows_fp32():
 # --------------------------------------------------------------------------- the command
 
 
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
-        "--micro-batch-size", "1", "--global-batch-size", "16", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--eval-iters", "1", "--eval-interval", "1000", "--no-progress-bar",
-        "--sample-tokens", "0", "--lr", "1e-3", "--peak-flops-per-device", "1e12"]
+TINY = tiny("--micro-batch-size", "1", "--global-batch-size", "16", *NO_DROPOUT, "--eval-iters", "1",
+            "--eval-interval", "1000", "--lr", "1e-3", "--peak-flops-per-device", "1e12")
 # 2**24 overflows this model's fp16 gradients for the first iterations; window 3 then grows the
 # scale back into overflows: skips, halvings and doublings in 12 iterations.
 FP16 = ["--fp16", "--initial-loss-scale", str(2**24), "--loss-scale-window", "3"]
@@ -244,11 +243,7 @@ ITERS, SAVED_AT = 12, 8  # at 8 (today) the scale has grown and overflowed once 
 
 
 def run(tmp, name, extra, iters=ITERS):
-    run_dir = tmp / name
-    logs = []
-    summary = train(parse_args(TINY + FP16 + ["--train-iters", str(iters), "--run-dir", str(run_dir)] + extra),
-                    log=logs.append)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    summary, records, _ = train_run(TINY + FP16 + ["--train-iters", str(iters)] + extra, tmp / name)
     return summary, {r["iteration"]: r for r in records if "lm_loss" in r}
 
 

@@ -32,17 +32,15 @@ from mlm_jax.config import ConfigError, DistributedConfig, InstrumentsConfig
 from mlm_jax.distributed import resolve, slurm_first_node
 from mlm_jax.instruments import Instruments, RunLogger, Wandb, slow_iteration_line
 from mlm_jax.train import main, train
+from tests.tiny_flags import NO_DROPOUT, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_SH = os.path.join(ROOT, "launch", "local.sh")
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 TOL = 1e-5  # fp32 losses of the same model and data; only the reduction order differs
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
-        "--micro-batch-size", "8", "--global-batch-size", "16", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "10",
-        "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--no-progress-bar",
-        "--sample-tokens", "0", "--peak-flops-per-device", "1e9", "--use-distributed-optimizer"]
+TINY = tiny("--micro-batch-size", "8", "--global-batch-size", "16", *NO_DROPOUT, "--lr", "1e-3",
+            "--lr-warmup-iters", "0", "--train-iters", "10", "--log-interval", "1", "--eval-interval", "5",
+            "--eval-iters", "1", "--peak-flops-per-device", "1e9", "--use-distributed-optimizer")
 GLOO = re.compile(r"^\[Gloo\]|^ is connected to \d+ peer ranks")
 FAKE_WANDB = '''
 import json, os

@@ -5,23 +5,18 @@ import os
 
 import pytest
 
-from mlm_jax.arguments import parse_args
-from mlm_jax.train import TrainingStopped, main, train
+from mlm_jax.train import TrainingStopped, main
+from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
-        "--micro-batch-size", "1", "--global-batch-size", "16", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--eval-iters", "1", "--no-progress-bar", "--sample-tokens", "0",
-        "--lr", "1e-3", "--lr-warmup-iters", "0"]
+TINY = tiny("--micro-batch-size", "1", "--global-batch-size", "16", *NO_DROPOUT, "--eval-iters", "1",
+            "--lr", "1e-3", "--lr-warmup-iters", "0")
 
 
 def run(tmp_path, name, extra, iters=4, eval_at_start=True):
     run_dir = tmp_path / name
     argv = TINY + ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "2"]
     argv += ["--eval-at-start"] if eval_at_start else []
-    argv += ["--run-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb")] + extra
-    summary = train(parse_args(argv), log=lambda *_: None)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    summary, records, _ = train_run(argv + ["--tensorboard-dir", str(run_dir / "tb")] + extra, run_dir)
     return summary, records
 
 
