@@ -62,6 +62,8 @@ def _unsupported(args, where: str) -> None:
 
 
 def _value(name: str, value):
+    if value is None:
+        return None
     if name == "moe_layer_freq" and isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     if name in ("rotary_base", "rotary_percent", "norm_epsilon", "init_method_std", "hidden_dropout",

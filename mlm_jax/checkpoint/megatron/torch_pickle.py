@@ -192,8 +192,23 @@ def _numpy_scalar(dtype, data=None):
     return np.frombuffer(data, dtype)[0]
 
 
-def _bytes_io(value=b"", *rest):
-    return bytes(value)
+class BytesBuffer(Record):
+    """An `io.BytesIO` as pickled (Transformer Engine's `_extra_state`s): its bytes, inert."""
+
+    fields = ("value", "pos", "dict")
+
+    def __init__(self, value=b"", *rest):
+        self.value = bytes(value)
+
+    def __setstate__(self, state):
+        self.value = bytes(state[0]) if isinstance(state, tuple) and state else getattr(self, "value", b"")
+
+
+def _codecs_encode(text, encoding="utf-8"):
+    """Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); nothing else is allowed."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError("_codecs.encode other than (str, 'latin1')")
+    return text.encode("latin1")
 
 
 def _enum(cls: str) -> Callable:
@@ -239,7 +254,7 @@ def _allowed() -> dict[str, Callable]:
         "argparse.Namespace": argparse.Namespace,
         "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
         "builtins.complex": complex, "builtins.bytearray": bytearray,
-        "_io.BytesIO": _bytes_io, "io.BytesIO": _bytes_io,
+        "_io.BytesIO": BytesBuffer, "io.BytesIO": BytesBuffer, "_codecs.encode": _codecs_encode,
         "pathlib.PosixPath": lambda *parts: "/".join(str(p) for p in parts),
         "pathlib.PurePosixPath": lambda *parts: "/".join(str(p) for p in parts),
         "numpy.core.multiarray._reconstruct": _numpy_reconstruct,
@@ -338,12 +353,16 @@ class Archive:
         return self.buf[start:end]
 
 
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_codecs": "_codecs"}
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: memoryview, archive: Archive, allowed: dict[str, Callable]):
         super().__init__(io.BytesIO(data))
         self.archive, self.allowed = archive, allowed
 
     def find_class(self, module: str, name: str):
+        module = _PY2_MODULES.get(module, module)  # protocol 2 names Python 2's modules
         target = self.allowed.get(f"{module}.{name}")
         if target is None:
             raise MegatronCheckpointError(
