@@ -104,7 +104,8 @@ def _dist_tensors(ck: dcp.Distcp, num_layers: int) -> dict:
                 raise MegatronCheckpointError(f"{where}: key {key!r} has shape {shape}; the layers dim should be "
                                               f"args.num_layers = {num_layers}")
             for i in range(num_layers):
-                out[f"decoder.layers.{i}.{rest}"] = (where, lambda key=key, i=i: whole(key)[i])
+                out[f"decoder.layers.{i}.{rest}"] = (f"{where} (stacked key {key!r}, layer {i})",
+                                                     lambda key=key, i=i: whole(key)[i])
         else:
             out[name] = (where, lambda key=key: ck.tensor(key))
     return out

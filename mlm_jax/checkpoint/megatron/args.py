@@ -34,14 +34,22 @@ UNSUPPORTED = {
     "experimental_attention_variant": "an experimental attention variant",
     "linear_attention_type": "linear attention",
 }
-_NEUTRAL_VALUES = (None, False, 0, 1.0, "")
+
+
+def _is_set(name: str, value) -> bool:
+    """Whether an UNSUPPORTED setting is on (None, False, 0, "" and [] are off; a scaling factor
+    of 1 is no scaling)."""
+    if value is None or value is False or value in ("", []):
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value != (1 if name == "moe_router_topk_scaling_factor" else 0)
+    return True
 
 
 def _unsupported(args, where: str) -> None:
     for name, what in UNSUPPORTED.items():
         value = getattr(args, name, None)
-        if value not in _NEUTRAL_VALUES and value != [] and not (name == "moe_router_topk_scaling_factor"
-                                                                and value == 1):
+        if _is_set(name, value):
             raise MegatronCheckpointError(f"{where}: args.{name} = {value!r}: {what} is not supported by mlm_jax")
     factor = getattr(args, "rotary_seq_len_interpolation_factor", None)
     if factor not in (None, 1, 1.0):

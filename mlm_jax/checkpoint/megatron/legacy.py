@@ -71,6 +71,10 @@ class LegacyShards:
         if args is not None and self.pp > 1 and getattr(args, "pipeline_model_parallel_size", 1) == 1:
             self.ranks = {(t, 0, p): d for (t, p, _), d in self.ranks.items()}
             self.pp, self.ep = 1, self.pp
+        if args is not None:  # the sizes the run saved with: a lost folder is then missing, not ignored
+            self.tp = int(getattr(args, "tensor_model_parallel_size", None) or self.tp)
+            self.pp = int(getattr(args, "pipeline_model_parallel_size", None) or self.pp)
+            self.ep = int(getattr(args, "expert_model_parallel_size", None) or self.ep)
         want = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
         missing = sorted(want - set(self.ranks))
         if missing:
