@@ -137,12 +137,16 @@ def read_checkpoint(path: str, tensor_parallel: int = 1, step: int | None = None
         tensors = _dist_tensors(ck, m.num_layers)
         vocab_rows = ck.shapes.get("embedding.word_embeddings.weight", (None,))[0]
     else:
-        shards = legacy.LegacyShards(folder, args)
+        shards.use_args(args)
         tensors = shards.tensors(m.num_experts, m.swiglu)
         rows = tensors.get("embedding.word_embeddings.weight")
         vocab_rows = None if rows is None else int(np.shape(rows[1]())[0])
     if vocab_rows is None:
         raise MegatronCheckpointError(f"{where}: the checkpoint has no 'embedding.word_embeddings.weight'")
+    saved_rows = getattr(args, "padded_vocab_size", None)
+    if saved_rows is not None and int(saved_rows) != vocab_rows:
+        raise MegatronCheckpointError(f"{where}: key 'embedding.word_embeddings.weight' has {vocab_rows} rows, "
+                                      f"args.padded_vocab_size says {saved_rows}")
     root = os.path.dirname(folder)
     tokenizer = tokenizer_from_args(args, root)
     vocab = min(true_vocab_size(args, tokenizer, vocab_rows), vocab_rows)

@@ -64,6 +64,10 @@ def _unsupported(args, where: str) -> None:
     if kind not in ("learned_absolute", "rope"):
         raise MegatronCheckpointError(f"{where}: args.position_embedding_type = {kind!r} is not supported "
                                       "(learned_absolute, rope)")
+    balancing = getattr(args, "moe_router_load_balancing_type", None)
+    if getattr(args, "num_experts", None) and "sinkhorn" in (balancing if isinstance(balancing, list) else [balancing]):
+        raise MegatronCheckpointError(f"{where}: args.moe_router_load_balancing_type = {balancing!r}: Sinkhorn "
+                                      "routing is not supported by mlm_jax")
     model_type = getattr(args, "model_type", None)
     if isinstance(model_type, EnumValue) and model_type.value not in (1, "encoder_or_decoder"):
         raise MegatronCheckpointError(f"{where}: args.model_type = {model_type}: only GPT (decoder) models")
@@ -93,6 +97,10 @@ def model_config_from_args(args, where: str) -> ModelConfig:
         fields[f.name] = _value(f.name, value)
     if getattr(args, "use_rotary_position_embeddings", False):
         fields["position_embedding_type"] = "rope"
+    # Megatron-Core's fused bias + GELU (--bias-gelu-fusion, on by default with biases) is the tanh
+    # approximation (megatron/core/fusions/fused_bias_gelu.py): the model computes openai_gelu.
+    if (not fields.get("swiglu") and fields.get("add_bias_linear", True) and getattr(args, "bias_gelu_fusion", False)):
+        fields["openai_gelu"] = True
     if getattr(args, "group_query_attention", False):
         g = getattr(args, "num_query_groups", None)
         fields["num_query_groups"] = None if g in (None, args.num_attention_heads) else int(g)

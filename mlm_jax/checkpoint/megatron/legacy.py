@@ -58,7 +58,7 @@ def rank_dirs(iter_dir: str) -> dict[tuple[int, int, int], str]:
 class LegacyShards:
     """The rank files of one legacy iteration folder."""
 
-    def __init__(self, iter_dir: str, args=None):
+    def __init__(self, iter_dir: str):
         self.dir = iter_dir
         self.ranks = rank_dirs(iter_dir)
         if not self.ranks:
@@ -66,24 +66,34 @@ class LegacyShards:
         self.tp = 1 + max(r[0] for r in self.ranks)
         self.pp = 1 + max(r[1] for r in self.ranks)
         self.ep = 1 + max(r[2] for r in self.ranks)
-        # When a file stores pipeline and expert ranks, the two-number folder name is ambiguous
-        # (mp_rank_TT_PPP vs mp_rank_TT_EEE): the args say which.
-        if args is not None and self.pp > 1 and getattr(args, "pipeline_model_parallel_size", 1) == 1:
+        self._states: dict = {}
+
+    def use_args(self, args) -> None:
+        """Take the parallel sizes the run saved with from its args (rank 0's file), so that a
+        lost rank folder is missing rather than ignored, and check every rank is there."""
+        if self.pp > 1 and getattr(args, "pipeline_model_parallel_size", 1) == 1:
+            # mp_rank_TT_EEE (no pipeline number) reads like mp_rank_TT_PPP
             self.ranks = {(t, 0, p): d for (t, p, _), d in self.ranks.items()}
             self.pp, self.ep = 1, self.pp
-        if args is not None:  # the sizes the run saved with: a lost folder is then missing, not ignored
-            self.tp = int(getattr(args, "tensor_model_parallel_size", None) or self.tp)
-            self.pp = int(getattr(args, "pipeline_model_parallel_size", None) or self.pp)
-            self.ep = int(getattr(args, "expert_model_parallel_size", None) or self.ep)
+        self.tp = int(getattr(args, "tensor_model_parallel_size", None) or self.tp)
+        self.pp = int(getattr(args, "pipeline_model_parallel_size", None) or self.pp)
+        self.ep = int(getattr(args, "expert_model_parallel_size", None) or self.ep)
         want = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
         missing = sorted(want - set(self.ranks))
         if missing:
             t, p, e = missing[0]
-            raise MegatronCheckpointError(f"{iter_dir}: the folder of rank (tensor {t}, pipeline {p}, expert {e}) "
+            raise MegatronCheckpointError(f"{self.dir}: the folder of rank (tensor {t}, pipeline {p}, expert {e}) "
                                           f"is missing ({len(missing)} of {len(want)} missing)")
-        self._states: dict = {}
+        extra = sorted(set(self.ranks) - want)
+        if extra:
+            raise MegatronCheckpointError(f"{self.dir}: holds rank folders {extra[:3]} beyond the args' sizes "
+                                          f"(tensor {self.tp}, pipeline {self.pp}, expert {self.ep})")
 
     def path(self, rank) -> str:
+        if rank not in self.ranks:
+            t, p, e = rank
+            raise MegatronCheckpointError(f"{self.dir}: the folder of rank (tensor {t}, pipeline {p}, expert {e}) "
+                                          "is missing")
         return os.path.join(self.ranks[rank], FILE)
 
     def state(self, rank) -> dict:
