@@ -30,10 +30,12 @@ from mlm_jax.errors import UsageError, exit_code
 
 HERE = os.path.dirname(__file__)
 SYN = os.path.join(HERE, "fixtures", "megatron_synthetic")
-MODELS = ("gpt", "llama", "mixtral")
+MODELS = ("gpt", "llama", "mixtral")  # with a Hugging Face reference
 LAYOUTS = {"gpt": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2"),
            "llama": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_pp2_vp2"),
-           "mixtral": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2")}
+           "mixtral": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_tp2_ep2"),
+           # dense + MoE layers (per-layer torch_dist keys), a shared expert, local names
+           "moe_mixed": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_tp2_ep2")}
 TOKENS = np.random.default_rng(0).integers(0, 100, (2, 16))
 TOL = dict(rtol=0, atol=1e-5)  # fp32, the same weights: equal up to summation order
 
@@ -91,16 +93,27 @@ def _rewrite_args(root, **changes):
 def params():
     """{model: {layout: flat params}}, read once."""
     return {m: {lay: _flat(read_checkpoint(os.path.join(SYN, m, lay)).params) for lay in LAYOUTS[m]}
-            for m in MODELS}
+            for m in LAYOUTS}
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", sorted(LAYOUTS))
 def test_every_layout_reads_the_same_parameters(params, model):
     ref = params[model]["dist_tp1"]
     for layout, got in params[model].items():
         assert sorted(got) == sorted(ref), layout
         for k in ref:
             np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{model} {layout} {k}")
+
+
+def test_mixed_dense_and_moe_layers(params):
+    p = params["moe_mixed"]["dist_tp2"]
+    assert p["layers/mlp/w1"].shape == (1, 32, 2, 40)  # layer 0: dense
+    assert p["moe_layers/mlp/w1"].shape == (1, 4, 32, 2, 40)  # layer 1: 4 experts
+    assert p["moe_layers/mlp/router"].shape == (1, 32, 4)
+    assert p["moe_layers/mlp/shared/w1"].shape == (1, 32, 2, 24)
+    m = mlm_jax.load(os.path.join(SYN, "moe_mixed", "legacy_tp2_ep2"))
+    assert m.config.moe_layer_freq == (0, 1) and m.config.moe_shared_expert_intermediate_size == 24
+    assert np.isfinite(m.logits(TOKENS)).all()
 
 
 def test_bf16_torch_dist_is_the_weights_rounded(params):
