@@ -80,16 +80,21 @@ class Distcp:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
         self.objects: set[str] = set()
+        sizes: dict[str, dict[tuple, tuple]] = {}
         for key, item in meta.state_dict_metadata.items():
             if hasattr(item, "size"):
                 self.shapes[key] = tuple(int(n) for n in item.size)
                 self.dtypes[key] = item.properties.dtype.numpy
+                sizes[key] = {tuple(int(o) for o in c.offsets): tuple(int(n) for n in c.sizes) for c in item.chunks}
             else:
                 self.objects.add(key)
+        # key -> [(offsets, sizes, storage info)]; the metadata's chunk sizes are authoritative
+        # (a chunk saved without the stacked-layer dims is reshaped to them).
         self.chunks: dict[str, list] = {k: [] for k in self.shapes}
         for index, info in meta.storage_data.items():
             if index.fqn in self.chunks:
-                self.chunks[index.fqn].append((tuple(int(o) for o in index.offset), info))
+                offsets = tuple(int(o) for o in index.offset)
+                self.chunks[index.fqn].append((offsets, sizes[index.fqn].get(offsets), info))
 
     def keys(self) -> list[str]:
         return sorted(self.shapes)
@@ -99,7 +104,7 @@ class Distcp:
         shape = self.shapes[key]
         out = np.zeros(shape, dtype)
         covered = 0
-        for offsets, info in self.chunks[key]:
+        for offsets, sizes, info in self.chunks[key]:
             where = f"{os.path.join(self.dir, info.relative_path)} (key {key!r}, chunk at {offsets})"
             buf = self.files.get(info.relative_path, key)
             start, length = int(info.offset), int(info.length)
@@ -111,6 +116,10 @@ class Distcp:
                     f"{where}: bytes {start}..{start + length} lie past the file's end ({len(buf)} bytes; "
                     "truncated file?)")
             chunk = np.asarray(torch_pickle.load(buf[start:start + length], where))
+            if sizes is not None and chunk.shape != sizes:
+                if chunk.size != int(np.prod(sizes)):
+                    raise MegatronCheckpointError(f"{where}: holds {chunk.shape}, the metadata says {sizes}")
+                chunk = chunk.reshape(sizes)
             if len(offsets) != len(shape) or any(o + n > s for o, n, s in zip(offsets, chunk.shape, shape)):
                 raise MegatronCheckpointError(f"{where}: a chunk of shape {chunk.shape} does not fit the "
                                               f"global shape {shape}")
