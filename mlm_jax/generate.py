@@ -303,7 +303,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--load, --tensor-model-parallel-size and the tokenizer flags (for checkpoints without one)."""
     from mlm_jax.data.preprocess import add_tokenizer_args
 
-    p.add_argument("--load", required=True, help="an mlm_jax checkpoint or save folder, or a Hugging Face folder")
+    p.add_argument("--load", required=True, help="an mlm_jax checkpoint or save folder, a Hugging Face folder, "
+                   "or a Megatron-LM checkpoint (torch_dist or legacy)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     add_tokenizer_args(p)
 

@@ -1,7 +1,7 @@
 """`mlm_jax.load(path)`: a trained, imported or Hugging Face model, ready for logits.
 
     import mlm_jax
-    m = mlm_jax.load("runs/20260101-120000/checkpoints")   # or a checkpoint folder, or an HF folder
+    m = mlm_jax.load("runs/20260101-120000/checkpoints")   # or a checkpoint, HF or Megatron-LM folder
     logits = m.logits(tokens)   # int [batch, seq] -> float32 numpy [batch, seq, m.config.vocab_size]
     outs = m.generate(["a prompt"], max_new_tokens=32)   # KV-cached decoding (mlm_jax/generate.py)
 
@@ -30,7 +30,7 @@ class LoadedModel:
     mesh: object
     tokenizer: object | None
     path: str
-    iteration: int | None  # None for a Hugging Face folder
+    iteration: int | None  # None for a Hugging Face folder (and a Megatron release checkpoint)
 
     def __post_init__(self):
         self._forward = None
@@ -146,12 +146,33 @@ def _shardings(model: ModelConfig, mesh):
     return shapes, shardings
 
 
+def _load_megatron(path: str, mesh, step: int | None) -> LoadedModel:
+    """A Megatron-LM checkpoint (torch_dist or legacy; mlm_jax/checkpoint/megatron/) onto `mesh`."""
+    import jax
+
+    from mlm_jax.checkpoint.megatron import MegatronCheckpointError, read_checkpoint
+    from mlm_jax.sharding.mesh import TENSOR
+
+    ck = read_checkpoint(path, tensor_parallel=mesh.shape[TENSOR], step=step)
+    shapes, shardings = _shardings(ck.config, mesh)
+    want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(shapes)}
+    got = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(ck.params)}
+    if want != got:  # a reader bug, not the user's: say which leaf
+        bad = sorted(set(want.items()) ^ set(got.items()))[:3]
+        raise MegatronCheckpointError(f"{ck.path}: the parameters read do not match the model's: {bad}")
+    params = jax.tree.map(lambda x, s: jax.device_put(x, s), ck.params, shardings)
+    return LoadedModel(ck.config, params, mesh, ck.tokenizer, ck.path, ck.iteration)
+
+
 def load(path: str, mesh=None, step: int | None = None) -> LoadedModel:
     """Load an mlm_jax save folder (its latest complete checkpoint, or iteration `step`), one
-    checkpoint folder, or a Hugging Face folder (config.json + *.safetensors) onto `mesh`."""
+    checkpoint folder, a Hugging Face folder (config.json + *.safetensors), or a Megatron-LM
+    checkpoint (a save root with latest_checkpointed_iteration.txt, or an iter_XXXXXXX folder;
+    torch_dist or legacy torch format) onto `mesh`."""
     import jax
 
     from mlm_jax.checkpoint import find_checkpoint, is_checkpoint, is_hf_folder, load_tokenizer, restore_params
+    from mlm_jax.checkpoint.megatron import is_megatron_checkpoint
     from mlm_jax.sharding.mesh import TENSOR
 
     mesh = _mesh(mesh)
@@ -171,6 +192,8 @@ def load(path: str, mesh=None, step: int | None = None) -> LoadedModel:
                     if k in ("tokenizer_model", "vocab_file", "merge_file")}
             tokenizer = make_tokenizer(record["tokenizer_type"], **args)
         return LoadedModel(model, params, mesh, tokenizer, path, None)
+    if os.path.isdir(path) and is_megatron_checkpoint(path):
+        return _load_megatron(path, mesh, step)
     found = find_checkpoint(path, step, flag="mlm_jax.load", log=lambda *_: None)
     if found is None:
         raise FileNotFoundError(f"mlm_jax.load {path}: no complete checkpoint in this folder")

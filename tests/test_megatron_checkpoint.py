@@ -1,0 +1,316 @@
+"""Megatron-LM checkpoints read without PyTorch (mlm_jax/checkpoint/megatron/).
+
+The synthetic fixtures (tests/fixtures/megatron_synthetic/, written by its make.py with torch;
+these tests never import torch) hold three small models in Megatron-Core's layouts, each
+written as torch_dist (tensor parallel 1 and 2, and bf16) and legacy torch (tensor parallel 1
+and 2, pipeline 2 x virtual 2), plus the same weights under Hugging Face names converted by the
+generator independently of the reader. Every layout must give the same parameters, and the
+logits must equal those of mlm_jax's Hugging Face importer (itself checked against numpy
+transcriptions of transformers' forward in test_hf.py). Bad input must fail with one error
+naming the file and the key, and a hostile pickle must never run.
+"""
+
+import argparse
+import io
+import os
+import pickle
+import shutil
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mlm_jax
+from mlm_jax.checkpoint.megatron import MegatronCheckpointError, is_megatron_checkpoint, read_checkpoint
+from mlm_jax.checkpoint.megatron import torch_pickle
+from mlm_jax.checkpoint.megatron.args import model_config_from_args
+from mlm_jax.checkpoint.megatron.layout import Tensors, to_params
+from mlm_jax.errors import UsageError, exit_code
+
+HERE = os.path.dirname(__file__)
+SYN = os.path.join(HERE, "fixtures", "megatron_synthetic")
+MODELS = ("gpt", "llama", "mixtral")  # with a Hugging Face reference
+LAYOUTS = {"gpt": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2"),
+           "llama": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_pp2_vp2"),
+           "mixtral": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_tp2_ep2"),
+           # dense + MoE layers (per-layer torch_dist keys), a shared expert, local names
+           "moe_mixed": ("dist_tp1", "dist_tp2", "legacy_tp1", "legacy_tp2", "legacy_tp2_ep2")}
+TOKENS = np.random.default_rng(0).integers(0, 100, (2, 16))
+TOL = dict(rtol=0, atol=1e-5)  # fp32, the same weights: equal up to summation order
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def _copy(tmp_path, model="gpt", layout="dist_tp2"):
+    dst = tmp_path / f"{model}_{layout}"
+    shutil.copytree(os.path.join(SYN, model, layout), dst)
+    return str(dst)
+
+
+def _iter_dir(root):
+    name = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+    return os.path.join(root, f"iter_{int(name):07d}")
+
+
+def write_torch_save(path, obj):
+    """A torch.save-style zip archive of `obj` (no tensors), written without torch."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps(obj, protocol=2))
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+
+
+def _plain_args(root):
+    """The fixture's args as a plain Namespace (stand-ins dropped), for rewriting common.pt."""
+    common = torch_pickle.load(open(os.path.join(_iter_dir(root), "common.pt"), "rb").read(), "common.pt")
+    args = vars(common["args"]).copy()
+    for k in [k for k, v in args.items() if not isinstance(v, (int, float, str, list, type(None)))]:
+        del args[k]
+    common["args"] = argparse.Namespace(**args)
+    return common
+
+
+def _rewrite_args(root, **changes):
+    common = _plain_args(root)
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    write_torch_save(os.path.join(_iter_dir(root), "common.pt"), common)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@pytest.fixture(scope="module")
+def params():
+    """{model: {layout: flat params}}, read once."""
+    return {m: {lay: _flat(read_checkpoint(os.path.join(SYN, m, lay)).params) for lay in LAYOUTS[m]}
+            for m in LAYOUTS}
+
+
+@pytest.mark.parametrize("model", sorted(LAYOUTS))
+def test_every_layout_reads_the_same_parameters(params, model):
+    ref = params[model]["dist_tp1"]
+    for layout, got in params[model].items():
+        assert sorted(got) == sorted(ref), layout
+        for k in ref:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{model} {layout} {k}")
+
+
+def test_mixed_dense_and_moe_layers(params):
+    p = params["moe_mixed"]["dist_tp2"]
+    assert p["layers/mlp/w1"].shape == (1, 32, 2, 40)  # layer 0: dense
+    assert p["moe_layers/mlp/w1"].shape == (1, 4, 32, 2, 40)  # layer 1: 4 experts
+    assert p["moe_layers/mlp/router"].shape == (1, 32, 4)
+    assert p["moe_layers/mlp/shared/w1"].shape == (1, 32, 2, 24)
+    m = mlm_jax.load(os.path.join(SYN, "moe_mixed", "legacy_tp2_ep2"))
+    assert m.config.moe_layer_freq == (0, 1) and m.config.moe_shared_expert_intermediate_size == 24
+    assert np.isfinite(m.logits(TOKENS)).all()
+
+
+def test_bf16_torch_dist_is_the_weights_rounded(params):
+    ck = read_checkpoint(os.path.join(SYN, "llama", "dist_bf16"))
+    got, ref = _flat(ck.params), params["llama"]["dist_tp1"]
+    for k in ref:
+        want = ref[k].astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
+
+
+def test_config_from_args():
+    ck = read_checkpoint(os.path.join(SYN, "llama", "legacy_tp2"))
+    m = ck.config
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn_size) == (4, 32, 4, 2, 48)
+    assert (m.normalization, m.position_embedding_type, m.swiglu, m.add_bias_linear) == ("RMSNorm", "rope", True, False)
+    assert m.untie_embeddings_and_output_weights and m.vocab_size == 100  # NullTokenizer: --vocab-size 99 + EOD
+    assert ck.iteration == 40 and ck.format == "torch"
+    assert ck.tokenizer.tokenizer_type == "NullTokenizer" and ck.tokenizer.vocab_size == 100
+    moe = read_checkpoint(os.path.join(SYN, "mixtral", "dist_tp2")).config
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_size) == (4, 2, 40)
+    gpt = read_checkpoint(os.path.join(SYN, "gpt", "dist_tp1"))
+    assert gpt.format == "torch_dist" and gpt.config.openai_gelu and not gpt.config.untie_embeddings_and_output_weights
+
+
+def test_root_and_iteration_folder_and_step():
+    root = os.path.join(SYN, "gpt", "dist_tp2")
+    assert is_megatron_checkpoint(root) and is_megatron_checkpoint(_iter_dir(root))
+    assert not is_megatron_checkpoint(SYN)
+    assert read_checkpoint(_iter_dir(root)).iteration == 20
+    assert read_checkpoint(root, step=20).iteration == 20
+    with pytest.raises(MegatronCheckpointError, match="iter_0000021"):
+        read_checkpoint(root, step=21)
+
+
+# --------------------------------------------------------------------------- logits
+
+
+def _hf_reference(tmp_path, model):
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / f"hf_{model}"
+    folder.mkdir()
+    tensors = dict(np.load(os.path.join(SYN, model, "hf.npz")))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    shutil.copy(os.path.join(SYN, model, "hf_config.json"), folder / "config.json")
+    return mlm_jax.load(str(folder)).logits(TOKENS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logits_equal_the_hugging_face_import(tmp_path, model):
+    ref = _hf_reference(tmp_path, model)
+    for layout in ("dist_tp2", "legacy_tp2"):
+        m = mlm_jax.load(os.path.join(SYN, model, layout))
+        assert m.iteration in (20, 40)
+        np.testing.assert_allclose(m.logits(TOKENS), ref, **TOL, err_msg=f"{model} {layout}")
+
+
+def test_logits_on_a_tensor_parallel_mesh(tmp_path):
+    from mlm_jax.config import ParallelConfig
+    from mlm_jax.sharding.mesh import make_mesh
+
+    ref = _hf_reference(tmp_path, "llama")
+    m = mlm_jax.load(os.path.join(SYN, "llama", "legacy_pp2_vp2"),
+                     mesh=make_mesh(ParallelConfig(tensor_model_parallel_size=2)))
+    assert m.config.padded_vocab_size == 256
+    np.testing.assert_allclose(m.logits(TOKENS), ref, **TOL)
+    out = m.generate([[1, 2, 3]], max_new_tokens=4)
+    assert len(out[0].tokens) == 4
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_pickle_is_refused_by_name_and_never_runs(tmp_path):
+    root = _copy(tmp_path)
+    marker = tmp_path / "pwned"
+    evil = _Hostile()
+    evil.marker = marker
+    common = os.path.join(_iter_dir(root), "common.pt")
+    write_torch_save(common, {"args": evil, "iteration": 1})
+    with pytest.raises(MegatronCheckpointError) as e:
+        read_checkpoint(root)
+    assert "common.pt" in str(e.value) and "system" in str(e.value) and "allow-list" in str(e.value)
+    assert not marker.exists()
+    # a bare pickle (DCP's .metadata) is held to the same list
+    meta = os.path.join(_iter_dir(root), ".metadata")
+    write_torch_save(common, _plain_args(os.path.join(SYN, "gpt", "dist_tp2")))
+    with open(meta, "wb") as f:
+        pickle.dump(evil, f)
+    with pytest.raises(MegatronCheckpointError, match=r"\.metadata: refuses to unpickle (posix|os)\.system"):
+        read_checkpoint(root)
+    assert not marker.exists()
+
+
+def test_other_globals_are_refused():
+    for obj in (eval, getattr, np.load, __import__("subprocess").Popen):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr("archive/data.pkl", pickle.dumps({"x": obj}, protocol=2))
+        with pytest.raises(MegatronCheckpointError, match="refuses to unpickle"):
+            torch_pickle.load(buf.getvalue(), "x.pt")
+
+
+def test_a_truncated_chunk_names_the_file_and_key(tmp_path):
+    root = _copy(tmp_path)
+    path = os.path.join(_iter_dir(root), "__1_0.distcp")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(MegatronCheckpointError) as e:
+        read_checkpoint(root)
+    msg = str(e.value)
+    assert "__1_0.distcp" in msg and "key '" in msg and "truncated" in msg
+
+
+def test_a_missing_distcp_names_the_file_and_key(tmp_path):
+    root = _copy(tmp_path)
+    os.remove(os.path.join(_iter_dir(root), "__1_0.distcp"))
+    with pytest.raises(MegatronCheckpointError, match=r"__1_0\.distcp: missing \(it holds '[a-z_.]+'\)"):
+        read_checkpoint(root)
+
+
+def test_a_missing_legacy_rank_is_named(tmp_path):
+    root = _copy(tmp_path, "llama", "legacy_tp2")
+    shutil.rmtree(os.path.join(_iter_dir(root), "mp_rank_01"))
+    with pytest.raises(MegatronCheckpointError, match="tensor 1"):
+        read_checkpoint(root)
+
+
+def test_a_truncated_legacy_file_is_named(tmp_path):
+    root = _copy(tmp_path, "llama", "legacy_tp1")
+    path = os.path.join(_iter_dir(root), "mp_rank_00", "model_optim_rng.pt")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(MegatronCheckpointError, match="mp_rank_00/model_optim_rng.pt"):
+        read_checkpoint(root)
+
+
+def test_an_unknown_key_is_named(tmp_path):
+    # RMSNorm args over a LayerNorm checkpoint: its norm biases are keys nothing uses
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    _rewrite_args(root, normalization="RMSNorm")
+    with pytest.raises(MegatronCheckpointError, match=r"\.metadata: unknown key 'decoder\.[a-z_.0-9]+bias'"):
+        read_checkpoint(root)
+    # and a tensor of a feature mlm_jax lacks
+    ck = os.path.join(SYN, "llama", "dist_tp1")
+    from mlm_jax.checkpoint.megatron import _dist_tensors, dcp
+
+    m = read_checkpoint(ck).config
+    tensors = _dist_tensors(dcp.Distcp(_iter_dir(ck)), m.num_layers)
+    tensors["decoder.layers.1.self_attention.q_layernorm.weight"] = ("x/.metadata", lambda: np.ones(8))
+    with pytest.raises(MegatronCheckpointError, match="unknown key 'decoder.layers.1.self_attention.q_layernorm"):
+        to_params(Tensors(tensors), m, 128)
+
+
+def test_shapes_that_disagree_with_args_are_named(tmp_path):
+    root = _copy(tmp_path, "gpt", "dist_tp2")
+    _rewrite_args(root, ffn_hidden_size=64)
+    with pytest.raises(MegatronCheckpointError,
+                       match=r"\.metadata \(stacked key 'decoder\.layers\.mlp\.linear_fc1\.weight', layer 0\): key "
+                             r"'decoder\.layers\.0\.mlp\.linear_fc1\.weight' has shape \(128, 32\), the checkpoint's "
+                             r"args imply \(64, 32\)"):
+        read_checkpoint(root)
+
+
+@pytest.mark.parametrize("setting", [{"qk_layernorm": True}, {"position_embedding_type": "yarn"},
+                                     {"multi_latent_attention": True}, {"rotary_interleaved": True},
+                                     {"moe_router_enable_expert_bias": True}])
+def test_unsupported_models_are_refused_by_arg_name(tmp_path, setting):
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    _rewrite_args(root, **setting)
+    name = next(iter(setting))
+    with pytest.raises(MegatronCheckpointError, match=rf"common\.pt: args\.{name} = "):
+        read_checkpoint(root)
+
+
+def test_old_checkpoint_versions_are_refused(tmp_path):
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    common = _plain_args(root)
+    common["checkpoint_version"] = 2.0
+    write_torch_save(os.path.join(_iter_dir(root), "common.pt"), common)
+    with pytest.raises(MegatronCheckpointError, match="checkpoint_version' = 2.0"):
+        read_checkpoint(root)
+
+
+def test_the_cli_reports_one_error_line(tmp_path, capsys):
+    from mlm_jax.generate import main
+
+    root = _copy(tmp_path)
+    os.remove(os.path.join(_iter_dir(root), "__0_0.distcp"))
+    assert issubclass(MegatronCheckpointError, UsageError)
+    assert exit_code(MegatronCheckpointError("x")) == 2
+    assert main(["--load", root, "--prompt", "1 2"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "__0_0.distcp: missing" in last
