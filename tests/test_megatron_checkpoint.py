@@ -314,3 +314,34 @@ def test_the_cli_reports_one_error_line(tmp_path, capsys):
     assert main(["--load", root, "--prompt", "1 2"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "__0_0.distcp: missing" in last
+
+
+def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys):
+    """import-megatron writes the Megatron weights at the Megatron iteration: the same logits
+    as reading the folder directly, and `--load OUT --no-load-optim` trains on from there;
+    `--load <Megatron folder>` itself is refused with the command that converts it."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.tools.checkpoint import main as convert
+    from mlm_jax.train import main as train_main
+    from mlm_jax.train import train
+
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    out = tmp_path / "imported"
+    assert convert(["import-megatron", "--load", root, "--save", str(out)]) == 0
+    assert "imported Megatron-LM torch_dist checkpoint" in capsys.readouterr().out
+    ids = np.arange(1, 17, dtype=np.int32)[None] % 90
+    np.testing.assert_array_equal(mlm_jax.load(str(out)).logits(ids), mlm_jax.load(root).logits(ids))
+    assert mlm_jax.load(str(out)).iteration == 10
+
+    flags = ["--use-checkpoint-args", "--mock-data", "--seq-length", "16", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-4", "--eval-iters", "0",
+             "--no-progress-bar", "--sample-tokens", "0", "--log-interval", "1"]
+    logs = []
+    summary = train(parse_args(["--load", str(out), "--no-load-optim", "--run-dir", str(tmp_path / "run"), *flags]),
+                    log=logs.append)
+    assert summary["iterations"] == 12
+    assert any("resumed from checkpoint" in str(line) and "iteration 10" in str(line) for line in logs)
+
+    assert train_main(["--load", root, *flags]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint") and "import-megatron" in last

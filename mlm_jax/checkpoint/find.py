@@ -131,6 +131,14 @@ def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
     if not os.path.isdir(c.load) and resume_pattern and not c.exit_on_missing_checkpoint:
         log(f"> --load {c.load}: no such folder yet; starting from scratch (it is also --save)")
         return cfg, None
+    if os.path.isdir(c.load):
+        from mlm_jax.checkpoint.megatron import is_megatron_checkpoint
+
+        if is_megatron_checkpoint(c.load):
+            raise CheckpointError(
+                f"--load {c.load}: a Megatron-LM checkpoint; convert it once with `python -m "
+                f"mlm_jax.tools.checkpoint import-megatron --load {c.load} --save OUT`, then --load OUT "
+                "(with --no-load-optim to continue at its iteration, or --finetune to start from its weights)")
     found = find_checkpoint(c.load, c.ckpt_step, log=log)
     if found is None:
         if c.exit_on_missing_checkpoint:

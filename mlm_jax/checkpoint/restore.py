@@ -171,7 +171,7 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     if load_optim and not meta.get("has_optimizer", False):
         raise CheckpointError(
             f"--load {found.path}: the checkpoint has no optimizer state (saved with --no-save-optim, "
-            "or imported from Hugging Face); add --finetune (weights only, iteration 0) or --no-load-optim")
+            "or imported from Hugging Face or Megatron-LM); add --finetune (weights only, iteration 0) or --no-load-optim")
     shapes, p_sh, o_sh, pipe = plain_layout(pz)
     saved_padded = saved_cfg.model.padded_vocab_size or saved_cfg.model.vocab_size
     strict = saved_padded == cfg.model.vocab  # else pad/cut the zero padding rows

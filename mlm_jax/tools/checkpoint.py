@@ -1,8 +1,9 @@
 """Hugging Face <-> mlm_jax checkpoints: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and
-Mixtral (MixtralForCausalLM).
+Mixtral (MixtralForCausalLM); Megatron-LM checkpoints (torch_dist or legacy torch) -> mlm_jax.
 
     python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
     python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
+    python -m mlm_jax.tools.checkpoint import-megatron --load MEGATRON_DIR --save OUT
 
 Local files only: `config.json` plus `model.safetensors` or sharded `model-0000x-of-0000y.safetensors`
 with `model.safetensors.index.json`. Tokenizer files found next to them are carried along both
@@ -351,6 +352,34 @@ def import_hf(hf_dir: str, save: str, divisible_by: int = 128, log=print) -> str
     return path
 
 
+def import_megatron(load: str, save: str, step: int | None = None, log=print) -> str:
+    """Write the Megatron-LM checkpoint `load` (a save root or an iter_XXXXXXX folder; read by
+    mlm_jax/checkpoint/megatron/, no PyTorch) as an mlm_jax checkpoint under `save`, at the
+    Megatron iteration with its consumed samples: `--load OUT --no-load-optim` continues the run
+    there (fresh optimizer state and LR schedule, as Megatron's --no-load-optim), `--load OUT
+    --finetune` starts from its weights. Megatron's optimizer state is not carried."""
+    from mlm_jax.checkpoint import write_params_checkpoint
+    from mlm_jax.checkpoint.format import tokenizer_record
+    from mlm_jax.checkpoint.megatron import read_checkpoint
+
+    ck = read_checkpoint(load, step=step)
+    record, files = tokenizer_record(ck.tokenizer)
+    data = Config().data
+    if record is not None:
+        data = dataclasses.replace(data, tokenizer_type=record["tokenizer_type"])
+    cfg = Config(model=ck.config, data=data)
+    iteration = ck.iteration or 0
+    extra = {"consumed_samples": ck.consumed_samples, "opt_step": iteration,
+             "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
+                          "schedule_samples": ck.schedule_samples}}
+    path = write_params_checkpoint(save, iteration, ck.params, cfg, record, files, extra=extra)
+    n = sum(x.size for x in _flatten(ck.params).values())
+    log(f"> imported Megatron-LM {ck.format} checkpoint {ck.path} (iteration {iteration}, "
+        f"{ck.consumed_samples} consumed samples, {n / 1e6:.2f} M parameters, vocab {ck.config.vocab_size} "
+        f"padded to {ck.config.vocab}) to {path}" + (f"; tokenizer files: {', '.join(files)}" if files else ""))
+    return path
+
+
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
 
 
@@ -403,7 +432,7 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
 def main(argv=None) -> int:
     """The command: exit 0, 2 (a bad flag, file or checkpoint) or 1, one `error:` line last."""
     parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
-                                     description="Convert checkpoints between Hugging Face and mlm_jax.")
+                                     description="Convert checkpoints between Hugging Face, Megatron-LM and mlm_jax.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import-hf", help="Hugging Face folder -> mlm_jax checkpoint (iteration 0)")
     imp.add_argument("--hf-dir", required=True, help="local folder: config.json + *.safetensors")
@@ -416,9 +445,16 @@ def main(argv=None) -> int:
     exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                      help="tensor dtype (default: the imported model's, else float32)")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    meg = sub.add_parser("import-megatron", help="Megatron-LM checkpoint (torch_dist or torch) -> mlm_jax checkpoint")
+    meg.add_argument("--load", required=True, help="a Megatron-LM save root (latest_checkpointed_iteration.txt) "
+                     "or one iter_XXXXXXX folder")
+    meg.add_argument("--save", required=True, help="mlm_jax save folder to create")
+    meg.add_argument("--ckpt-step", type=int, default=None, help="iteration to import (default: the tracker's)")
     args = parser.parse_args(argv)
     if args.command == "import-hf":
         import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
+    elif args.command == "import-megatron":
+        import_megatron(args.load, args.save, args.ckpt_step)
     else:
         export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step, int(args.max_shard_size_gb * (1 << 30)))
     return 0

@@ -43,6 +43,20 @@ class MegatronCheckpoint:
     tokenizer: object | None
     path: str  # the iteration folder
     format: str  # "torch_dist" or "torch"
+    common: dict = dataclasses.field(default_factory=dict, repr=False)  # the non-sharded state
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples the run had consumed (Megatron's args.consumed_train_samples)."""
+        return int(getattr(self.args, "consumed_train_samples", 0) or 0)
+
+    @property
+    def schedule_samples(self) -> int | None:
+        """The LR scheduler's position in samples (Megatron's opt_param_scheduler num_steps,
+        which it advances by the global batch each step), or None when not saved."""
+        sched = self.common.get("opt_param_scheduler")
+        steps = sched.get("num_steps") if isinstance(sched, dict) else None
+        return None if steps is None else int(steps)
 
 
 def _is_iter_dir(path: str) -> bool:
@@ -155,4 +169,4 @@ def read_checkpoint(path: str, tensor_parallel: int = 1, step: int | None = None
                             padded_vocab_size=padded_vocab_size(vocab, divisible, tensor_parallel))
     params = to_params(Tensors(tensors), m, vocab_rows)
     return MegatronCheckpoint(m, params, args, iteration if iteration is not None else common.get("iteration"),
-                              tokenizer, folder, fmt)
+                              tokenizer, folder, fmt, common)
