@@ -314,3 +314,13 @@ def test_the_cli_reports_one_error_line(tmp_path, capsys):
     assert main(["--load", root, "--prompt", "1 2"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "__0_0.distcp: missing" in last
+
+
+def test_tokenizer_from_args(tmp_path):
+    from mlm_jax.checkpoint.megatron.args import tokenizer_from_args
+
+    missing = argparse.Namespace(tokenizer_type="GPT2BPETokenizer", vocab_file="/nowhere/vocab.json",
+                                 merge_file="/nowhere/merges.txt", tokenizer_model=None)
+    assert tokenizer_from_args(missing, str(tmp_path)) is None  # files gone: logits still load
+    null = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=99)
+    assert tokenizer_from_args(null).vocab_size == 100
