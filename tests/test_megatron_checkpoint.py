@@ -345,3 +345,13 @@ def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys)
     assert train_main(["--load", root, *flags]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint") and "import-megatron" in last
+
+
+def test_tokenizer_from_args(tmp_path):
+    from mlm_jax.checkpoint.megatron.args import tokenizer_from_args
+
+    missing = argparse.Namespace(tokenizer_type="GPT2BPETokenizer", vocab_file="/nowhere/vocab.json",
+                                 merge_file="/nowhere/merges.txt", tokenizer_model=None)
+    assert tokenizer_from_args(missing, str(tmp_path)) is None  # files gone: logits still load
+    null = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=99)
+    assert tokenizer_from_args(null).vocab_size == 100
