@@ -24,7 +24,6 @@ import pytest
 import mlm_jax
 from mlm_jax.checkpoint.megatron import MegatronCheckpointError, is_megatron_checkpoint, read_checkpoint
 from mlm_jax.checkpoint.megatron import torch_pickle
-from mlm_jax.checkpoint.megatron.args import model_config_from_args
 from mlm_jax.checkpoint.megatron.layout import Tensors, to_params
 from mlm_jax.errors import UsageError, exit_code
 
