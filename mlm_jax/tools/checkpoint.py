@@ -4,6 +4,8 @@ Mixtral (MixtralForCausalLM); Megatron-LM checkpoints (torch_dist or legacy torc
     python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
     python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
     python -m mlm_jax.tools.checkpoint import-megatron --load MEGATRON_DIR --save OUT
+    python -m mlm_jax.tools.checkpoint export-megatron --load CKPT --save DIR [--ckpt-format torch]
+        [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 
 Local files only: `config.json` plus `model.safetensors` or sharded `model-0000x-of-0000y.safetensors`
 with `model.safetensors.index.json`. Tokenizer files found next to them are carried along both
@@ -380,6 +382,44 @@ def import_megatron(load: str, save: str, step: int | None = None, log=print) ->
     return path
 
 
+def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_parallel: int = 1,
+                    pipeline_parallel: int = 1, step: int | None = None, log=print) -> str:
+    """Write the mlm_jax checkpoint `load` as a Megatron-LM checkpoint (legacy `torch` format,
+    fp32, weights and args; no optimizer or RNG state) under `save`, split for tensor parallel
+    size T and pipeline size P (mlm_jax/checkpoint/megatron/torch_write.py; no PyTorch)."""
+    from mlm_jax.checkpoint import TOKENIZER, find_checkpoint, restore_host_params
+    from mlm_jax.checkpoint.megatron import MegatronCheckpointError
+    from mlm_jax.checkpoint.megatron.torch_write import write_legacy
+
+    if ckpt_format != "torch":
+        raise MegatronCheckpointError(f"--ckpt-format {ckpt_format}: only 'torch' (legacy) is written yet")
+    save_abs = os.path.abspath(save)
+    if os.path.exists(save_abs) and (not os.path.isdir(save_abs) or os.listdir(save_abs)):
+        raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
+    found = find_checkpoint(load, step, flag="--load", log=log)
+    if found is None:
+        raise MegatronCheckpointError(f"--load {load}: no complete checkpoint in this folder")
+    m = found.config.model
+    tok = found.meta.get("tokenizer")
+    files = {}
+    folder = os.path.join(found.path, TOKENIZER)
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name != "commit_success.txt":
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[name] = f.read()
+    # check the layout before reading the weights
+    from mlm_jax.checkpoint.megatron.layout_write import check_tensor_parallel
+
+    check_tensor_parallel(m, tensor_parallel)
+    params = restore_host_params(found)
+    path = write_legacy(save, params, m, found.iteration, tensor_parallel, pipeline_parallel,
+                        int(found.meta.get("consumed_samples", 0) or 0), tok, files)
+    log(f"> exported iteration {found.iteration} of {found.path} as a Megatron-LM torch checkpoint "
+        f"(tensor parallel {tensor_parallel}, pipeline parallel {pipeline_parallel}) to {path}")
+    return path
+
+
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
 
 
@@ -450,8 +490,18 @@ def main(argv=None) -> int:
                      "or one iter_XXXXXXX folder")
     meg.add_argument("--save", required=True, help="mlm_jax save folder to create")
     meg.add_argument("--ckpt-step", type=int, default=None, help="iteration to import (default: the tracker's)")
+    mex = sub.add_parser("export-megatron", help="mlm_jax checkpoint -> Megatron-LM checkpoint (legacy torch)")
+    mex.add_argument("--load", required=True, help="an mlm_jax save folder (latest) or checkpoint folder")
+    mex.add_argument("--save", required=True, help="Megatron save root to create (must not exist or be empty)")
+    mex.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default latest)")
+    mex.add_argument("--ckpt-format", default="torch", help="torch (legacy mp_rank_* files)")
+    mex.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.command == "import-hf":
+    if args.command == "export-megatron":
+        export_megatron(args.load, args.save, args.ckpt_format, args.tensor_model_parallel_size,
+                        args.pipeline_model_parallel_size, args.ckpt_step)
+    elif args.command == "import-hf":
         import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
     elif args.command == "import-megatron":
         import_megatron(args.load, args.save, args.ckpt_step)
