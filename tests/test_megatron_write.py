@@ -1,0 +1,226 @@
+"""export-megatron: mlm_jax checkpoints written as Megatron-LM legacy `torch` checkpoints
+without PyTorch (mlm_jax/checkpoint/megatron/torch_write.py, layout_write.py).
+
+The mlm_jax checkpoints come from the synthetic Megatron fixtures (tests/fixtures/
+megatron_synthetic/) via import-megatron: a GPT-2 style model (LayerNorm, learned positions,
+biases, tied) and a Llama style one (GQA, SwiGLU, RMSNorm, rope, untied). Each is exported at
+several tensor x pipeline sizes and read back with mlm_jax's Megatron reader: every parameter
+bitwise equal, the same config, the same logits; export then import-megatron is bitwise.
+That torch.load opens the files is checked by hand (tests/check_megatron_write.py); these
+tests never import torch.
+"""
+
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+import mlm_jax
+from mlm_jax.checkpoint.megatron import MegatronCheckpointError, read_checkpoint, torch_pickle
+from mlm_jax.checkpoint.megatron.legacy import rank_dirs
+
+HERE = os.path.dirname(__file__)
+SYN = os.path.join(HERE, "fixtures", "megatron_synthetic")
+TOKENS = np.random.default_rng(0).integers(0, 100, (2, 16))
+SIZES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tensor, pipeline)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def _host_params(path):
+    from mlm_jax.checkpoint import find_checkpoint, restore_host_params
+
+    found = find_checkpoint(path, log=lambda *a: None)
+    return found, _flat(restore_host_params(found))
+
+
+def _assert_same(got, ref, what):
+    assert sorted(got) == sorted(ref), what
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype or got[k].dtype == np.float32, (what, k)
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{what} {k}")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """{model: (mlm_jax checkpoint root, Found, flat params, logits)} imported once."""
+    from mlm_jax.tools.checkpoint import import_megatron
+
+    out = {}
+    for model in ("gpt", "llama"):
+        root = str(tmp_path_factory.mktemp(f"mlm_{model}"))
+        import_megatron(os.path.join(SYN, model, "dist_tp1"), root, log=lambda *a: None)
+        found, params = _host_params(root)
+        out[model] = (root, found, params, mlm_jax.load(root).logits(TOKENS))
+    return out
+
+
+def _export(src, dst, tp, pp, capsys=None):
+    from mlm_jax.tools.checkpoint import main
+
+    rc = main(["export-megatron", "--load", src, "--save", dst, "--tensor-model-parallel-size", str(tp),
+               "--pipeline-model-parallel-size", str(pp)])
+    return rc
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("tp,pp", SIZES)
+def test_export_reads_back_bitwise(ckpts, tmp_path, model, tp, pp):
+    root, found, ref, logits = ckpts[model]
+    dst = str(tmp_path / "megatron")
+    assert _export(root, dst, tp, pp) == 0
+    assert open(os.path.join(dst, "latest_checkpointed_iteration.txt")).read() == str(found.iteration)
+    it = os.path.join(dst, f"iter_{found.iteration:07d}")
+    assert sorted(rank_dirs(it)) == [(t, p, 0) for t in range(tp) for p in range(pp)]
+    names = sorted(os.listdir(it))
+    assert names == sorted(f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+                           for t in range(tp) for p in range(pp))
+    assert [n for n in os.listdir(tmp_path) if n != "megatron"] == []  # no temp folder left
+
+    ck = read_checkpoint(dst)
+    assert ck.format == "torch" and ck.iteration == found.iteration
+    assert ck.config == found.config.model
+    _assert_same(_flat(ck.params), ref, f"{model} tp{tp} pp{pp}")
+    np.testing.assert_array_equal(mlm_jax.load(dst).logits(TOKENS), logits)
+
+    # each rank's file: Megatron's top-level keys, args with the sizes, local layer numbers
+    m = found.config.model
+    for (t, p, _), folder in rank_dirs(it).items():
+        path = os.path.join(folder, "model_optim_rng.pt")
+        with zipfile.ZipFile(path) as z:
+            listed = z.namelist()
+            assert {"archive/data.pkl", "archive/version", "archive/byteorder"} <= set(listed)
+            assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+            for info in z.infolist():  # torch's 64-byte alignment of each record's data
+                with open(path, "rb") as f:
+                    f.seek(info.header_offset + 26)
+                    n, e = np.frombuffer(f.read(4), "<u2")
+                assert (info.header_offset + 30 + int(n) + int(e)) % 64 == 0, info.filename
+        st = torch_pickle.load(open(path, "rb").read(), path)
+        assert sorted(st) == ["args", "checkpoint_version", "iteration", "model",
+                              "num_floating_point_operations_so_far"]
+        assert st["checkpoint_version"] == 3.0 and st["iteration"] == found.iteration
+        a = st["args"]
+        assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (tp, pp)
+        assert a.num_layers == m.num_layers and a.hidden_size == m.hidden_size
+        assert a.num_query_groups == m.query_groups and a.kv_channels == m.head_dim
+        assert a.padded_vocab_size == 128 * tp  # vocab 100 padded for T
+        sd = st["model"]
+        layers = sorted({int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")})
+        assert layers == list(range(m.num_layers // pp))
+        assert ("embedding.word_embeddings.weight" in sd) == (p == 0)
+        assert ("decoder.final_layernorm.weight" in sd) == (p == pp - 1)
+        assert sd["embedding.word_embeddings.weight"].shape == (128, m.hidden_size) if p == 0 else True
+        qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"]
+        g, r, k = m.query_groups, m.num_attention_heads // m.query_groups, m.head_dim
+        assert qkv.shape == (g // tp * (r + 2) * k, m.hidden_size)
+        proj = sd["decoder.layers.0.self_attention.linear_proj.weight"]
+        assert proj.shape == (m.hidden_size, m.num_attention_heads * k // tp)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_export_then_import_is_bitwise(ckpts, tmp_path, model):
+    from mlm_jax.tools.checkpoint import import_megatron
+
+    root, found, ref, _ = ckpts[model]
+    dst = str(tmp_path / "megatron")
+    assert _export(root, dst, 2, 2) == 0
+    back = str(tmp_path / "back")
+    import_megatron(dst, back, log=lambda *a: None)
+    found2, got = _host_params(back)
+    _assert_same(got, ref, model)
+    assert found2.iteration == found.iteration
+    assert found2.config.model == found.config.model
+
+
+def test_swiglu_fc1_is_each_ranks_gate_and_up(ckpts, tmp_path):
+    """T=2: rank t's fc1 is [gate rows of t; up rows of t], the QKV rows its query groups'."""
+    root, found, ref, _ = ckpts["llama"]
+    dst = str(tmp_path / "megatron")
+    assert _export(root, dst, 2, 1) == 0
+    it = os.path.join(dst, f"iter_{found.iteration:07d}")
+    w1 = ref["layers/mlp/w1"][0]  # [d, 2, f]
+    wqkv = ref["layers/attention/wqkv"][0]  # [d, g, r + 2, k]
+    f = w1.shape[-1]
+    for t in range(2):
+        path = os.path.join(it, f"mp_rank_{t:02d}", "model_optim_rng.pt")
+        sd = torch_pickle.load(open(path, "rb").read(), path)["model"]
+        fc1 = np.asarray(sd["decoder.layers.0.mlp.linear_fc1.weight"])
+        half = slice(t * f // 2, (t + 1) * f // 2)
+        np.testing.assert_array_equal(fc1, np.concatenate([w1[:, 0, half].T, w1[:, 1, half].T]))
+        qkv = np.asarray(sd["decoder.layers.0.self_attention.linear_qkv.weight"])
+        d, g = wqkv.shape[0], wqkv.shape[1]
+        mine = wqkv[:, t * g // 2:(t + 1) * g // 2]
+        np.testing.assert_array_equal(qkv, mine.transpose(1, 2, 3, 0).reshape(-1, d))
+
+
+def _last_error(capsys):
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_save_that_exists_and_is_not_empty(ckpts, tmp_path, capsys):
+    root = ckpts["gpt"][0]
+    dst = tmp_path / "megatron"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    assert _export(root, str(dst), 1, 1) == 2
+    last = _last_error(capsys)
+    assert last.startswith("error: --save ") and "exists and is not empty" in last
+    assert os.listdir(dst) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["megatron"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _export(root, str(empty), 1, 1) == 0  # an empty folder is fine
+    assert os.path.isfile(empty / "latest_checkpointed_iteration.txt")
+
+
+@pytest.mark.parametrize("tp,pp,what", [(3, 1, "num_attention_heads = 4"), (4, 1, "num_query_groups = 2"),
+                                        (1, 3, "num_layers = 4")])
+def test_unsupported_layout_is_named(ckpts, tmp_path, capsys, tp, pp, what):
+    root = ckpts["llama"][0]
+    dst = str(tmp_path / "megatron")
+    assert _export(root, dst, tp, pp) == 2
+    last = _last_error(capsys)
+    assert last.startswith("error: ") and what in last and "unsupported layout" in last
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_nothing_partial_is_left_on_failure(ckpts, tmp_path, monkeypatch):
+    from mlm_jax.checkpoint.megatron import torch_write
+    from mlm_jax.tools.checkpoint import export_megatron
+
+    calls = []
+    real = torch_write.ArchiveWriter.tensor
+
+    def failing(self, x):
+        calls.append(1)
+        if len(calls) == 20:
+            raise OSError("disk full")
+        return real(self, x)
+
+    monkeypatch.setattr(torch_write.ArchiveWriter, "tensor", failing)
+    with pytest.raises(OSError, match="disk full"):
+        export_megatron(ckpts["llama"][0], str(tmp_path / "megatron"), tensor_parallel=2, pipeline_parallel=2,
+                        log=lambda *a: None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_only_the_torch_format_yet(ckpts, tmp_path, capsys):
+    from mlm_jax.tools.checkpoint import main
+
+    assert main(["export-megatron", "--load", ckpts["gpt"][0], "--save", str(tmp_path / "x"),
+                 "--ckpt-format", "torch_dist"]) == 2
+    assert "--ckpt-format torch_dist" in _last_error(capsys)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(MegatronCheckpointError):
+        from mlm_jax.checkpoint.megatron.torch_write import write_legacy
+
+        write_legacy(str(tmp_path / "y"), {}, ckpts["gpt"][1].config.model, 1, tp=3)
