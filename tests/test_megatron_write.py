@@ -224,3 +224,23 @@ def test_only_the_torch_format_yet(ckpts, tmp_path, capsys):
         from mlm_jax.checkpoint.megatron.torch_write import write_legacy
 
         write_legacy(str(tmp_path / "y"), {}, ckpts["gpt"][1].config.model, 1, tp=3)
+
+
+@pytest.mark.parametrize("model", ["mixtral", "moe_mixed"])
+def test_moe_export_reads_back_bitwise(tmp_path, model):
+    """Experts (SequentialMLP's local_experts.<j>., each TP-sliced), the router, a shared expert
+    and dense + MoE layers mixed, at T=2 x P=2."""
+    from mlm_jax.tools.checkpoint import import_megatron
+
+    root = str(tmp_path / "mlm")
+    import_megatron(os.path.join(SYN, model, "dist_tp1"), root, log=lambda *a: None)
+    found, ref = _host_params(root)
+    dst = str(tmp_path / "megatron")
+    assert _export(root, dst, 2, 2) == 0
+    ck = read_checkpoint(dst)
+    assert ck.config == found.config.model
+    _assert_same(_flat(ck.params), ref, model)
+    np.testing.assert_array_equal(mlm_jax.load(dst).logits(TOKENS), mlm_jax.load(root).logits(TOKENS))
+    path = os.path.join(dst, f"iter_{found.iteration:07d}", "mp_rank_01_001", "model_optim_rng.pt")
+    sd = torch_pickle.load(open(path, "rb").read(), path)["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in sd
