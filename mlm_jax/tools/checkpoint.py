@@ -409,9 +409,9 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
                 with open(os.path.join(folder, name), "rb") as f:
                     files[name] = f.read()
     # check the layout before reading the weights
-    from mlm_jax.checkpoint.megatron.layout_write import check_tensor_parallel
+    from mlm_jax.checkpoint.megatron.layout_write import check_layout
 
-    check_tensor_parallel(m, tensor_parallel)
+    check_layout(m, tensor_parallel, pipeline_parallel)
     params = restore_host_params(found)
     path = write_legacy(save, params, m, found.iteration, tensor_parallel, pipeline_parallel,
                         int(found.meta.get("consumed_samples", 0) or 0), tok, files)

@@ -34,6 +34,16 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
                                           "(unsupported layout)")
 
 
+def check_layout(m: ModelConfig, tp: int, pp: int) -> None:
+    """Sizes Megatron-LM can hold this model at (even pipeline stages); an error names the size."""
+    if tp < 1 or pp < 1:
+        raise MegatronCheckpointError(f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    check_tensor_parallel(m, tp)
+    if m.num_layers % pp:
+        raise MegatronCheckpointError(f"--pipeline-model-parallel-size {pp}: does not divide num_layers = "
+                                      f"{m.num_layers} (unsupported layout; uneven stages are not written)")
+
+
 def _np(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 

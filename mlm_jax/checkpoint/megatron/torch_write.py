@@ -33,7 +33,7 @@ import zipfile
 import numpy as np
 
 from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
-from mlm_jax.checkpoint.megatron.layout_write import check_tensor_parallel, global_tensors, shard
+from mlm_jax.checkpoint.megatron.layout_write import check_layout, global_tensors, shard
 from mlm_jax.checkpoint.megatron.legacy import FILE
 from mlm_jax.config import ModelConfig, padded_vocab_size
 
@@ -187,12 +187,7 @@ def write_legacy(save: str, params: dict, m: ModelConfig, iteration: int, tp: in
     save = os.path.abspath(save)
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
         raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
-    if tp < 1 or pp < 1:
-        raise MegatronCheckpointError(f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
-    check_tensor_parallel(m, tp)
-    if m.num_layers % pp:
-        raise MegatronCheckpointError(f"--pipeline-model-parallel-size {pp}: does not divide num_layers = "
-                                      f"{m.num_layers} (unsupported layout)")
+    check_layout(m, tp, pp)
     rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     args = megatron_args(m, tp, pp, iteration, consumed_samples, tokenizer)
     parent = os.path.dirname(save)
