@@ -104,3 +104,64 @@ def test_other_rope_types_and_disagreeing_forms_are_refused_by_name(tmp_path):
     legacy = {"rope_type": "llama3", "factor": 4.0}
     with pytest.raises(hfc.HFError, match=r"rope_parameters.factor=8.0 and rope_scaling.factor=4.0 disagree"):
         hfc.config_from_hf_file({**llama3, "rope_scaling": legacy}, "config.json")
+
+
+# --------------------------------------------------------------------------- --use-rope-scaling
+
+
+def numpy_llama3_inv_freq(k, base, factor, low, high, original):
+    """Llama 3.1's scaled inverse frequencies written from the definition (fp64): wavelength
+    2 pi / f below original/high kept, above original/low divided by the factor, between them
+    f ((1 - s) / factor + s) with s = (original / wavelength - low) / (high - low)."""
+    out = []
+    for f in base ** (-np.arange(k // 2) * 2.0 / k):
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            out.append(f)
+        elif wavelen > original / low:
+            out.append(f / factor)
+        else:
+            s = (original / wavelen - low) / (high - low)
+            out.append(f * ((1 - s) / factor + s))
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_matches_the_definition():
+    import jax.numpy as jnp
+
+    from mlm_jax.models.layers import rotary
+
+    k, scaling = 16, (8.0, 1.0, 4.0, 64)
+    inv = numpy_llama3_inv_freq(k, 10000.0, *scaling)
+    plain = 10000.0 ** (-np.arange(k // 2) * 2.0 / k)
+    assert (inv == plain).any() and (inv == plain / 8).any() and ((inv != plain) & (inv != plain / 8)).any()
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 70, 3, k)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(70), (2, 70))
+    ang = pos[:, :, None, None] * inv  # [b, s, 1, k/2]
+    a, b = x[..., : k // 2].astype(np.float64), x[..., k // 2:].astype(np.float64)
+    want = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], axis=-1)
+    got = np.asarray(rotary(jnp.asarray(x), jnp.asarray(pos), 10000.0, 1.0, scaling))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_rope_scaling_flags():
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.errors import ConfigError
+    from mlm_jax.validation import finalize
+
+    m = parse_args(["--position-embedding-type", "rope", "--use-rope-scaling"]).model
+    assert (m.use_rope_scaling, m.rope_scaling_factor, m.rope_scaling_low_freq_factor,
+            m.rope_scaling_high_freq_factor, m.rope_scaling_original_max_position_embeddings) == (
+        True, 8.0, 1.0, 4.0, 8192)  # Megatron-LM's defaults
+    assert parse_args(["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
+                       "32"]).model.rope_scaling_factor == 32.0
+    assert not parse_args([]).model.use_rope_scaling
+    for argv, message in [
+        (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope (got learned_absolute)"),
+        (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "0.5"],
+         "--rope-scaling-factor must be >= 1, got 0.5"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            finalize(parse_args(argv), 1)
+        assert str(e.value) == message
