@@ -40,6 +40,20 @@ def test_rope_parameters_are_read_not_defaulted():
         500000.0, True, 8.0, 1.0, 4.0, 8)
 
 
+def test_the_fixtures_tell_the_rope_apart():
+    """Each fixture's logits are wrong (by far more than the tolerance) with the rope read wrong:
+    theta 10000 for all, and the llama3 fixture without its scaling."""
+    import dataclasses
+
+    for name, wrong in [("mixtral_theta1e6", dict(rotary_base=10000.0)),
+                        ("llama3_scaled", dict(rotary_base=10000.0, use_rope_scaling=False)),
+                        ("llama3_scaled", dict(use_rope_scaling=False))]:
+        folder, ids, want = _fixture(name)
+        m = mlm_jax.load(folder)
+        m = dataclasses.replace(m, config=dataclasses.replace(m.config, **wrong))
+        assert np.abs(m.logits(ids) - want).max() > 0.1, (name, wrong)
+
+
 def _copy_with(tmp_path, name, edit):
     src, ids, want = _fixture(name)
     dst = tmp_path / name
