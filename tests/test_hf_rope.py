@@ -179,3 +179,72 @@ def test_megatron_rope_scaling_flags():
         with pytest.raises(ConfigError) as e:
             finalize(parse_args(argv), 1)
         assert str(e.value) == message
+
+
+# --------------------------------------------------------------------------- folders written here (numpy)
+
+
+def _rewrite_config(folder, edit):
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    edit(cfg)
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    return cfg
+
+
+def test_transformers_5_form_equals_transformers_4_form(tmp_path):
+    """The bug itself, without transformers' fixtures: the same Mixtral (theta 1e6) written with
+    top-level rope_theta (transformers 4) and with rope_parameters (transformers 5) must load as
+    the same model. Before the fix the second form read as theta 10000."""
+    from tests.test_hf import make_mixtral, mixtral_reference
+
+    v4 = str(tmp_path / "v4")
+    cfg, w = make_mixtral(v4)
+    v5 = str(tmp_path / "v5")
+    shutil.copytree(v4, v5)
+
+    def to_v5(c):
+        c.pop("rope_scaling")
+        c["rope_parameters"] = {"rope_theta": c.pop("rope_theta"), "rope_type": "default"}
+
+    _rewrite_config(v5, to_v5)
+    ids = np.random.default_rng(7).integers(0, cfg["vocab_size"], size=(2, 12))
+    m4, m5 = mlm_jax.load(v4), mlm_jax.load(v5)
+    assert (m4.config.rotary_base, m5.config.rotary_base) == (1e6, 1e6)
+    np.testing.assert_array_equal(m5.logits(ids), m4.logits(ids))
+    np.testing.assert_allclose(m5.logits(ids), mixtral_reference(w, cfg, ids), rtol=2e-5, atol=2e-5)
+
+
+def test_llama3_folder_written_here_equals_a_numpy_reference(tmp_path, monkeypatch):
+    """A Llama folder with rope_type llama3 (transformers-4 form, rope_scaling) against the numpy
+    Llama forward of tests/test_hf.py with its rope frequencies scaled by the rule, fp64. Head dim
+    8, theta 500: inverse frequencies 1, 0.21, 0.045, 0.0095 (wavelengths 6.3, 30, 140, 660);
+    original 64 with low/high 1/4 (bands at wavelengths 16 and 64) keeps the first, blends the
+    second, slows the last two."""
+    import tests.test_hf as th
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    folder = str(tmp_path / "hf")
+    cfg, w = th.make_llama(folder)
+    cfg = _rewrite_config(folder, lambda c: c.update(rope_scaling=scaling))
+    hd = cfg["head_dim"]
+    inv = numpy_llama3_inv_freq(hd, cfg["rope_theta"], 8.0, 1.0, 4.0, 64)
+    plain = cfg["rope_theta"] ** (-np.arange(hd // 2) * 2.0 / hd)
+    assert inv[0] == plain[0] and (inv[2:] == plain[2:] / 8).all() and plain[1] / 8 < inv[1] < plain[1]
+
+    def scaled_rope(x, theta):  # [b, h, t, k], tests/test_hf.py's _rope with the scaled frequencies
+        freqs = np.arange(x.shape[2])[:, None] * inv[None]
+        emb = np.concatenate([freqs, freqs], -1)
+        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * np.cos(emb) + rot * np.sin(emb)
+
+    monkeypatch.setattr(th, "_rope", scaled_rope)
+    ids = np.random.default_rng(7).integers(0, cfg["vocab_size"], size=(2, 40))  # past 8 wavelengths of 6.3
+    want = th.llama_reference(w, cfg, ids)
+    m = mlm_jax.load(folder)
+    assert m.config.use_rope_scaling and m.config.rope_scaling_original_max_position_embeddings == 64
+    np.testing.assert_allclose(m.logits(ids), want, rtol=2e-5, atol=2e-5)
+    monkeypatch.undo()
+    assert np.abs(th.llama_reference(w, cfg, ids) - want).max() > 0.1  # the scaling matters here
