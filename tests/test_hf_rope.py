@@ -248,3 +248,21 @@ def test_llama3_folder_written_here_equals_a_numpy_reference(tmp_path, monkeypat
     np.testing.assert_allclose(m.logits(ids), want, rtol=2e-5, atol=2e-5)
     monkeypatch.undo()
     assert np.abs(th.llama_reference(w, cfg, ids) - want).max() > 0.1  # the scaling matters here
+
+
+
+def test_checkpoints_written_before_the_rope_scaling_fields_load_as_before(tmp_path):
+    """A checkpoint whose saved config has no rope scaling fields (written before them) loads
+    with the scaling off, computing what it computed."""
+    folder, ids, want = _fixture("mixtral_theta1e6")
+    saved = hfc.import_hf(folder, str(tmp_path / "ckpt"), log=lambda *_: None)
+    meta = os.path.join(saved, "meta", "metadata")
+    d = json.load(open(meta))
+    old = {k: v for k, v in d["config"]["model"].items() if not k.startswith(("use_rope_scaling", "rope_scaling_"))}
+    assert len(old) == len(d["config"]["model"]) - 5
+    d["config"]["model"] = old
+    with open(meta, "w") as f:
+        json.dump(d, f)
+    m = mlm_jax.load(saved)
+    assert (m.config.rotary_base, m.config.use_rope_scaling) == (1e6, False)
+    np.testing.assert_allclose(m.logits(ids), want, **TOL)
