@@ -61,6 +61,8 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     # Megatron's norm, rope, LR, gradient-reduction and XLA-overlap flags
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
     ("--rotary-percent", "model", "rotary_percent", "float", "rope on the first rotary-percent x head-dim channels of each head, the rest unrotated (default 1.0)"),
+    ("--use-rope-scaling", "model", "use_rope_scaling", "true", "Llama 3.1 rope frequency scaling (low/high freq factors 1 and 4, original max positions 8192, as in Megatron-LM)"),
+    ("--rope-scaling-factor", "model", "rope_scaling_factor", "float", "the Llama 3.1 rope scaling factor (default 8.0)"),
     ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),
     ("--decoupled-min-lr", "optim", "decoupled_min_lr", "float", "final LR of the input embedding and output layer (with --decoupled-lr; default --min-lr)"),
     ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see README)"),

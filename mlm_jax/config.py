@@ -45,6 +45,14 @@ class ModelConfig:
     # w - 1 (initialised to zeros) and applied as (1 + w); LayerNorm and RMSNorm.
     apply_layernorm_1p: bool = False
     rotary_percent: float = 1.0  # rope on the first rotary_percent x head_dim channels of each head
+    # Llama 3.1's rope frequency scaling (Megatron's --use-rope-scaling, Hugging Face's
+    # rope_type "llama3"): long wavelengths slowed by the factor, short ones kept, a smooth
+    # blend between; see `rotary` in mlm_jax/models/layers.py. Off by default.
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only

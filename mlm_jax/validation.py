@@ -341,6 +341,24 @@ def validate_decoupled_lr_and_rotary(cfg: Config) -> None:
         if dims < 2 or dims % 2:
             raise ConfigError(f"--rotary-percent {m.rotary_percent} x head dim {m.head_dim} = {dims} rotary "
                               "channels; they must be a positive even number (rotated in pairs)")
+    validate_rope_scaling(m)
+
+
+def validate_rope_scaling(m) -> None:
+    """--use-rope-scaling (Llama 3.1's): rope positions, a factor >= 1 (it only slows
+    frequencies), 0 < low freq factor < high freq factor (the blend divides by their gap)."""
+    if not m.use_rope_scaling:
+        return
+    if m.position_embedding_type != "rope":
+        raise ConfigError(f"--use-rope-scaling needs --position-embedding-type rope (got {m.position_embedding_type})")
+    if not (math.isfinite(m.rope_scaling_factor) and m.rope_scaling_factor >= 1.0):
+        raise ConfigError(f"--rope-scaling-factor must be >= 1, got {m.rope_scaling_factor}")
+    low, high = m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor
+    if not (math.isfinite(low) and math.isfinite(high) and 0.0 < low < high):
+        raise ConfigError(f"rope scaling low_freq_factor {low} and high_freq_factor {high}: need 0 < low < high")
+    if m.rope_scaling_original_max_position_embeddings < 1:
+        raise ConfigError("rope scaling original_max_position_embeddings must be >= 1, got "
+                          f"{m.rope_scaling_original_max_position_embeddings}")
 
 
 def _bounded(flag: str, value, rule: str) -> None:

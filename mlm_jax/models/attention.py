@@ -29,7 +29,8 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
-from mlm_jax.models.layers import add_bias, cast, dropout, fp32_einsum, normal, param, row_offset, rotary, zeros
+from mlm_jax.models.layers import (add_bias, cast, dropout, fp32_einsum, normal, param, rope_scaling, row_offset,
+                                    rotary, zeros)
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
 
@@ -261,8 +262,9 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "context_seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "context_seq", "kv_heads", "head_dim"))
         if cfg.position_embedding_type == "rope":
-            q = rotary(q, positions_bs, cfg.rotary_base, cfg.rotary_percent)
-            k = rotary(k, positions_bs, cfg.rotary_base, cfg.rotary_percent)
+            scaling = rope_scaling(cfg)
+            q = rotary(q, positions_bs, cfg.rotary_base, cfg.rotary_percent, scaling)
+            k = rotary(k, positions_bs, cfg.rotary_base, cfg.rotary_percent, scaling)
         return q, k, v
 
     def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:

@@ -4,6 +4,8 @@ rotary embeddings and the compute dtype. No mesh here: parameters carry logical 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -133,20 +135,45 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.A
     return (h >> 8) < threshold  # 24 uniform bits against keep_prob
 
 
-def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float, percent: float = 1.0) -> jax.Array:
+def rope_scaling(cfg: ModelConfig) -> tuple[float, float, float, int] | None:
+    """(factor, low freq factor, high freq factor, original max positions) of Llama 3.1's rope
+    scaling when --use-rope-scaling is on; else None."""
+    if not cfg.use_rope_scaling:
+        return None
+    return (cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+            cfg.rope_scaling_original_max_position_embeddings)
+
+
+def _llama3_scaled(inv_freq: jax.Array, scaling: tuple[float, float, float, int]) -> jax.Array:
+    """Llama 3.1's frequency scaling, as Megatron-LM's `_apply_scaling` and transformers'
+    `_compute_llama3_parameters`: wavelengths shorter than original/high kept, longer than
+    original/low divided by the factor, a linear blend in 1/wavelength between."""
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq  # [k/2]
+    slowed = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, blended, slowed)
+
+
+def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float, percent: float = 1.0,
+           scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotary embedding, rotate-half layout (Megatron's and Hugging Face Llama's).
 
     `percent` < 1 (--rotary-percent): only the first int(k x percent) channels of each head are
     rotated, with frequencies over that width; the rest pass through (Megatron's and GPT-NeoX's
-    partial rotary).
+    partial rotary). `scaling` (`rope_scaling`): Llama 3.1's frequency scaling.
     """
     k = x_bshk.shape[-1]
     rot = int(k * percent)
     if rot < k:
-        rotated = rotary(x_bshk[..., :rot], positions_bs, base)  # [b, s, h, rot]
+        rotated = rotary(x_bshk[..., :rot], positions_bs, base, scaling=scaling)  # [b, s, h, rot]
         return jnp.concatenate([rotated, x_bshk[..., rot:]], axis=-1)  # [b, s, h, k]
     half = k // 2
     inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [k/2]
+    if scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, scaling)
     angles = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [b, s, k/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, k/2]
     sin = jnp.sin(angles)[:, :, None, :]

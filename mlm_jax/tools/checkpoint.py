@@ -197,9 +197,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             attention_dropout=hf.get("attn_pdrop", 0.1), init_method_std=hf.get("initializer_range", 0.02))
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"Llama hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
-    scaling = hf.get("rope_scaling")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        raise HFError(f"Llama rope_scaling {scaling} is not supported yet (plain RoPE only)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise HFError(f"Llama config {key}=true is not supported")
@@ -212,11 +209,69 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         num_attention_heads=h, num_query_groups=None if g == h else g,
         kv_channels=None if head_dim * h == d else head_dim, vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        position_embedding_type="rope", rotary_base=float(hf.get("rope_theta", 10000.0)),
+        position_embedding_type="rope", **rope_fields_from_hf(hf),
         normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02))
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_fields_from_hf(hf: dict) -> dict:
+    """The ModelConfig rope fields of a Llama or Mixtral config.json, in either form: top-level
+    `rope_theta` and `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5).
+    Both forms present and disagreeing is an error; so is any rope type but default and
+    llama3, and any rope key not understood (each changes the math)."""
+    params = hf.get("rope_parameters")
+    legacy = dict(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        legacy["rope_theta"] = hf["rope_theta"]
+    if params is not None:
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            raise HFError(f"rope_parameters {params!r} is not supported (one rope for every layer is)")
+        for key in set(params) & set(legacy):
+            if _rope_value(params, key) != _rope_value(legacy, key):
+                name = "rope_theta" if key == "rope_theta" else f"rope_scaling.{key}"
+                raise HFError(f"rope_parameters.{key}={params[key]!r} and {name}={legacy[key]!r} disagree")
+        rope = {**legacy, **params}
+    else:
+        rope = legacy
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if "rope_type" in rope and "type" in rope and rope["type"] != rope["rope_type"]:
+        raise HFError(f"rope type {rope['type']!r} and rope_type {rope['rope_type']!r} disagree")
+    if rope_type not in ("default", "llama3"):
+        raise HFError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+    known = {"rope_type", "type", "rope_theta"} | (set(_LLAMA3_KEYS) if rope_type == "llama3" else set())
+    unknown = sorted(set(rope) - known)
+    if unknown:
+        raise HFError(f"rope {rope_type} key {unknown[0]}={rope[unknown[0]]!r} is not supported")
+    out = {"rotary_base": float(rope.get("rope_theta", 10000.0))}
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in rope]
+        if missing:
+            raise HFError(f"rope_type 'llama3' without {missing[0]!r}")
+        out.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                   rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    return out
+
+
+def _rope_value(rope: dict, key: str):
+    value = rope[key]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def hf_rope_parameters(m: ModelConfig) -> dict:
+    """`rope_parameters` as transformers 5 writes it, for `m`'s rope."""
+    if not m.use_rope_scaling:
+        return {"rope_theta": m.rotary_base, "rope_type": "default"}
+    return {"rope_theta": m.rotary_base, "rope_type": "llama3", "factor": m.rope_scaling_factor,
+            "low_freq_factor": m.rope_scaling_low_freq_factor,
+            "high_freq_factor": m.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings": m.rope_scaling_original_max_position_embeddings}
 
 
 def _mixtral_fields(hf: dict) -> dict:
@@ -290,7 +345,7 @@ def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dt
                    intermediate_size=m.moe_ffn_size if mixtral else m.ffn_size, num_hidden_layers=m.num_layers,
                    num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups,
                    head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
-                   rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base, hidden_act="silu",
+                   rms_norm_eps=m.norm_epsilon, hidden_act="silu",
                    tie_word_embeddings=not m.untie_embeddings_and_output_weights,
                    attention_bias=False, mlp_bias=False)
         if mixtral:
@@ -298,7 +353,14 @@ def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dt
                        router_aux_loss_coef=m.moe_aux_loss_coeff, sliding_window=None)
             for key in ("attention_bias", "mlp_bias"):
                 out.pop(key)
-        out.setdefault("rope_scaling", None)
+        rope = hf_rope_parameters(m)
+        if "rope_parameters" in out or "rope_theta" not in out:
+            out["rope_parameters"] = rope  # transformers 5's form
+            out.pop("rope_theta", None)
+            out.pop("rope_scaling", None)
+        else:  # an imported transformers-4 config keeps its form, which transformers 5 reads too
+            out["rope_theta"] = rope.pop("rope_theta")
+            out["rope_scaling"] = rope if rope["rope_type"] != "default" else None
         out.setdefault("initializer_range", m.init_method_std)
     out["torch_dtype"] = dtype
     return out
