@@ -1,0 +1,210 @@
+"""NOT YET WORKING (a start): fixtures written by Megatron-Core itself: tiny models built with Megatron-Core on the CPU,
+saved as Megatron-LM saves them, with Megatron-Core's own logits for fixed token ids.
+
+State: builds both models and computes their logits on the CPU with Megatron-Core 0.16.1
+(patched as below); `dist_checkpointing.save` still stops on a missing `psutil` (install it in
+the venv); no fixture has been committed from it yet and no test reads them.
+
+Run BY HAND in a separate venv (the tests never import torch):
+
+    python3 -m venv /work/venv-torch
+    /work/venv-torch/bin/pip install torch==2.13.0 numpy packaging
+    /work/venv-torch/bin/pip install --no-deps megatron-core==0.16.1
+    /work/venv-torch/bin/python tests/make_megatron_fixtures.py tests/fixtures/megatron
+
+It writes, per model (gpt2: learned positions, LayerNorm, GELU, biases, tied head; llama: rope,
+RMSNorm, SwiGLU, no biases, untied head, GQA 4 heads / 2 groups), a `torch_dist` save root
+(`dist_checkpointing.save` of the model's sharded state dict with Megatron-LM's common state:
+args, iteration, checkpoint_version, opt_param_scheduler) and a legacy `torch` one
+(`mp_rank_00/model_optim_rng.pt` of `state_dict_for_save_checkpoint`), both from one tensor-
+parallel rank (world size 1, gloo), local layer specs (no Transformer Engine), fp32; and
+`manifest.json`: per fixture the model kind, format, the input ids and Megatron-Core's logits.
+
+    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check DIR --model llama
+
+loads DIR (torch_dist or legacy) into the same Megatron-Core model and prints the largest
+difference of its logits from the manifest's (for checkpoints mlm_jax writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+MAX_POS, VOCAB, ITERATION, GBS = 32, 100, 10, 8
+IDS = [[(7 * i + 3) % (VOCAB - 1) + 1 for i in range(16)]]
+SPECS = {
+    "gpt2": dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+                 add_bias_linear=True, untie=False, groups=None, ffn=128),
+    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                  untie=True, groups=2, ffn=48),
+}
+LAYERS, HIDDEN, HEADS = 2, 32, 4
+
+
+def padded(vocab: int, tp: int = 1) -> int:
+    m = 128 * tp
+    return (vocab + m - 1) // m * m
+
+
+def init_megatron():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    # Megatron-Core's CUDA RNG tracker on a machine without CUDA: its states live on the CPU.
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # the attention's scratch buffer
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's save
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def build(kind: str):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = SPECS[kind]
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=s["ffn"],
+        num_query_groups=s["groups"], normalization=s["normalization"], gated_linear_unit=s["swiglu"],
+        activation_func=F.silu if s["swiglu"] else F.gelu, add_bias_linear=s["add_bias_linear"],
+        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.2,
+        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, params_dtype=torch.float32)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
+                     vocab_size=padded(VOCAB), max_sequence_length=MAX_POS,
+                     share_embeddings_and_output_weights=not s["untie"],
+                     position_embedding_type=s["position_embedding_type"])
+    with torch.no_grad():  # biases and norms away from their zero/one init, so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def logits(model) -> np.ndarray:
+    ids = torch.tensor(IDS)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        masked = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]  # True: hidden
+        out = model(ids, pos, attention_mask=masked)
+    return out[..., :VOCAB].float().numpy()  # the true vocab (NullTokenizer: vocab_size + 1)
+
+
+def make_args(kind: str) -> argparse.Namespace:
+    """The args Megatron-LM's checkpoint holds, for the fields a reader needs."""
+    s = SPECS[kind]
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=s["ffn"], num_attention_heads=HEADS,
+        group_query_attention=s["groups"] is not None, num_query_groups=s["groups"] or HEADS,
+        kv_channels=HIDDEN // HEADS, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
+        position_embedding_type=s["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
+        rotary_interleaved=False, normalization=s["normalization"], norm_epsilon=1e-5, swiglu=s["swiglu"],
+        openai_gelu=False, squared_relu=False, untie_embeddings_and_output_weights=s["untie"],
+        add_bias_linear=s["add_bias_linear"], add_qkv_bias=False, apply_layernorm_1p=False, qk_layernorm=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2, make_vocab_size_divisible_by=128,
+        padded_vocab_size=padded(VOCAB), vocab_size=VOCAB - 1, tokenizer_type="NullTokenizer", vocab_file=None,
+        merge_file=None, tokenizer_model=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, transformer_impl="local",
+        num_experts=None, bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
+        micro_batch_size=1, global_batch_size=GBS, lr=1e-4, min_lr=1e-5, iteration=ITERATION,
+        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist")
+
+
+def common_state(kind: str, fmt: str) -> dict:
+    args = make_args(kind)
+    args.ckpt_format = fmt
+    return {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+            "opt_param_scheduler": {"max_lr": 1e-4, "min_lr": 1e-5, "num_steps": ITERATION * GBS,
+                                    "warmup_steps": 0, "decay_steps": 100 * GBS, "decay_style": "cosine"}}
+
+
+def save(model, kind: str, root: str):
+    from megatron.core import dist_checkpointing
+
+    dist_root, legacy_root = os.path.join(root, kind, "dist_tp1"), os.path.join(root, kind, "legacy_tp1")
+    folder = os.path.join(dist_root, f"iter_{ITERATION:07d}")
+    os.makedirs(folder, exist_ok=True)
+    state = common_state(kind, "torch_dist")
+    state["model"] = model.sharded_state_dict()
+    dist_checkpointing.save(state, folder)
+    with open(os.path.join(dist_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(ITERATION))
+    rank = os.path.join(legacy_root, f"iter_{ITERATION:07d}", "mp_rank_00")
+    os.makedirs(rank, exist_ok=True)
+    state = common_state(kind, "torch")
+    state["model"] = model.state_dict_for_save_checkpoint()
+    torch.save(state, os.path.join(rank, "model_optim_rng.pt"))
+    with open(os.path.join(legacy_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(ITERATION))
+    return [os.path.relpath(dist_root, root), os.path.relpath(legacy_root, root)]
+
+
+def load_into(model, path: str):
+    """A torch_dist or legacy checkpoint (save root or iteration folder) into `model`."""
+    from megatron.core import dist_checkpointing
+
+    if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        it = open(os.path.join(path, "latest_checkpointed_iteration.txt")).read().strip()
+        path = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(state["model"], strict=False)
+    else:
+        state = torch.load(os.path.join(path, "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", nargs="?", default=os.path.join(os.path.dirname(__file__), "fixtures", "megatron"))
+    p.add_argument("--check", default=None, help="a checkpoint to load and compare with the manifest's logits")
+    p.add_argument("--model", choices=sorted(SPECS), default="llama")
+    a = p.parse_args(argv)
+    init_megatron()
+    import megatron.core
+
+    if a.check:
+        manifest = json.load(open(os.path.join(a.out, "manifest.json")))
+        model = build(a.model)
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.zero_()
+        load_into(model, a.check)
+        want = np.asarray(manifest["models"][a.model]["logits"], np.float32)
+        print(f"{a.check}: max |logits - manifest| = {np.abs(logits(model) - want).max():.3e}")
+        return 0
+    manifest = {"megatron_core": megatron.core.__version__, "torch": torch.__version__, "ids": IDS,
+                "vocab_size": VOCAB - 1, "padded_vocab_size": padded(VOCAB), "iteration": ITERATION,
+                "consumed_samples": ITERATION * GBS, "models": {}}
+    for kind in SPECS:
+        model = build(kind)
+        out = logits(model)
+        folders = save(model, kind, a.out)
+        manifest["models"][kind] = {"folders": folders, "logits": out[0].tolist()}
+        print(f"{kind}: {folders}, logits {out.shape}")
+    with open(os.path.join(a.out, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
