@@ -1,14 +1,12 @@
-"""NOT YET WORKING (a start): fixtures written by Megatron-Core itself: tiny models built with Megatron-Core on the CPU,
+"""Fixtures written by Megatron-Core itself: tiny models built with Megatron-Core on the CPU,
 saved as Megatron-LM saves them, with Megatron-Core's own logits for fixed token ids.
 
-State: builds both models and computes their logits on the CPU with Megatron-Core 0.16.1
-(patched as below); `dist_checkpointing.save` still stops on a missing `psutil` (install it in
-the venv); no fixture has been committed from it yet and no test reads them.
+Read by tests/test_megatron_core_fixtures.py (TP1 writers only so far; no MoE, no TP2/PP2).
 
 Run BY HAND in a separate venv (the tests never import torch):
 
     python3 -m venv /work/venv-torch
-    /work/venv-torch/bin/pip install torch==2.13.0 numpy packaging
+    /work/venv-torch/bin/pip install torch==2.13.0 numpy packaging psutil
     /work/venv-torch/bin/pip install --no-deps megatron-core==0.16.1
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py tests/fixtures/megatron
 

@@ -236,6 +236,10 @@ _DCP_RECORDS = {
     f"{_DCP}.metadata.StorageMeta": ("checkpoint_id", "save_id", "load_id", "modules"),
     f"{_DCP}.filesystem._StorageInfo": ("relative_path", "offset", "length", "transform_descriptors"),
     f"{_DCP}.planner.SavePlan": ("items", "storage_data", "planner_data"),
+    # the save plans Megatron-Core 0.16 keeps in the metadata's planner data
+    f"{_DCP}.planner.WriteItem": ("index", "type", "bytes_io_data", "tensor_data"),
+    f"{_DCP}.planner.TensorWriteData": ("chunk", "properties", "size"),
+    f"{_DCP}.planner.BytesIOWriteData": ("nbytes",),
     # Megatron-Core's empty placeholders in older checkpoints' metadata
     "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata": (),
     "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan": (),
@@ -250,6 +254,7 @@ def _allowed() -> dict[str, Callable]:
         "torch.serialization._get_layout": lambda name: str(name),
         "torch.device": lambda *args: ":".join(str(a) for a in args),
         f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _enum("_MEM_FORMAT_ENCODING"),
+        f"{_DCP}.planner.WriteItemType": _enum("WriteItemType"),
         "collections.OrderedDict": collections.OrderedDict,
         "argparse.Namespace": argparse.Namespace,
         "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
