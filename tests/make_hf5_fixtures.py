@@ -28,7 +28,8 @@ MODELS = {
     "llama_default": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters={"rope_type": "default",
                                                                               "rope_theta": 10000.0})),
     # head dim 8: inverse frequencies 1, 0.19, 0.037, 0.0067 against wavelengths 8/1 and 8/4 put
-    # one frequency in each of the kept, blended and slowed bands
+    # with theta 500000, head dim 8 and original max positions 8 the frequencies fall in the blended and
+    # slowed bands only (none kept); tests/test_hf_rope.py covers the kept band against a numpy reference
     "llama3_scaled": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
