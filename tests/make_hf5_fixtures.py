@@ -27,7 +27,6 @@ SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_laye
 MODELS = {
     "llama_default": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters={"rope_type": "default",
                                                                               "rope_theta": 10000.0})),
-    # head dim 8: inverse frequencies 1, 0.19, 0.037, 0.0067 against wavelengths 8/1 and 8/4 put
     # with theta 500000, head dim 8 and original max positions 8 the frequencies fall in the blended and
     # slowed bands only (none kept); tests/test_hf_rope.py covers the kept band against a numpy reference
     "llama3_scaled": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters={
