@@ -354,3 +354,15 @@ def test_tokenizer_from_args(tmp_path):
     assert tokenizer_from_args(missing, str(tmp_path)) is None  # files gone: logits still load
     null = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=99)
     assert tokenizer_from_args(null).vocab_size == 100
+
+
+def test_import_megatron_bad_load_names_the_flag_and_the_step(tmp_path, capsys):
+    from mlm_jax.tools.checkpoint import main as convert
+
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    for argv, want in ((["--load", str(tmp_path / "nope")], f"error: --load {tmp_path / 'nope'}: no such checkpoint folder"),
+                       (["--load", root, "--ckpt-step", "7"], "iter_0000007: no such checkpoint folder (--ckpt-step 7)")):
+        assert convert(["import-megatron", *argv, "--save", str(tmp_path / "out")]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("error: --load ") and want in last, last
+    assert not (tmp_path / "out").exists()  # nothing written

@@ -19,21 +19,12 @@ import pytest
 import mlm_jax
 from mlm_jax.checkpoint.megatron import MegatronCheckpointError, read_checkpoint, torch_pickle
 from mlm_jax.checkpoint.megatron.legacy import rank_dirs
+from tests.test_megatron_checkpoint import _flat
 
 HERE = os.path.dirname(__file__)
 SYN = os.path.join(HERE, "fixtures", "megatron_synthetic")
 TOKENS = np.random.default_rng(0).integers(0, 100, (2, 16))
 SIZES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tensor, pipeline)
-
-
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = np.asarray(v)
-    return out
 
 
 def _host_params(path):

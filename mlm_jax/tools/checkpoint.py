@@ -426,7 +426,7 @@ def import_megatron(load: str, save: str, step: int | None = None, log=print) ->
     from mlm_jax.checkpoint.format import tokenizer_record
     from mlm_jax.checkpoint.megatron import read_checkpoint
 
-    ck = read_checkpoint(load, step=step)
+    ck = read_checkpoint(load, step=step, flag="--load")
     record, files = tokenizer_record(ck.tokenizer)
     data = Config().data
     if record is not None:

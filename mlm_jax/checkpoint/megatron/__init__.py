@@ -69,8 +69,9 @@ def is_megatron_checkpoint(path: str) -> bool:
         bool(_ITER_DIR.match(os.path.basename(os.path.normpath(path)))) and _is_iter_dir(path))
 
 
-def resolve_iteration(path: str, step: int | None = None) -> tuple[str, int | None]:
-    """(iteration folder, iteration) for a save root (its tracker, or `step`) or an iteration folder."""
+def resolve_iteration(path: str, step: int | None = None, flag: str = "") -> tuple[str, int | None]:
+    """(iteration folder, iteration) for a save root (its tracker, or `step`) or an iteration folder;
+    `flag` (e.g. "--load") starts the errors about the folder itself."""
     path = os.path.normpath(path)
     tracker = os.path.join(path, TRACKER)
     if step is not None:
@@ -85,11 +86,13 @@ def resolve_iteration(path: str, step: int | None = None) -> tuple[str, int | No
             raise MegatronCheckpointError(f"{tracker}: holds {text[:40]!r}, an iteration or 'release' is expected")
     else:
         folder = path
+    lead = f"{flag} " if flag else ""
     if not os.path.isdir(folder):
-        raise MegatronCheckpointError(f"{folder}: no such checkpoint folder" + (f" (named by {tracker})"
-                                                                                 if os.path.isfile(tracker) else ""))
+        named = (f" (--ckpt-step {step})" if step is not None else
+                 f" (named by {tracker})" if os.path.isfile(tracker) else "")
+        raise MegatronCheckpointError(f"{lead}{folder}: no such checkpoint folder{named}")
     if not _is_iter_dir(folder):
-        raise MegatronCheckpointError(f"{folder}: neither a torch_dist checkpoint (.metadata) nor a legacy one "
+        raise MegatronCheckpointError(f"{lead}{folder}: neither a torch_dist checkpoint (.metadata) nor a legacy one "
                                       "(mp_rank_* folders)")
     name = os.path.basename(folder)
     return folder, (int(name[5:]) if name.startswith("iter_") else None)
@@ -125,10 +128,11 @@ def _dist_tensors(ck: dcp.Distcp, num_layers: int) -> dict:
     return out
 
 
-def read_checkpoint(path: str, tensor_parallel: int = 1, step: int | None = None) -> MegatronCheckpoint:
+def read_checkpoint(path: str, tensor_parallel: int = 1, step: int | None = None,
+                    flag: str = "") -> MegatronCheckpoint:
     """A Megatron checkpoint as (ModelConfig, numpy params, ...); `tensor_parallel` sets the
     padded vocab of the run that will hold it."""
-    folder, iteration = resolve_iteration(path, step)
+    folder, iteration = resolve_iteration(path, step, flag)
     if dcp.is_torch_dist(folder):
         fmt, common = "torch_dist", dcp.read_common(folder)
         where = os.path.join(folder, dcp.COMMON)
