@@ -5,13 +5,11 @@ at / in a real headless Chromium."""
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 
 import httpx
 import numpy as np
@@ -99,21 +97,28 @@ def test_concurrent_equals_sequential(served):
     bodies = [{"prompts": [p], "tokens_to_generate": 6, "top_k": 1 if i % 2 else 0, "temperature": 0.8,
                "random_seed": i} for i, p in enumerate(PROMPTS)]
     sequential = [_put(server.url, b).json()["text"] for b in bodies]
-    before = app.state.batcher.batches
+    engine = app.state.engine
+    before, joined = engine.steps, engine.joined_running
     results = asyncio.run(_concurrent(server.url, bodies))
     assert [r.json()["text"] for r, _ in results] == sequential
-    assert app.state.batcher.batches - before < len(bodies)  # some requests shared a decode
+    # Decoded together: fewer steps than one request after another (8 x 6), and some joined
+    # a batch that was already decoding (continuous batching).
+    assert engine.steps - before < 6 * len(bodies)
+    assert engine.joined_running > joined
 
 
 def test_completions(served):
     server, app, model, cfg, w = served
-    r = httpx.post(server.url + "/v1/completions", json={"model": "x", "prompt": ["w5 w9 w13", "w40 w2"],
+    r = httpx.post(server.url + "/v1/completions", json={"model": app.state.service.name, "prompt": ["w5 w9 w13", "w40 w2"],
                                                          "max_tokens": 4, "temperature": 0, "logprobs": 1},
                    timeout=60)
     assert r.status_code == 200, r.text
     data = r.json()
     want = [model.generate([p], max_new_tokens=4)[0] for p in ["w5 w9 w13", "w40 w2"]]
-    assert [c["text"] for c in data["choices"]] == [o.text for o in want]
+    # The completion is the new text as it follows the prompt (its leading space kept).
+    tok = model.tokenizer
+    assert [c["text"] for c in data["choices"]] == [
+        tok.detokenize(o.prompt + o.tokens)[len(tok.detokenize(o.prompt)):] for o in want]
     assert data["usage"]["completion_tokens"] == sum(len(o.tokens) for o in want)
     assert all(len(c["logprobs"]["token_logprobs"]) == len(o.tokens) for c, o in zip(data["choices"], want))
     h = httpx.get(server.url + "/health", timeout=10)
@@ -131,7 +136,6 @@ BAD = [
     ("tokens_to_generate", {"prompts": ["w1"], "tokens_to_generate": 0}),
     ("tokens_to_generate", {"prompts": ["w1"], "tokens_to_generate": 100}),
     ("logprobs", {"prompts": ["w1"], "logprobs": "yes"}),
-    ("temperature", {"prompts": ["w1"], "temperature": 0}),
     ("temperature", {"prompts": ["w1"], "temperature": 101}),
     ("top_k", {"prompts": ["w1"], "top_k": -1}),
     ("top_k", {"prompts": ["w1"], "top_k": 1001}),
@@ -139,10 +143,17 @@ BAD = [
     ("top_p", {"prompts": ["w1"], "top_k": 5, "top_p": 0.5}),
     ("add_BOS", {"prompts": ["w1"], "add_BOS": 1}),
     ("stop_token", {"prompts": ["w1"], "stop_token": "eos"}),
+    ("top_p_decay", {"prompts": ["w1"], "top_p_decay": 0.5}),
+    ("top_p_bound", {"prompts": ["w1"], "top_p": 0.5, "top_p_bound": 0.9}),
+    ("stop_on_eol", {"prompts": ["w1"], "stop_on_eol": 1}),
+    ("no_log", {"prompts": ["w1"], "no_log": "no"}),
+    ("length_penalty", {"prompts": ["w1"], "length_penalty": "x"}),
+    ("beam_width", {"prompts": ["w1", "w2"], "beam_width": 2}),
+    ("beam_width", {"prompts": ["w1"], "beam_width": 0}),
+    ("nonsense", {"prompts": ["w1"], "nonsense": 0}),
     ("random_seed", {"prompts": ["w1"], "random_seed": -3}),
     ("max_len", {"prompts": ["w1"], "max_len": 5}),
     ("sentences", {"sentences": ["w1"]}),
-    ("beam_width", {"prompts": ["w1"], "beam_width": 2}),
     ("body", ["w1"]),
 ]
 
@@ -152,20 +163,26 @@ def test_bad_requests_are_400_naming_the_field(served):
     for field, body in BAD:
         r = _put(server.url, body)
         assert r.status_code == 400, (field, r.status_code, r.text)
-        assert r.json()["field"] == field and r.json()["error"], r.text
+        # Megatron's CLI prints body["message"]; our older clients read "error".
+        assert r.json()["field"] == field and r.json()["message"] == r.json()["error"] != "", r.text
     r = httpx.put(server.url + "/api", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["field"] == "body"
     bad_completions = [("prompt", {"max_tokens": 2}), ("max_tokens", {"prompt": "w1", "max_tokens": -2}),
-                       ("temperature", {"prompt": "w1", "temperature": 3}), ("n", {"prompt": "w1", "n": 2}),
-                       ("stream", {"prompt": "w1", "stream": True})]
+                       ("temperature", {"prompt": "w1", "temperature": 3}), ("n", {"prompt": "w1", "n": 0}),
+                       ("stream", {"prompt": "w1", "stream": 1}), ("best_of", {"prompt": "w1", "n": 3, "best_of": 2}),
+                       ("logprobs", {"prompt": "w1", "logprobs": 6}), ("stop", {"prompt": "w1", "stop": ["a"] * 5}),
+                       ("suffix", {"prompt": "w1", "suffix": "x"}), ("logit_bias", {"prompt": "w1", "logit_bias": {"1": 5}}),
+                       ("presence_penalty", {"prompt": "w1", "presence_penalty": 0.5}),
+                       ("prompt", {"prompt": [1, 100000]}), ("prompt", {"prompt": []}),
+                       ("max_tokens", {"prompt": "w1", "max_tokens": 0})]
     for field, body in bad_completions:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
-        assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
 
 
 def test_queue_limit_gives_503_and_timeout_504(served):
     server, app, *_ = served
-    b = app.state.batcher
+    b = app.state.service
     b.max_queue = 1
     try:
         bodies = [{"prompts": [p], "tokens_to_generate": 12, "top_k": 1} for p in PROMPTS]
@@ -179,7 +196,7 @@ def test_queue_limit_gives_503_and_timeout_504(served):
     b.timeout = 1e-4
     try:
         r = _put(server.url, {"prompts": ["w1 w2"], "tokens_to_generate": 12})
-        assert r.status_code == 504 and "timed out" in r.json()["error"]
+        assert r.status_code == 504 and "timed out" in r.json()["message"]
     finally:
         b.timeout = 60.0
 
@@ -212,20 +229,6 @@ def test_text_generation_cli(served):
     bad = subprocess.run([sys.executable, "-m", "mlm_jax.tools.text_generation_cli", "nohost"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: address 'nohost'")
-
-
-def test_page_in_headless_chromium(served):
-    server, *_ = served
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is not installed: .ci/run installs Debian's chromium package (apt-get install chromium)"
-    url = server.url + "/?" + urllib.parse.urlencode({"prompt": "w5 w9 w13", "tokens": "4"})
-    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                        "--virtual-time-budget=20000", "--dump-dom", url],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    want = _put(server.url, {"prompts": ["w5 w9 w13"], "tokens_to_generate": 4, "top_k": 1}).json()["text"][0]
-    assert f'<pre id="output">{want}</pre>' in r.stdout, r.stdout[-2000:]
-    assert '<p id="status">done</p>' in r.stdout
 
 
 def test_serve_command(tmp_path):
