@@ -104,14 +104,19 @@ def test_matches_reference(lm, width, penalty):
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_stop_token_and_newline_rule_match_reference(lm, width):
     prompt = PROMPTS[0]
-    path = lm.decoder()([prompt], NEW)[0].tokens
-    stop = path[2]  # the greedy path meets it, so the beams do too
-    colon = (path[0], path[1])  # a pair the greedy path emits: the rule changes the search
+    free = run(lm, prompt, NEW, width)
+    path = free[0].tokens[len(prompt):]  # the best beam's new tokens without stop or rule
+    # A stop token the best beam meets first at step >= 2 (the search must still go on a while),
+    # and a (colon, newline) pair it emits: both change the search.
+    stop = next((t for j, t in enumerate(path) if j >= 2 and t not in path[:j]), path[-1])
+    colon = (path[0], path[1])
     got = run(lm, prompt, NEW, width, stop, 1.0)
     assert_same(got, reference(lm, prompt, NEW, width, stop, 1.0))
     assert all(stop not in b.tokens[len(prompt):] for b in got)
     assert any(len(b.tokens) < len(prompt) + NEW for b in got), "no beam ended at the stop token"
+    assert [b.tokens for b in got] != [b.tokens for b in free]
     got = run(lm, prompt, NEW, width, None, 0.5, colon)
+    assert [b.tokens for b in got] != [b.tokens for b in run(lm, prompt, NEW, width, None, 0.5)]
     assert_same(got, reference(lm, prompt, NEW, width, None, 0.5, colon))
     assert all(colon[1] != b.tokens[i + 1] for b in got for i in range(len(b.tokens) - 1)
                if b.tokens[i] == colon[0] and i + 1 >= len(prompt))
