@@ -149,6 +149,26 @@ def test_megatron_cli_protocol_and_error_shape(served, tmp_path):
     assert a == b
 
 
+def test_api_beam_search(served):
+    """PUT /api with beam_width: Megatron's response (the whole beam, best first, its scores),
+    equal to mlm_jax.beam (tested against a reference search on full logits in test_beam)."""
+    from mlm_jax.beam import beam_search
+
+    server, app, model, _ = served
+    e = app.state.engine
+    r = _put(server.url, {"prompts": ["w5 w9"], "tokens_to_generate": 4, "beam_width": 3, "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    ids = model.tokenizer.tokenize("w5 w9")
+    want = beam_search(e.graphdef, e.params, model.config.vocab_size, ids, 4, 3, model.tokenizer.eod, 0.5,
+                       None, e.context, e.mesh, e.rules)
+    assert data["text"] == [model.tokenizer.detokenize(b.tokens) for b in want]
+    np.testing.assert_allclose(data["scores"], [b.score for b in want], atol=1e-6)
+    assert data["scores"] == sorted(data["scores"], reverse=True) and len(data["segments"]) == 3
+    assert _put(server.url, {"prompts": ["w5"], "tokens_to_generate": 2, "beam_width": 2,
+                             "stop_token": 10**6}).status_code == 200
+
+
 def test_faults_do_not_stall_others(served):
     server, app, *_ = served
     svc = app.state.service

@@ -13,7 +13,8 @@ import urllib.parse
 import pytest
 
 import mlm_jax
-from mlm_jax.serve import STATIC, make_app
+from mlm_jax.serve import make_app
+from mlm_jax.serve.app import STATIC
 from tests.gen_util import make_gpt2
 from tests.test_serve import Server, _put
 

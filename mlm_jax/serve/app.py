@@ -179,6 +179,7 @@ class Service:
         from mlm_jax.beam import beam_search
 
         stop = r["stop_token"] if r["stop_token"] is not None else self.eod
+        stop = stop if stop is not None and 0 <= stop < self.vocab else None  # outside the vocab: never met
         colon = (self.colon, self.nl) if r["prevent_newline_after_colon"] and None not in (self.colon, self.nl) else None
         e = self.engine
 
@@ -188,7 +189,10 @@ class Service:
                                    r["beam_width"], stop, float(r["length_penalty"]), colon, e.context,
                                    e.mesh, e.rules, self._beam_programs)
 
-        beams = await asyncio.get_running_loop().run_in_executor(None, run)
+        try:
+            beams = await asyncio.get_running_loop().run_in_executor(None, run)
+        except UsageError as e:
+            raise BadRequest("beam_width", str(e)) from None
         outcome.prompt_tokens, outcome.new_tokens = len(prompt), sum(len(b.tokens) - len(prompt) for b in beams)
         return megatron_api.beam_response(self.tok, beams)
 
