@@ -4,6 +4,7 @@ prompts with echo/logprobs/max_tokens, generate_until with stop), Megatron's CLI
 and the faults one client must not turn into everyone's problem."""
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -270,3 +271,27 @@ def test_serve_port_in_use_and_sigint(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
     assert "PUT /api 200 prompt=2 new=2" in out and "decode ready" in out and "serving" in out
+
+
+def test_chat_completions_with_a_template(tmp_path):
+    """A tokenizer whose tokenizer_config.json carries a chat template serves chat completions:
+    the reply is the completion of the rendered conversation."""
+    folder = str(tmp_path / "gpt2")
+    make_gpt2(folder)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "chat_template":
+                   "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"}, f)
+    model = mlm_jax.load(folder)
+    server = Server(make_app(model, max_batch=2, name="chat"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "w5 w9"}],
+                                           max_tokens=4, temperature=0)
+        plain = client.completions.create(model="chat", prompt="w5 w9 w3", max_tokens=4, temperature=0)
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == plain.choices[0].text
+        assert r.usage.prompt_tokens == 3
+        with pytest.raises(openai.BadRequestError, match="messages"):
+            client.chat.completions.create(model="chat", messages=[{"role": "user"}])
+    finally:
+        server.close()

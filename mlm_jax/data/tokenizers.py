@@ -263,10 +263,17 @@ class HuggingFaceTokenizer(_TokenizersLibrary):
             if os.path.isfile(os.path.join(folder, f))
         ]
         eos = None
+        self.chat_template, self.bos_text = None, ""  # from tokenizer_config.json (the server's chat)
         for f in self._extra_files:
             config = read_json(f, "--tokenizer-model")
             if not isinstance(config, dict):
                 raise TokenizerError(f"--tokenizer-model {f}: expected a JSON object")
+            if isinstance(config.get("chat_template"), str):
+                self.chat_template = config["chat_template"]
+            bos = config.get("bos_token")
+            bos = bos.get("content") if isinstance(bos, dict) else bos
+            if isinstance(bos, str) and not self.bos_text:
+                self.bos_text = bos
             entry = config.get("eos_token")
             if isinstance(entry, dict):
                 entry = entry.get("content")
