@@ -117,7 +117,7 @@ class Service:
         ids = await asyncio.get_running_loop().run_in_executor(None, run)
         for p in ids:
             check(len(p) > 0, field, "a prompt has no tokens; set add_BOS=true")
-            check(len(p) + new <= limit, "max_tokens" if field == "prompt" else "tokens_to_generate",
+            check(len(p) + new <= limit, {"prompts": "tokens_to_generate"}.get(field, "max_tokens"),
                   f"a prompt of {len(p)} tokens + {new} new tokens exceeds the {limit}-position context")
         return ids
 
