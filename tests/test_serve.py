@@ -231,6 +231,23 @@ def test_text_generation_cli(served):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: address 'nohost'")
 
 
+def start_serve(folder: str, env: dict, timeout: float = 120):
+    """(port, process) of `python -m mlm_jax.serve --load folder` on a free port, once /health answers."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server did not come up: {proc.communicate()[1][-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return port, proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_serve_command(tmp_path):
     """`python -m mlm_jax.serve` itself: starts, answers, and refuses bad flags with exit 2."""
     folder = str(tmp_path / "gpt2")
@@ -239,18 +256,8 @@ def test_serve_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--max-queue", "0"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "error: --max-queue must be >= 1, got 0"
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    port, proc = start_serve(folder, env)
     try:
-        deadline = time.time() + 90
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         r = _put(f"http://127.0.0.1:{port}", {"prompts": ["w5 w9"], "tokens_to_generate": 2, "top_k": 1})
         assert r.status_code == 200 and r.json()["text"][0].startswith("w5 w9 ")
     finally:

@@ -19,7 +19,7 @@ import pytest
 
 import mlm_jax
 from mlm_jax.serve import make_app
-from tests.test_serve import ROOT, Server, _concurrent, _free_port, _put
+from tests.test_serve import ROOT, Server, _concurrent, _put, start_serve
 from tests.gen_util import make_gpt2
 
 
@@ -250,18 +250,8 @@ def test_serve_port_in_use_and_sigint(tmp_path):
                            capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: --port {port}: 127.0.0.1:{port} is already in use")
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    port, proc = start_serve(folder, env)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         r = _put(f"http://127.0.0.1:{port}", {"prompts": ["w5 w9"], "tokens_to_generate": 2, "top_k": 1})
         assert r.status_code == 200
         proc.send_signal(signal.SIGINT)

@@ -36,10 +36,6 @@ def _row_key(seed: int, index: int):
     return key(seed % (1 << 31), index)
 
 
-class Busy(Exception):
-    """Too many requests in flight (503)."""
-
-
 @dataclasses.dataclass
 class Outcome:
     status: int = 200

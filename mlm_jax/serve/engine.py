@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mlm_jax.generate import MIN_PROMPT_BUCKET, bucket, filter_logits
+from mlm_jax.generate import MIN_PROMPT_BUCKET, bucket, sample
 
 TOP_N = 5  # the most alternatives per position (OpenAI's logprobs limit)
 
@@ -130,14 +130,7 @@ def _programs(graphdef, vocab: int):
         logp = jax.nn.log_softmax(last, axis=-1)
         # A row's n-th new token draws with fold_in(its key, n): the same alone or batched.
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys_b2), count_b)
-        greedy = jnp.argmax(last, axis=-1).astype(jnp.int32)
-
-        def drawn():
-            scaled = last / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
-            toks = jax.vmap(jax.random.categorical)(keys, filter_logits(scaled, top_k_b, top_p_b))
-            return jnp.where(temperature_b > 0, toks.astype(jnp.int32), greedy)
-
-        tok = jax.lax.cond(jnp.any(temperature_b > 0), drawn, lambda: greedy)
+        tok = sample(last, keys, temperature_b, top_k_b, top_p_b)
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         vals, ids = _top(logp)
         logits, cache = model.forward_cached(tok[:, None], positions_b[:, None], cache)
@@ -236,9 +229,6 @@ class Engine:
         for r in request.rows:
             r.queued_at = now
             self.queue.put((r, request))
-
-    def busy_rows(self) -> int:
-        return sum(a is not None for a in self.active) + self.queue.qsize()
 
     def _loop(self):
         while not self._stop.is_set():

@@ -77,11 +77,10 @@ def response(tok, prompts_ids, rows, logprobs: bool) -> dict:
     """Megatron's response: prompt and new text together, per-token segments, the token ids,
     and (logprobs) every token's log-prob after the first."""
     full = [p + r.tokens for p, r in zip(prompts_ids, rows)]
-    out = {"text": [tok.detokenize(ids) for ids in full],
-           "segments": [[tok.detokenize([t]) for t in ids] for ids in full],
-           "tokens": full,
-           "logprobs": [r.prompt_logprobs + r.logprobs for r in rows] if logprobs else None}
-    return out
+    return {"text": [tok.detokenize(ids) for ids in full],
+            "segments": [[tok.detokenize([t]) for t in ids] for ids in full],
+            "tokens": full,
+            "logprobs": [r.prompt_logprobs + r.logprobs for r in rows] if logprobs else None}
 
 
 def beam_response(tok, beams) -> dict:
