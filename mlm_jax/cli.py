@@ -47,9 +47,9 @@ def cli(main: Callable[[Sequence[str] | None], int | None]) -> Callable[[Sequenc
     """Wrap an entry point so that every failure ends as `report` says."""
 
     @functools.wraps(main)
-    def wrapped(argv: Sequence[str] | None = None) -> int:
+    def wrapped(argv: Sequence[str] | None = None, **options) -> int:
         try:
-            return int(main(argv) or 0)
+            return int(main(argv, **options) or 0)
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure becomes one named line

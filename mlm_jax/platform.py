@@ -9,6 +9,7 @@ context (`sharding.trace`) while a step is traced; outside it the default device
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import importlib.util
 import os
 import sys
@@ -83,13 +84,44 @@ def _quiet_discovery() -> None:
 def quiet_cuda_plugin() -> None:
     """On a machine without an NVIDIA GPU, jax's CUDA plugin (installed for deviceless compiles,
     `.[gpu-compile]`) prints driver-not-found lines to stderr when jax is imported and when it
-    starts its backends; there they are noise, not news. On such a machine import jax now and
-    have it discover its plugins later, both with stderr silenced (the plugin still registers
-    where it can: `mlm_jax.plan` compiles with it). Where a GPU is, or no plugin is installed,
-    nothing changes and jax is not imported here."""
+    starts its backends; there they are noise, not news. On such a machine jax's import (whenever
+    it comes: `import mlm_jax` stays light, so a command's first line is not kept waiting on it)
+    and its later plugin discovery run with stderr silenced (the plugin still registers where it
+    can: `mlm_jax.plan` compiles with it). Where a GPU is, or no plugin is installed, nothing
+    changes."""
     if not _needs_quieting():
         return
-    if "jax" not in sys.modules:
+    if "jax" in sys.modules:
+        _quiet_discovery()
+    elif not any(isinstance(f, _QuietJaxImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietJaxImport())
+
+
+class _QuietJaxImport(importlib.abc.MetaPathFinder):
+    """Finds `jax` as the other finders do, and runs its module body with stderr silenced."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)  # once: the spec below comes from the usual finders
+        spec = importlib.util.find_spec("jax")
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):  # resources, source, is_package ...: the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
         with _stderr_silenced():
-            import jax  # noqa: F401
-    _quiet_discovery()
+            self.loader.exec_module(module)
+        _quiet_discovery()

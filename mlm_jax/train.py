@@ -26,6 +26,7 @@ from mlm_jax.batch_schedule import BatchSchedule, RunPlan, describe, for_layout,
 from mlm_jax.cli import cli
 from mlm_jax.config import Config
 from mlm_jax.errors import RunFailure, UsageError
+from mlm_jax.run_end import done_lines, end_of_run_sample
 from mlm_jax.validation import finalize, validate_checkpoint
 
 # Files that mark a run folder as holding a run: reusing it is an error unless resuming.
@@ -121,6 +122,9 @@ def prepare(cfg: Config, log) -> tuple[Config, Any, Any, str, bool, Callable]:
     from mlm_jax.distributed import broadcast_str, check_same_config, initialize
 
     initialize(cfg.distributed)  # joins the other processes (if any) before any device is touched
+    if jax.process_index() == 0:
+        log(f"> JAX {jax.__version__} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
+            "the tokenizer and the data next ...")
     cfg = absolute_paths(cfg)
     validate_checkpoint(cfg.checkpoint)  # the --load flags' own rules, before --load is read
     cfg, found = ckpt.resolve_load(cfg, log)  # --load: which checkpoint (model args from it)
@@ -191,6 +195,7 @@ def build_state(cfg: Config, pz, found, schedule: BatchSchedule, log):
     if found is not None:
         state, start = ckpt.restore_train_state(cfg, pz, found, log)
     else:
+        log("> compiling the parameter initialiser ...")
         state, start = pz.init(t.seed), ckpt.Start()
         log(f"> parameters initialised in {time.perf_counter() - t0:.1f} s")
     if start.consumed_samples % t.global_batch_size and not schedule.varies:
@@ -236,6 +241,7 @@ def build_throughput(cfg: Config, mesh, log):
     t = cfg.train
     peak, source = t.peak_flops, "given"
     if peak is None:
+        log("> measuring this device's matmul peak (the MFU denominator; --peak-flops-per-device to give it) ...")
         peak, source = device_peak(mesh, compute_dtype(cfg.model))
     log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({source} "
         f"{jnp.dtype(compute_dtype(cfg.model)).name} matmul peak)")
@@ -281,6 +287,7 @@ class Loop:
         self.last_train_loss: float | None = None
         self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
         self.compile_s: float | None = None
+        self.eval_compiled = False  # the first evaluation compiles its step: said before it starts
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
         self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
         self._new_window()
@@ -316,6 +323,9 @@ class Loop:
 
         if self.valid_loader is None:
             return None
+        if not self.eval_compiled:
+            self.log("> compiling the evaluation step ...")
+            self.eval_compiled = True
         total, count = 0.0, 0.0
         for _ in range(self.t.eval_iters):
             try:
@@ -357,6 +367,8 @@ class Loop:
         self.window_wait += wait
         self.inst.add("data_wait", wait)
         key = jax.random.fold_in(self.seed_key, iteration)
+        if self.compile_s is None:
+            self.log("> compiling the training step ...")
         with self.inst.step_annotation(iteration):
             self.state, metrics = self.pz.train_step(self.state, batch, key)
         if self.pending is not None:
@@ -464,6 +476,9 @@ class Loop:
         # evaluates on schedule.
         self.first_valid = self.evaluate(0) if self.start.iteration == 0 and self.t.eval_at_start else None
         self.last_valid = self.first_valid
+        if self.start.iteration >= self.t.train_iters:
+            self.log(f"> nothing to train: the checkpoint is at iteration {self.start.iteration}, at or past "
+                     f"--train-iters {self.t.train_iters} (give a larger --train-iters to train on); evaluating it")
         for iteration in range(self.start.iteration + 1, self.t.train_iters + 1):
             self.one_iteration(iteration, bar)
             if self.exit_reason:
@@ -471,35 +486,12 @@ class Loop:
         if self.pending is not None:
             self.check(*self.pending)
         if self.exit_reason is None:
-            self.last_valid = self.evaluate(self.t.train_iters)
+            self.last_valid = self.evaluate(self.iteration)
         self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
                           jax.random.key_data(self.seed_key))
 
 
 # --------------------------------------------------------------------------- the end
-
-
-def end_of_run_sample(cfg: Config, pz, params, data, log) -> dict | None:
-    """A greedy continuation of the start of a held-out sample (real context, not a made-up
-    string), from the model in its plain layer order (a pipeline stores its layers permuted).
-    Returns {"prompt_ids", "ids"} plus the texts when the tokenizer has any."""
-    import jax
-
-    from mlm_jax.generate import greedy
-
-    t = cfg.train
-    if t.sample_tokens <= 0 or data.valid is None:
-        return None
-    prompt = [int(i) for i in data.valid[0][: max(8, t.seq_length // 4)]]
-    ids = greedy(pz.graphdef, jax.jit(pz.plain)(params), prompt, t.sample_tokens, t.seq_length)
-    sample = {"prompt_ids": prompt, "ids": ids}
-    try:
-        sample.update(prompt=data.tokenizer.detokenize(prompt), continuation=data.tokenizer.detokenize(ids))
-    except Exception:  # no tokenizer, or one without text (NullTokenizer): the ids only
-        log(f"> greedy sample (token ids), prompt: {prompt}\n> continuation: {ids}")
-        return sample
-    log(f"> greedy sample, prompt:\n{sample['prompt']}\n> continuation:\n{sample['continuation']}")
-    return sample
 
 
 def close_all(*things) -> None:
@@ -555,9 +547,11 @@ def train(cfg: Config, log=print) -> dict:
         loop.run(bar)
     finally:
         close_all(inst, saver, bar, loader, valid_loader, logger)
-    sample = None if loop.exit_reason else end_of_run_sample(cfg, pz, loop.state["params"], data, log)
+    sample = (None if loop.exit_reason else
+              end_of_run_sample(cfg, pz, loop.state["params"], data, n_params, loop.iteration, log))
     summary = {"run_dir": run_dir, "first_valid_loss": loop.first_valid, "final_valid_loss": loop.last_valid,
-               "final_train_loss": loop.last_train_loss, "iterations": t.train_iters,
+               "final_train_loss": loop.last_train_loss, "iterations": max(t.train_iters, loop.iteration),
+               "trained_iterations": loop.iteration - start.iteration,
                "parameters": n_params, "sample": sample, "exit_reason": loop.exit_reason,
                "last_iteration": loop.iteration, "resumed_from": start.resumed_from,
                "checkpoints": saver.saved_paths}
@@ -568,9 +562,8 @@ def train(cfg: Config, log=print) -> dict:
         log(f"> stopped by Ctrl-C at iteration {loop.iteration}"
             + (f"; checkpoint saved to {saver.saved_paths[-1]}" if saver.saved_paths else ""))
         raise KeyboardInterrupt
-    losses = [v for v in (loop.first_valid, loop.last_valid) if v is not None]
-    valid = f"validation loss {' -> '.join(map(str, losses))}" if losses else "no validation"
-    log(f"> done: {valid}; run folder {run_dir}")
+    for line in done_lines(cfg, summary, data, time.time() - start_time):
+        log(line)
     return summary
 
 
@@ -603,11 +596,20 @@ def use_every_cpu_core() -> None:
 
 
 @cli
-def main(argv=None) -> int:
+def main(argv=None, command: bool = False) -> int:
     """The command: exit 0, 2 (usage), 1 (runtime failure) or 130 (Ctrl-C), one `error:` line
-    last (see mlm_jax.cli)."""
+    last (see mlm_jax.cli). `command`: this is the process's command (`python -m`), whose output
+    ends with its own error line, not Orbax's reports."""
     cfg = parse_args(argv)
     from mlm_jax import xla_flags
+    from mlm_jax.distributed import resolve
+
+    if resolve(cfg.distributed).process_id == 0:  # the first line within a second: JAX takes a few to import
+        print(f"> mlm_jax.train: {cfg.train.train_iters} iterations; starting JAX ...", flush=True)
+    if command:
+        from mlm_jax.checkpoint import silence_orbax  # imports Orbax and JAX: after the first line
+
+        silence_orbax()
 
     xla_flags.apply(cfg.parallel)  # --overlap-grad-reduce / --overlap-param-gather: before JAX starts
     use_every_cpu_core()
@@ -616,7 +618,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mlm_jax.checkpoint import exit_process, silence_orbax
+    code = main(command=True)
+    from mlm_jax.checkpoint import exit_process
 
-    silence_orbax()  # the command's output ends with its own error line, not Orbax's reports
-    exit_process(main())
+    exit_process(code)
