@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import os
 import sys
 from typing import Any, NoReturn, Sequence
@@ -21,6 +20,7 @@ import yaml
 
 from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                             InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from mlm_jax.flag_aliases import unknown_flag
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
             "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
@@ -325,11 +325,8 @@ class ArgumentParser(argparse.ArgumentParser):
         flag = next((e for e in extras if e.startswith("-") and not _is_number(e)), None)
         if flag is None:
             return f"unexpected value {extras[0]!r}: every value follows its flag (see --help)"
-        name = flag.split("=", 1)[0]
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else " (see --help for the flags)"
-        return f"unknown flag {name}{hint}"
+        return unknown_flag(flag.split("=", 1)[0], known)
 
 
 def _pattern_value(node):
