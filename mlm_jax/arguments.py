@@ -400,7 +400,10 @@ def _yaml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+        raise ConfigError(f"--config {path}: {yaml_problem(e)}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not a text file (byte {e.start} is not {e.encoding}); "
+                          "give a YAML file of flag: value") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag: value, got {type(raw).__name__}")
     known = {a.dest: a for a in parser._actions if a.option_strings}
@@ -411,6 +414,20 @@ def _yaml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
         values[dest] = _yaml_value(path, key, value, known[dest])
     return values
+
+
+def yaml_problem(e: "yaml.YAMLError") -> str:
+    """One line for a YAML syntax error: 'line N, column M: problem (context at line K, ...)'
+    from its marks (1-based, as editors count), instead of PyYAML's four-line text."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return "not valid YAML (" + " ".join(str(e).split()) + ")"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    where = f" ({context} started at {at(context_mark)})" if context and context_mark else ""
+    return f"not valid YAML: {at(mark)}: {problem}{where}"
 
 
 def _yaml_value(path: str, key, value, action: argparse.Action):
