@@ -459,6 +459,9 @@ def validate_moe(cfg: Config, world_size: int) -> None:
     """Mixture-of-experts rules: experts over the expert-parallel ranks, top-k, the layer pattern."""
     m, p = cfg.model, cfg.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if m.num_experts is not None and m.num_experts < 0:
+        raise ConfigError(f"--num-experts must be a positive number, got {m.num_experts} (leave it out for a "
+                          "dense model)")
     dp = data_parallel_size(p, world_size)
     if dp % ep:
         raise ConfigError(

@@ -17,6 +17,7 @@ Mirrors Megatron-LM's `BlendedMegatronDatasetBuilder`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from mlm_jax.data.blended import MID_LEVEL_SURPLUS, BlendedDataset, normalize, sizes_per_dataset
@@ -66,8 +67,8 @@ def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
                 break
         if weights is not None:
             prefixes = [p.strip() for p in paths[1::2]]
-            if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise DatasetError(f"data path weights {weights} must be non-negative and not all zero")
+            if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+                raise DatasetError(f"data path weights {weights} must be finite, non-negative and not all zero")
             return prefixes, weights
     for p in paths:
         try:
