@@ -1,9 +1,9 @@
 """Megatron-LM's flag names -> the typed config, in one table.
 
-An unknown flag is an error naming it (and the closest known flag), a bad value one line
-naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag we accept but
-cannot serve yet an error from config validation naming it, and `--config FILE.yaml` supplies
-defaults (flag names as keys, values typed exactly as on the command line) that flags on the
+An unknown flag is an error naming it (and what it likely meant: mlm_jax/flag_aliases.py), a
+bad value one line naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag
+we accept but cannot serve yet an error from config validation naming it, and `--config
+FILE.yaml` supplies defaults (flag names as keys, values typed exactly as on the command line) that flags on the
 command line override.
 """
 
@@ -117,7 +117,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
     ("--adam-beta2", "optim", "adam_beta2", "float", "Adam beta2"),
     ("--adam-eps", "optim", "adam_eps", "float", "Adam epsilon"),
-    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step"),
+    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step, 3 in a row stop the run"),
     ("--initial-loss-scale", "optim", "initial_loss_scale", "float", "dynamic loss scaling: the starting scale (2**32)"),
     ("--min-loss-scale", "optim", "min_loss_scale", "float", "dynamic loss scaling: the scale never halves below this (1.0)"),
     ("--loss-scale-window", "optim", "loss_scale_window", "int", "dynamic loss scaling: clean steps before the scale doubles (1000)"),
