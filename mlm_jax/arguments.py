@@ -3,8 +3,8 @@
 An unknown flag is an error naming it (and what it likely meant: mlm_jax/flag_aliases.py), a
 bad value one line naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag
 we accept but cannot serve yet an error from config validation naming it, and `--config
-FILE.yaml` supplies defaults (flag names as keys, values typed exactly as on the command line) that flags on the
-command line override.
+FILE.yaml` supplies defaults (flag names as keys, values typed exactly as on the command line)
+that flags on the command line override.
 """
 
 from __future__ import annotations
