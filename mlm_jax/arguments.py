@@ -1,10 +1,10 @@
 """Megatron-LM's flag names -> the typed config, in one table.
 
-An unknown flag is an error naming it (and the closest known flag), a bad value one line
-naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag we accept but
-cannot serve yet an error from config validation naming it, and `--config FILE.yaml` supplies
-defaults (flag names as keys, values typed exactly as on the command line) that flags on the
-command line override.
+An unknown flag is an error naming it (and what it likely meant: mlm_jax/flag_aliases.py), a
+bad value one line naming the flag (`ArgumentParser`, which every mlm_jax command uses), a flag
+we accept but cannot serve yet an error from config validation naming it, and `--config
+FILE.yaml` supplies defaults (flag names as keys, values typed exactly as on the command line)
+that flags on the command line override.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import os
 import sys
 from typing import Any, NoReturn, Sequence
@@ -21,6 +20,7 @@ import yaml
 
 from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                             InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from mlm_jax.flag_aliases import unknown_flag
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
             "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
@@ -117,7 +117,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--adam-beta1", "optim", "adam_beta1", "float", "Adam beta1"),
     ("--adam-beta2", "optim", "adam_beta2", "float", "Adam beta2"),
     ("--adam-eps", "optim", "adam_eps", "float", "Adam epsilon"),
-    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step"),
+    ("--loss-scale", "optim", "loss_scale", "float", "static loss scale (default: dynamic under --fp16); an overflow skips the step, 3 in a row stop the run"),
     ("--initial-loss-scale", "optim", "initial_loss_scale", "float", "dynamic loss scaling: the starting scale (2**32)"),
     ("--min-loss-scale", "optim", "min_loss_scale", "float", "dynamic loss scaling: the scale never halves below this (1.0)"),
     ("--loss-scale-window", "optim", "loss_scale_window", "int", "dynamic loss scaling: clean steps before the scale doubles (1000)"),
@@ -325,11 +325,8 @@ class ArgumentParser(argparse.ArgumentParser):
         flag = next((e for e in extras if e.startswith("-") and not _is_number(e)), None)
         if flag is None:
             return f"unexpected value {extras[0]!r}: every value follows its flag (see --help)"
-        name = flag.split("=", 1)[0]
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else " (see --help for the flags)"
-        return f"unknown flag {name}{hint}"
+        return unknown_flag(flag.split("=", 1)[0], known)
 
 
 def _pattern_value(node):
@@ -403,7 +400,10 @@ def _yaml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+        raise ConfigError(f"--config {path}: {yaml_problem(e)}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not a text file (byte {e.start} is not {e.encoding}); "
+                          "give a YAML file of flag: value") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag: value, got {type(raw).__name__}")
     known = {a.dest: a for a in parser._actions if a.option_strings}
@@ -414,6 +414,20 @@ def _yaml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
         values[dest] = _yaml_value(path, key, value, known[dest])
     return values
+
+
+def yaml_problem(e: "yaml.YAMLError") -> str:
+    """One line for a YAML syntax error: 'line N, column M: problem (context at line K, ...)'
+    from its marks (1-based, as editors count), instead of PyYAML's four-line text."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return "not valid YAML (" + " ".join(str(e).split()) + ")"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    where = f" ({context} started at {at(context_mark)})" if context and context_mark else ""
+    return f"not valid YAML: {at(mark)}: {problem}{where}"
 
 
 def _yaml_value(path: str, key, value, action: argparse.Action):

@@ -34,6 +34,7 @@ minutes while the others sit in a collective. Once joined, the processes watch e
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -90,8 +91,8 @@ def _seconds(flag: str, value: float | None, env_name: str, default: float, env:
             value = float(env.get(env_name, default))
         except ValueError:
             raise ConfigError(f"{env_name}={env[env_name]!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ConfigError(f"{flag} must be positive (seconds), got {value:g}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a finite number > 0 (seconds), got {value:g}")
     return value
 
 

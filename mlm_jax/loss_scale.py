@@ -8,7 +8,8 @@ train state stays as it was, only the scaler moves (`keep_on_overflow`).
 
 The rules (megatron/core/optimizer/grad_scaler.py):
 
-  static (--loss-scale S)  the scale is S, always; an overflow still skips the step.
+  static (--loss-scale S)  the scale is S, always; an overflow still skips the step (and 3 in a
+               row stop the run, naming the flag: a static scale never backs off; mlm_jax/train.py).
   dynamic (the default with --fp16), from --initial-loss-scale (2**32):
     overflow   growth tracker := 0; hysteresis tracker -= 1; if the hysteresis tracker is
                <= 0, scale := max(scale / 2, --min-loss-scale). The tracker is *not* reset by
@@ -92,13 +93,18 @@ def token_weight(batch: dict, loss_scale=None):
 
 
 def unscale(loss, grads, scale):
-    """(loss, grads, found_inf) from the scaled loss and its gradients: both multiplied by
-    1/scale in fp32 (Megatron's inv_scale), found_inf when any gradient element is inf or NaN
-    (over every shard: the reduction is global under jit)."""
-    inv = (1.0 / scale).astype(jnp.float32)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads)
+    """(loss, grads, found_inf) from the scaled loss and its gradients: both divided by the
+    scale in fp32, found_inf when any gradient element is inf or NaN (over every shard: the
+    reduction is global under jit).
+
+    Divided, not multiplied by Megatron's inv_scale = 1/scale: for the power-of-two scales the
+    scaler makes the two are bitwise the same, but above 2**126 the inverse is subnormal and
+    XLA flushes it to zero, which made an overflowed loss inf x 0 = NaN (a NaN stop, not a
+    skipped step) and every finite gradient 0."""
+    scale = jnp.asarray(scale, jnp.float32)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
     finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    return loss * inv, grads, jnp.logical_not(finite)
+    return loss / scale, grads, jnp.logical_not(finite)
 
 
 def keep_on_overflow(new: dict, old: dict, found_inf) -> dict:

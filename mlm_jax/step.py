@@ -213,9 +213,13 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
 def skip_on_overflow(scaler: ls.Scaler, old: dict, new: dict, metrics: dict, found_inf):
     """The state and metrics of a loss-scaled step: `old` (but the scaler) on an overflow; the
     scaler after this step's update ("loss_scale", as Megatron logs it) and the skip in the
-    metrics. An overflow is no NaN stop: "finite" looks at the loss only."""
+    metrics. An overflow is no NaN stop: "finite" looks at the loss only, and a loss that the
+    scale itself overflowed (+inf: a sum of non-negative token losses times the scale) with
+    overflowed gradients is a skipped step too (Megatron scales only the backward, so its
+    logged loss stays finite there); a NaN loss still stops the run."""
     new = ls.keep_on_overflow({**old, **new}, old, found_inf)
     new[ls.KEY] = scaler.update(old[ls.KEY], found_inf)
-    metrics = {**metrics, "finite": jnp.isfinite(metrics["lm_loss"]),
+    loss = metrics["lm_loss"]
+    metrics = {**metrics, "finite": jnp.isfinite(loss) | (found_inf & jnp.isposinf(loss)),
                "loss_scale": new[ls.KEY]["scale"], "skipped": found_inf.astype(jnp.int32)}
     return new, metrics

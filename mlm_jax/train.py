@@ -25,12 +25,16 @@ from mlm_jax.batch_layout import BatchLayout, batch_layout
 from mlm_jax.batch_schedule import BatchSchedule, RunPlan, describe, for_layout, train_sample_count
 from mlm_jax.cli import cli
 from mlm_jax.config import Config
-from mlm_jax.errors import RunFailure, UsageError
+from mlm_jax.errors import ConfigError, RunFailure, UsageError
 from mlm_jax.run_end import done_lines, end_of_run_sample
 from mlm_jax.validation import finalize, validate_checkpoint
 
 # Files that mark a run folder as holding a run: reusing it is an error unless resuming.
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")
+
+
+# Overflowed (skipped) steps in a row after which a static --loss-scale stops the run.
+STATIC_SKIP_LIMIT = 3
 
 
 class TrainingStopped(RunFailure):
@@ -290,6 +294,7 @@ class Loop:
         self.eval_compiled = False  # the first evaluation compiles its step: said before it starts
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
         self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
+        self.skips_in_a_row = 0  # loss scaling: overflowed iterations since the last clean one
         self._new_window()
 
     def _new_window(self) -> None:
@@ -345,8 +350,22 @@ class Loop:
     def count_skip(self, iteration: int, metrics) -> None:
         """Add iteration `iteration`'s skip (a loss-scale overflow) to the window, once."""
         if "skipped" in metrics and iteration > self.skips_counted:
-            self.window_skipped += int(metrics["skipped"])
+            skipped = int(metrics["skipped"])
+            self.window_skipped += skipped
             self.skips_counted = iteration
+            self.skips_in_a_row = self.skips_in_a_row + 1 if skipped else 0
+            self.check_static_scale(iteration)
+
+    def check_static_scale(self, iteration: int) -> None:
+        """A static --loss-scale never backs off: overflowing STATIC_SKIP_LIMIT steps in a row
+        (or every step of a shorter run) it would skip every step to the end, training nothing."""
+        scale = self.cfg.optim.loss_scale
+        limit = min(STATIC_SKIP_LIMIT, self.t.train_iters - self.start.iteration)
+        if scale is not None and self.skips_in_a_row >= limit:
+            raise ConfigError(
+                f"--loss-scale {scale:g}: the scaled gradients overflowed {self.skips_in_a_row} steps in a row "
+                f"(iterations {iteration - self.skips_in_a_row + 1}..{iteration} skipped); give a "
+                "smaller --loss-scale, or leave it out for dynamic loss scaling")
 
     def check(self, iteration: int, metrics) -> None:
         if self.t.check_for_nan_in_loss_and_grad and not bool(metrics["finite"]):

@@ -27,6 +27,7 @@ def finalize(cfg: Config, world_size: int) -> Config:
     """Fill derived fields (padded vocab, global batch, the iterations of --train-samples) and
     validate against the device count. The true vocab size (the tokenizer's) must be known
     first: a run finalizes its config once (mlm_jax/train.py `prepare`)."""
+    validate_divisors(cfg)  # the sizes this function divides by, before it divides
     dp = data_parallel_size(cfg.parallel, world_size)
     model = dataclasses.replace(
         cfg.model,
@@ -72,11 +73,30 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
+    validate_finite(cfg)
+
+
+def validate_divisors(cfg: Config) -> None:
+    """The sizes `finalize` divides by (the padded vocab, the data-parallel size, the batch
+    schedule): positive, or a division by zero would speak instead of the flag."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name, value in [
+        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+        ("--micro-batch-size", t.micro_batch_size),
+    ]:
+        _positive(name, value)
+    if t.global_batch_size is not None:  # None: micro batch x data parallel (finalize)
+        _positive("--global-batch-size", t.global_batch_size)
 
 
 def validate_sizes(cfg: Config) -> None:
     """The sizes and counts that must be positive before any other rule can be computed."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, t = cfg.model, cfg.train
+    validate_divisors(cfg)
     for name, value in [
         ("--num-layers", m.num_layers),
         ("--hidden-size", m.hidden_size),
@@ -84,14 +104,8 @@ def validate_sizes(cfg: Config) -> None:
         ("--vocab-size", m.vocab_size),
         ("--seq-length", t.seq_length),
         ("--max-position-embeddings", m.max_position_embeddings),
-        ("--micro-batch-size", t.micro_batch_size),
         ("--train-iters", t.train_iters),
         ("--log-interval", t.log_interval),
-        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-        ("--context-parallel-size", p.context_parallel_size),
-        ("--expert-model-parallel-size", p.expert_model_parallel_size),
-        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
         ("--ffn-hidden-size", m.ffn_size),
         ("--eval-interval", t.eval_interval),
     ]:
@@ -257,7 +271,8 @@ def validate_loss_scaling(cfg: Config) -> None:
     if m.fp16 and m.bf16:
         raise ConfigError("--fp16 and --bf16 exclude each other (as in Megatron-LM): choose one")
     if o.loss_scale is not None and not (math.isfinite(o.loss_scale) and o.loss_scale > 0):
-        raise ConfigError(f"--loss-scale must be a positive number, got {o.loss_scale} "
+        raise ConfigError(f"--loss-scale must be a {'finite ' if not math.isfinite(o.loss_scale) else ''}"
+                          f"positive number, got {o.loss_scale} "
                           "(leave it out for dynamic loss scaling)")
     for flag, value in (("--initial-loss-scale", o.initial_loss_scale), ("--min-loss-scale", o.min_loss_scale),
                         ("--loss-scale-window", o.loss_scale_window), ("--hysteresis", o.hysteresis)):
@@ -367,7 +382,23 @@ def _bounded(flag: str, value, rule: str) -> None:
         return
     ok = math.isfinite(value) and (value > 0 if rule == "> 0" else value >= 0)
     if not ok:
-        raise ConfigError(f"{flag} must be {rule}, got {value}")
+        raise ConfigError(f"{flag} must be {_finite(value)}{rule}, got {value}")
+
+
+def _finite(value) -> str:
+    """'a finite number ' where `value` is NaN or an infinity (the rule then says so first)."""
+    return "" if math.isfinite(value) else "a finite number "
+
+
+def validate_finite(cfg: Config) -> None:
+    """NaN and infinities of the float flags no rule above bounds (a loss coefficient, a
+    timeout, a factor): never a meaningful value, refused naming the flag."""
+    from mlm_jax.arguments import FLAGS  # the flag of each field (arguments imports no validation)
+
+    for flag, section, field, kind, _ in FLAGS:
+        value = getattr(getattr(cfg, section), field)
+        if kind == "float" and value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
 
 
 def validate_numbers(cfg: Config) -> None:
@@ -428,6 +459,9 @@ def validate_moe(cfg: Config, world_size: int) -> None:
     """Mixture-of-experts rules: experts over the expert-parallel ranks, top-k, the layer pattern."""
     m, p = cfg.model, cfg.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if m.num_experts is not None and m.num_experts < 0:
+        raise ConfigError(f"--num-experts must be a positive number, got {m.num_experts} (leave it out for a "
+                          "dense model)")
     dp = data_parallel_size(p, world_size)
     if dp % ep:
         raise ConfigError(

@@ -167,8 +167,8 @@ def test_negative_numbers_are_values_and_refused_by_rule():
 
 @pytest.mark.parametrize("argv, message", [
     (["--min-lr", "-1e-5"], "--min-lr must be >= 0, got -1e-05"),
-    (["--lr", "nan"], "--lr must be >= 0, got nan"),
-    (["--lr", "inf", "--min-lr", "0"], "--lr must be >= 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--lr", "inf", "--min-lr", "0"], "--lr must be a finite number >= 0, got inf"),
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
     (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
     (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0"),

@@ -17,6 +17,7 @@ Mirrors Megatron-LM's `BlendedMegatronDatasetBuilder`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from mlm_jax.data.blended import MID_LEVEL_SURPLUS, BlendedDataset, normalize, sizes_per_dataset
@@ -29,6 +30,7 @@ from mlm_jax.data.gpt_dataset import (
     split_matrix,
 )
 from mlm_jax.data.tokenizers import NullTokenizer, build_tokenizer
+from mlm_jax.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -65,8 +67,8 @@ def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
                 break
         if weights is not None:
             prefixes = [p.strip() for p in paths[1::2]]
-            if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise DatasetError(f"data path weights {weights} must be non-negative and not all zero")
+            if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+                raise DatasetError(f"data path weights {weights} must be finite, non-negative and not all zero")
             return prefixes, weights
     for p in paths:
         try:
@@ -119,6 +121,13 @@ def _vocab_rule(tokenizer):
 
 
 def _check_paths(data_cfg) -> None:
+    paths = {"--data-path": data_cfg.data_path, "--train-data-path": data_cfg.train_data_path,
+             "--valid-data-path": data_cfg.valid_data_path, "--test-data-path": data_cfg.test_data_path}
+    given = [flag for flag, value in paths.items() if value]
+    if data_cfg.mock_data and given:
+        # Megatron lets --mock-data win and never reads the path; here that silence is refused.
+        raise ConfigError(f"--mock-data with {given[0]}: give one; --mock-data trains on synthetic tokens and "
+                          f"would ignore {given[0]} (drop --mock-data to train on the data, or drop {given[0]})")
     if data_cfg.data_path and (data_cfg.train_data_path or data_cfg.valid_data_path or data_cfg.test_data_path):
         raise DatasetError("--data-path cannot be combined with --train/valid/test-data-path")
 

@@ -275,7 +275,9 @@ def _virtual_stage_count(
         V = virtual_stages
     if layers_per_virtual_stage is not None:
         n = layers_per_virtual_stage
-        if n < 1 or num_layers % (P * n):
+        if n < 1:
+            raise PipelinePlanError(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {n}")
+        if num_layers % (P * n):
             raise PipelinePlanError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {P} "
                 f"x --num-layers-per-virtual-pipeline-stage {n} = {P * n}"
