@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -485,7 +484,7 @@ def end_of_run_sample(cfg: Config, pz, params, data, log) -> dict | None:
     Returns {"prompt_ids", "ids"} plus the texts when the tokenizer has any."""
     import jax
 
-    from mlm_jax.generate import greedy
+    from mlm_jax.generate import greedy, sample_text
 
     t = cfg.train
     if t.sample_tokens <= 0 or data.valid is None:
@@ -496,9 +495,9 @@ def end_of_run_sample(cfg: Config, pz, params, data, log) -> dict | None:
     try:
         sample.update(prompt=data.tokenizer.detokenize(prompt), continuation=data.tokenizer.detokenize(ids))
     except Exception:  # no tokenizer, or one without text (NullTokenizer): the ids only
-        log(f"> greedy sample (token ids), prompt: {prompt}\n> continuation: {ids}")
+        log(sample_text(str(prompt), str(ids), title="greedy sample (token ids), "))
         return sample
-    log(f"> greedy sample, prompt:\n{sample['prompt']}\n> continuation:\n{sample['continuation']}")
+    log(sample_text(sample["prompt"], sample["continuation"], title="greedy sample, "))
     return sample
 
 
@@ -578,28 +577,11 @@ def train(cfg: Config, log=print) -> dict:
 
 
 def use_every_cpu_core() -> None:
-    """One XLA CPU device per core, unless the user chose: a single CPU device runs on about one
-    core, so the default run would otherwise leave the rest idle. `MLM_JAX_CPU_DEVICES=N` asks
-    for N devices (XLA_FLAGS' --xla_force_host_platform_device_count wins when both are set).
-    With several, XLA:CPU's thread pool is sized for their collectives
-    (`xla_flags.cpu_collective_threads`). GPUs are unaffected."""
-    import jax
-
+    """One XLA CPU device per core unless MLM_JAX_CPU_DEVICES or XLA_FLAGS says otherwise
+    (`xla_flags.use_cpu_devices`)."""
     from mlm_jax import xla_flags
 
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    asked = os.environ.get("MLM_JAX_CPU_DEVICES")
-    count = max(1, os.cpu_count() or 1)
-    if forced:
-        count = int(forced.group(1))
-    elif asked is not None:
-        if not asked.strip().isdigit() or int(asked) < 1:
-            raise UsageError(f"MLM_JAX_CPU_DEVICES={asked!r}: must be a whole number of CPU devices, 1 or more")
-        count = int(asked)
-    if not xla_flags.gpu_run():
-        xla_flags.cpu_collective_threads(count)
-    if not forced:
-        jax.config.update("jax_num_cpu_devices", count)
+    xla_flags.use_cpu_devices(every_core=True)
 
 
 @cli
