@@ -157,6 +157,16 @@ def test_checkpoint_tools_save_folder_checked_first(work, command, source, capsy
     assert_named_error(2, capsys.readouterr().err, 2, f"--save {path}")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_preprocess_output_prefix_checked_with_a_real_write(work, kind):
+    tmp, _, _, _ = work
+    (tmp / "in.jsonl").write_text('{"text": "1 2 3"}\n')
+    prefix = unwritable(tmp, "out", kind)
+    rc, out = cmd(["--input", tmp / "in.jsonl", "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                   "--vocab-size", "100", "--no-progress"], tmp, module="mlm_jax.data.preprocess")
+    assert_named_error(rc, out, 2, f"--output-prefix {prefix}")
+
+
 # --------------------------------------------------------------------------- 4. MLM_JAX_CPU_DEVICES
 
 
