@@ -27,6 +27,7 @@ Results print as Megatron's line and go to --output-json (default: beside nothin
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import re
@@ -123,17 +124,33 @@ def lambada_windows(samples, seq_length: int, pad: int):
     return rows, mask
 
 
+_FORMATS = {"LAMBADA": "a LAMBADA .jsonl file (one JSON object with a \"text\" per line)",
+            "WIKITEXT103": "a WikiText-103 test text file (wiki.test.tokens)"}
+
+
+def read_text(path: str, task: str) -> str:
+    """The file's text; a UsageError naming --valid-data and the format `task` reads when it is
+    not UTF-8 text (e.g. a .bin given to a text task)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--valid-data {path}: not UTF-8 text (byte {e.start}: {e.reason}); --task {task} "
+                         f"reads {_FORMATS[task]}") from None
+
+
 def read_lambada(path: str, tokenizer, strict: bool):
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"--valid-data {path} line {n}: not a JSON object with a \"text\" ({e})") from e
-            samples.append(lambada_sample(text, tokenizer, strict))
+    # StringIO splits lines as a file opened in text mode does (not str.splitlines' extra breaks)
+    for n, line in enumerate(io.StringIO(read_text(path, "LAMBADA"), newline=None), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--valid-data {path} line {n}: not a JSON object with a \"text\" ({e})") from e
+        samples.append(lambada_sample(text, tokenizer, strict))
     if not samples:
         raise UsageError(f"--valid-data {path}: no samples")
     return samples
@@ -141,18 +158,22 @@ def read_lambada(path: str, tokenizer, strict: bool):
 
 def read_wikitext(path: str, tokenizer) -> tuple[list[int], int]:
     """(tokens of the detokenized text, the word count Megatron's token ratio divides by)."""
-    with open(path, "rb") as f:
-        text = f.read().decode("utf-8")
+    text = read_text(path, "WIKITEXT103")
     words = len(text.strip().split(" "))
     return list(tokenizer.tokenize(wikitext_detokenize(text))), words
 
 
-def read_indexed(prefix: str) -> list[int]:
+def read_indexed(prefix: str, vocab_size: int, load: str) -> list[int]:
+    """The dataset's tokens, its ids checked against the model's vocab first (training's check,
+    `vocab_check.check_token_ids`: one scan per .bin, cached)."""
+    from mlm_jax.data.gpt_dataset import index_cache_dir
     from mlm_jax.data.indexed_dataset import IndexedDataset, exists
+    from mlm_jax.data.vocab_check import check_token_ids
 
     if not exists(prefix):
         raise UsageError(f"--valid-data {prefix}: no {prefix}.bin/.idx indexed dataset")
     ds = IndexedDataset(prefix)
+    check_token_ids(ds, vocab_size, index_cache_dir(prefix, None), f"the vocab of --load {load}")
     return [int(t) for i in range(len(ds)) for t in ds[i]]
 
 
@@ -224,7 +245,7 @@ def evaluate(model, task: str, path: str, seq_length: int, micro_batch: int, ove
     if task == "WIKITEXT103":
         tokens, words = read_wikitext(path, tok)
     else:
-        tokens, words = read_indexed(path), None
+        tokens, words = read_indexed(path, model.config.vocab_size, model.path), None
         overlap = seq_length
     if len(tokens) < 2:
         raise UsageError(f"--valid-data {path}: fewer than 2 tokens")
@@ -253,6 +274,8 @@ def result_line(r: dict) -> str:
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
     from mlm_jax.generate import add_model_args, load_model
+    from mlm_jax.paths import writable_file
+    from mlm_jax.xla_flags import use_cpu_devices
 
     p = argparse.ArgumentParser(prog="python -m mlm_jax.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, choices=TASKS)
@@ -264,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-json", default=None, help="write the results here")
     add_model_args(p)
     args = p.parse_args(argv)
+    use_cpu_devices()
     if args.seq_length < 1:
         raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")
     if args.micro_batch_size < 1:
@@ -273,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"got {args.overlapping_eval}")
     if args.task != "VALID" and not _is_file(args.valid_data):
         raise UsageError(f"--valid-data {args.valid_data}: no such file")
+    if args.output_json:  # before the model loads, not after the whole evaluation
+        writable_file(args.output_json, "--output-json")
     model = load_model(args)
     m = model.config
     if m.position_embedding_type == "learned_absolute" and args.seq_length > m.max_position_embeddings:

@@ -35,7 +35,9 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax.cli import cli
+from mlm_jax.data.vocab_check import prompt_outside_vocab
 from mlm_jax.errors import UsageError
+from mlm_jax.xla_flags import use_cpu_devices
 
 MIN_PROMPT_BUCKET = 8
 
@@ -175,8 +177,9 @@ class Decoder:
         for i, (p, n) in enumerate(zip(prompts, new_tokens)):
             if len(p) == 0:
                 raise UsageError(f"prompt {i} is empty: give at least one token (e.g. a BOS token)")
-            if min(p) < 0 or max(p) >= self.vocab:
-                raise UsageError(f"prompt {i}: token ids must be in [0, {self.vocab})")
+            problem = prompt_outside_vocab(p, self.vocab)
+            if problem is not None:
+                raise UsageError(f"prompt {i}: {problem}")
             if n < 0:
                 raise UsageError(f"max_new_tokens must be >= 0, got {n}")
             if self.max_positions is not None and len(p) + n > self.max_positions:
@@ -275,6 +278,14 @@ def greedy_uncached(forward, prompt: list[int], new_tokens: int, window: int) ->
     return tokens[len(prompt):]
 
 
+def sample_text(prompt: str, continuation: str, number: int | None = None, title: str = "") -> str:
+    """How a prompt and its continuation print, train's end-of-run sample and generate's outputs
+    alike: a `> {title}prompt[ n]:` line, the prompt below it, a `> continuation[ n]:` line,
+    the continuation below it."""
+    n = "" if number is None else f" {number}"
+    return f"> {title}prompt{n}:\n{prompt}\n> continuation{n}:\n{continuation}"
+
+
 # ------------------------------------------------------------------------------ the CLI
 
 
@@ -343,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--logprobs", action="store_true", help="print each new token's log-prob")
     add_sampling_args(p)
     args = p.parse_args(argv)
+    use_cpu_devices()
     check_sampling(args.temperature, args.top_k, args.top_p, args.tokens_to_generate)
     if not args.prompt and not args.prompt_ids:
         raise UsageError("give --prompt TEXT or --prompt-ids 'ID ID ...'")
@@ -354,11 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt and m.tokenizer is None:
         raise UsageError(f"--prompt: {args.load} carries no tokenizer; give --tokenizer-type "
                          f"(and its files) or --prompt-ids")
+    for given, row in zip(args.prompt_ids, ids):
+        problem = prompt_outside_vocab(row, m.config.vocab_size)
+        if problem is not None:
+            raise UsageError(f"--prompt-ids {given!r}: {problem}")
     outs = m.generate(list(args.prompt) + ids, max_new_tokens=args.tokens_to_generate,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, logprobs=args.logprobs)
-    for out in outs:
-        print(out.text if out.text is not None else " ".join(map(str, out.tokens)))
+    prompts = list(args.prompt) + [" ".join(map(str, row)) for row in ids]
+    for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
+        print(sample_text(prompt, out.text if out.text is not None else " ".join(map(str, out.tokens)), i))
         if args.logprobs:
             print("logprobs: " + " ".join(f"{x:.4f}" for x in out.logprobs))
     return 0

@@ -20,27 +20,30 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
-def writable_dir(path: str, flag: str) -> str:
-    """The absolute folder `path`, proven creatable and writable; else a UsageError.
+def writable_dir(path: str, flag: str, shown: str | None = None) -> str:
+    """The absolute folder `path`, proven creatable and writable; else a UsageError naming
+    `flag` and `shown` (default `path`; `writable_file`: the file the folder is for).
 
     Nothing is created: a folder that does not exist yet is checked through its nearest
     existing ancestor, so a run that stops at a later check leaves no trace on disk."""
     full = os.path.abspath(path)
+    what = path if shown is None else shown
     if os.path.exists(full) and not os.path.isdir(full):
-        raise UsageError(f"{flag} {path}: exists and is a file, not a folder")
+        raise UsageError(f"{flag} {what}: exists and is a file, not a folder")
     existing = full
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise UsageError(f"{flag} {path}: cannot create the folder: {existing} is a file, not a folder")
+        raise UsageError(f"{flag} {what}: cannot create the folder: {existing} is a file, not a folder")
     probe = os.path.join(existing, f".mlm_jax-write-test-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as e:
-        what = "the folder is not writable" if existing == full else f"cannot create it in {existing}"
-        raise UsageError(f"{flag} {path}: {what} ({_reason(e)})") from e
+        folder = "the folder" if shown is None else f"its folder {existing}"
+        why = f"{folder} is not writable" if existing == full else f"cannot create it in {existing}"
+        raise UsageError(f"{flag} {what}: {why} ({_reason(e)})") from e
     return full
 
 
@@ -52,7 +55,7 @@ def writable_file(path: str, flag: str) -> str:
     parent = os.path.dirname(full)
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise UsageError(f"{flag} {path}: cannot create the file: {parent} is a file, not a folder")
-    writable_dir(parent, flag)
+    writable_dir(parent, flag, path)
     if os.path.exists(full):
         try:
             with open(full, "a"):

@@ -43,7 +43,7 @@ def end_of_run_sample(cfg: Config, pz, params, data, n_params: int, iteration: i
     Returns {"prompt_ids", "ids"} plus the texts when the tokenizer has any."""
     import jax
 
-    from mlm_jax.generate import greedy
+    from mlm_jax.generate import greedy, sample_text
 
     t = cfg.train
     if t.sample_tokens <= 0 or data.valid is None:
@@ -57,9 +57,9 @@ def end_of_run_sample(cfg: Config, pz, params, data, n_params: int, iteration: i
     try:
         sample.update(prompt=data.tokenizer.detokenize(prompt), continuation=data.tokenizer.detokenize(ids))
     except Exception:  # no tokenizer, or one without text (NullTokenizer): the ids only
-        log(f"{what}, as token ids:\n> prompt: {prompt}\n> continuation: {ids}")
+        log(f"{what}, as token ids:\n{sample_text(str(prompt), str(ids))}")
         return sample
-    log(f"{what}:\n> prompt:\n{sample['prompt']}\n> continuation:\n{sample['continuation']}")
+    log(f"{what}:\n{sample_text(sample['prompt'], sample['continuation'])}")
     return sample
 
 

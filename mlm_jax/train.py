@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -590,28 +589,11 @@ def train(cfg: Config, log=print) -> dict:
 
 
 def use_every_cpu_core() -> None:
-    """One XLA CPU device per core, unless the user chose: a single CPU device runs on about one
-    core, so the default run would otherwise leave the rest idle. `MLM_JAX_CPU_DEVICES=N` asks
-    for N devices (XLA_FLAGS' --xla_force_host_platform_device_count wins when both are set).
-    With several, XLA:CPU's thread pool is sized for their collectives
-    (`xla_flags.cpu_collective_threads`). GPUs are unaffected."""
-    import jax
-
+    """One XLA CPU device per core unless MLM_JAX_CPU_DEVICES or XLA_FLAGS says otherwise
+    (`xla_flags.use_cpu_devices`)."""
     from mlm_jax import xla_flags
 
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    asked = os.environ.get("MLM_JAX_CPU_DEVICES")
-    count = max(1, os.cpu_count() or 1)
-    if forced:
-        count = int(forced.group(1))
-    elif asked is not None:
-        if not asked.strip().isdigit() or int(asked) < 1:
-            raise UsageError(f"MLM_JAX_CPU_DEVICES={asked!r}: must be a whole number of CPU devices, 1 or more")
-        count = int(asked)
-    if not xla_flags.gpu_run():
-        xla_flags.cpu_collective_threads(count)
-    if not forced:
-        jax.config.update("jax_num_cpu_devices", count)
+    xla_flags.use_cpu_devices(every_core=True)
 
 
 @cli

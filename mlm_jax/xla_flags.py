@@ -27,15 +27,18 @@ XLA reads XLA_FLAGS once, when its backend starts, so `apply` runs before any JA
 the user already set in XLA_FLAGS, to any value, is left alone; an unknown flag would abort
 XLA, so every flag here is checked against the installed XLA by a test.
 
-The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`).
+The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`), and the number
+of CPU devices every command runs on (`use_cpu_devices`, MLM_JAX_CPU_DEVICES).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 from mlm_jax.config import ParallelConfig
+from mlm_jax.errors import UsageError
 
 _LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 GRAD_REDUCE = (_LHS, "--xla_gpu_enable_pipelined_all_reduce=true", "--xla_gpu_enable_pipelined_reduce_scatter=true")
@@ -118,3 +121,39 @@ def cpu_collective_threads(devices: int, environ=os.environ) -> int | None:
     size = max(os.cpu_count() or 1, CPU_POOL_THREADS_PER_DEVICE * devices)
     environ["NPROC"] = str(size)
     return size
+
+
+CPU_DEVICES_ENV = "MLM_JAX_CPU_DEVICES"
+
+
+def use_cpu_devices(every_core: bool = False) -> int | None:
+    """Set the number of XLA CPU devices before JAX starts its backends; every command (train,
+    generate, evaluate, serve, the checkpoint tools) calls it at entry, so all honour the same
+    variable. `MLM_JAX_CPU_DEVICES=N` asks for N devices (XLA_FLAGS'
+    --xla_force_host_platform_device_count wins when both are set); unset, `every_core` asks
+    for one per core (train: a single CPU device runs on about one core, so the default run
+    would otherwise leave the rest idle) and otherwise JAX's default (one) is kept. With
+    several, XLA:CPU's thread pool is sized for their collectives (`cpu_collective_threads`).
+    GPUs are unaffected. Returns the count set (None: JAX's default)."""
+    import jax
+
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    asked = os.environ.get(CPU_DEVICES_ENV)
+    if forced:
+        count = int(forced.group(1))
+    elif asked is not None:
+        if not asked.strip().isdigit() or int(asked) < 1:
+            raise UsageError(f"{CPU_DEVICES_ENV}={asked!r}: must be a whole number of CPU devices, 1 or more")
+        count = int(asked)
+    elif every_core:
+        count = max(1, os.cpu_count() or 1)
+    else:
+        return None
+    if not gpu_run():
+        cpu_collective_threads(count)
+    if not forced:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:  # called in a process whose JAX already runs (a test, a notebook): kept
+            pass
+    return count

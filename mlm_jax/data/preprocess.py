@@ -38,6 +38,7 @@ from mlm_jax import errors
 from mlm_jax.cli import cli
 from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from mlm_jax.data.tokenizers import TokenizerError, make_tokenizer
+from mlm_jax.paths import writable_dir
 
 LINES_PER_TASK = 256
 MAX_REPORTED_BAD_LINES = 20
@@ -252,12 +253,14 @@ def _check_paths(input_path: str, output_prefix: str) -> None:
     if not os.access(input_path, os.R_OK):
         raise InputError(f"--input {input_path}: not readable")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:  # a real write, as training's output paths: os.access says yes to root on a read-only folder
+        writable_dir(out_dir, "--output-prefix", output_prefix)
+    except errors.UsageError as e:
+        raise InputError(str(e)) from None
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise InputError(f"--output-prefix {output_prefix}: cannot create the folder {out_dir} ({e.strerror or e})") from None
-    if not os.access(out_dir, os.W_OK):
-        raise InputError(f"--output-prefix {output_prefix}: the folder {out_dir} is not writable")
 
 
 def preprocess(

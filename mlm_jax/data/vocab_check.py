@@ -66,19 +66,31 @@ def token_range(dataset: IndexedDataset, cache_dir: str | None) -> tuple | None:
     return found
 
 
+def outside_vocab(lo: int, hi: int, vocab_size: int, source: str = "") -> str | None:
+    """None when the token ids lo..hi are all in the model's vocab; else what is wrong, naming
+    the offending id and the vocab size (`source`: where the vocab size comes from). The one
+    wording of this error: a dataset's .bin (training, evaluate), generate's prompt ids and
+    the server's token-id prompts."""
+    if lo >= 0 and hi < vocab_size:
+        return None
+    bad = f"a negative token id ({lo})" if lo < 0 else f"token ids up to {hi}"
+    return (f"{bad}, but the model's vocab has {vocab_size} tokens (ids 0..{vocab_size - 1}"
+            + (f", {source}" if source else "") + f"): token ids must be in [0, {vocab_size})")
+
+
+def prompt_outside_vocab(ids, vocab_size: int) -> str | None:
+    """`outside_vocab` for one prompt's token ids (an empty prompt: None)."""
+    return outside_vocab(min(ids), max(ids), vocab_size) if len(ids) else None
+
+
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str | None, source: str) -> None:
     """Raise VocabularyError naming the .bin, the offending id and the vocab size when a token
     id of `dataset` is negative or >= `vocab_size`; `source` says where the vocab size comes from."""
     found = token_range(dataset, cache_dir)
-    if found is None:
+    problem = None if found is None else outside_vocab(found[0], found[1], vocab_size, source)
+    if problem is None:
         return
-    lo, hi = found
-    if lo >= 0 and hi < vocab_size:
-        return
-    where = bin_path(dataset.path_prefix)
-    bad = f"a negative token id ({lo})" if lo < 0 else f"token ids up to {hi}"
     raise VocabularyError(
-        f"{where}: {bad}, but the model's vocab has {vocab_size} tokens (ids 0..{vocab_size - 1}, "
-        f"{source}); the data was tokenized with another tokenizer or vocab size: use the "
-        "tokenizer flags it was made with, or preprocess it again"
+        f"{bin_path(dataset.path_prefix)}: {problem}; the data was tokenized with another tokenizer or "
+        "vocab size: use the tokenizer flags it was made with, or preprocess it again"
     )

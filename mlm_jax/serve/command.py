@@ -37,6 +37,7 @@ def _bind(host: str, port: int) -> socket.socket:
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
     from mlm_jax.generate import add_model_args
+    from mlm_jax.xla_flags import use_cpu_devices
 
     p = argparse.ArgumentParser(prog="python -m mlm_jax.serve",
                                 description="Serve a checkpoint: Megatron's PUT /api and OpenAI's /v1/completions.")
@@ -53,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="static: a batch runs to its end before the next starts (for comparison)")
     args = p.parse_args(argv)
+    use_cpu_devices()
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     for flag in ("max_batch_size", "max_queue"):

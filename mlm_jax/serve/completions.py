@@ -14,6 +14,7 @@ values, and `suffix`, are refused naming the field.
 
 from __future__ import annotations
 
+from mlm_jax.data.vocab_check import prompt_outside_vocab
 from mlm_jax.serve.engine import TOP_N
 from mlm_jax.serve.fields import MAX_PROMPTS, BadRequest, check, is_int, is_number
 
@@ -37,13 +38,14 @@ def _prompts(prompt, vocab: int) -> list:
     if all(is_int(t) for t in prompt):
         prompt = [prompt]
     check(len(prompt) <= MAX_PROMPTS, "prompt", f"at most {MAX_PROMPTS} prompts per request")
-    for p in prompt:
+    for i, p in enumerate(prompt):
         if isinstance(p, str):
             check(len(p) > 0, "prompt", "a prompt is an empty string")
             continue
         check(isinstance(p, list) and p and all(is_int(t) for t in p), "prompt",
               "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
-        check(all(0 <= t < vocab for t in p), "prompt", f"token ids must be in [0, {vocab})")
+        problem = prompt_outside_vocab(p, vocab)
+        check(problem is None, "prompt", f"prompt {i}: {problem}")
     return prompt
 
 

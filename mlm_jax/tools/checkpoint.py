@@ -38,6 +38,8 @@ import numpy as np
 
 from mlm_jax.cli import cli
 from mlm_jax.config import Config, ModelConfig, padded_vocab_size
+from mlm_jax.paths import writable_dir
+from mlm_jax.xla_flags import use_cpu_devices
 from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -401,6 +403,7 @@ def import_hf(hf_dir: str, save: str, divisible_by: int = 128, log=print) -> str
     """Write the Hugging Face model of `hf_dir` as an mlm_jax checkpoint (iteration 0) under `save`."""
     from mlm_jax.checkpoint import write_params_checkpoint
 
+    writable_dir(save, "--save")
     m, params, hf, naming = load_hf(hf_dir, divisible_by)
     files = tokenizer_files(hf_dir)
     record = hf_tokenizer_record(files, m.vocab_size)
@@ -426,6 +429,7 @@ def import_megatron(load: str, save: str, step: int | None = None, log=print) ->
     from mlm_jax.checkpoint.format import tokenizer_record
     from mlm_jax.checkpoint.megatron import read_checkpoint
 
+    writable_dir(save, "--save")
     ck = read_checkpoint(load, step=step, flag="--load")
     record, files = tokenizer_record(ck.tokenizer)
     data = Config().data
@@ -458,6 +462,7 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
     save_abs = os.path.abspath(save)
     if os.path.exists(save_abs) and (not os.path.isdir(save_abs) or os.listdir(save_abs)):
         raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
+    writable_dir(save, "--save")
     found = find_checkpoint(load, step, flag="--load", log=log)
     if found is None:
         raise MegatronCheckpointError(f"--load {load}: no complete checkpoint in this folder")
@@ -490,6 +495,9 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
     """Write the mlm_jax checkpoint `load` as a Hugging Face folder `hf_dir`."""
     from mlm_jax.checkpoint import TOKENIZER, find_checkpoint, restore_host_params
 
+    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
+        raise HFError(f"--hf-dir {hf_dir}: exists and is not empty")
+    writable_dir(hf_dir, "--hf-dir")  # before the weights are read
     found = find_checkpoint(load, step, flag="--load", log=log)
     if found is None:
         raise HFError(f"--load {load}: no complete checkpoint in this folder")
@@ -507,8 +515,6 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
     params = restore_host_params(found)
     tensors = params_to_hf(params, m, kind, np_dtype, prefix=imported.get("prefix", "transformer."),
                            write_tied_head=imported.get("tied_head_stored", False))
-    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
-        raise HFError(f"--hf-dir {hf_dir}: exists and is not empty")
     written = write_safetensors(tensors, hf_dir, max_shard_bytes)
     config = hf_config_from_model(m, kind, imported.get("config") if imported.get("kind") == kind else None,
                                   dtype)
@@ -560,6 +566,7 @@ def main(argv=None) -> int:
     mex.add_argument("--tensor-model-parallel-size", type=int, default=1)
     mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
+    use_cpu_devices()
     if args.command == "export-megatron":
         export_megatron(args.load, args.save, args.ckpt_format, args.tensor_model_parallel_size,
                         args.pipeline_model_parallel_size, args.ckpt_step)
