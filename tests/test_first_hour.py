@@ -96,7 +96,9 @@ def test_the_quickstart_ends_with_a_result_and_next_commands_that_run(quickstart
     e = quickstart_env()
     generate, evaluate, serve = ([sys.executable] + c[1:] for c in commands)
     p = subprocess.run(generate, cwd=cwd, env=e, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and p.stdout.startswith("> prompt 1:\n" + commands[0][commands[0].index("--prompt") + 1]), \
+        p.stdout + p.stderr
+    assert "\n> continuation 1:\n" in p.stdout, p.stdout
     p = subprocess.run(evaluate, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "validation results on VALID" in p.stdout, p.stdout + p.stderr
 
