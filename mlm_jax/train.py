@@ -282,6 +282,7 @@ class Loop:
         self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
         self.compile_s: float | None = None
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
+        self.bar = None  # the progress bar, whose rate leaves out what `excluded` times
         self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
         self._new_window()
 
@@ -292,12 +293,16 @@ class Loop:
 
     @contextlib.contextmanager
     def excluded(self, timer: str):
-        """Time `timer` (eval, checkpoint) and keep it out of the tokens/s and MFU window, as
-        Megatron's timers do."""
+        """Time `timer` (eval, checkpoint) and keep it out of the elapsed time per iteration,
+        tokens/s and MFU, as Megatron's timers do, and out of the progress bar's rate."""
+        from mlm_jax.instruments import exclude_from_rate
+
         t0 = time.perf_counter()
         with self.inst.timed(timer):
             yield
-        self.window_excluded += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.window_excluded += spent
+        exclude_from_rate(self.bar, spent)
 
     def window_step_s(self) -> float:
         """Mean step time of the log window, evaluation and checkpoint time excluded; the first
@@ -387,11 +392,14 @@ class Loop:
         """After the compiling step: report its time (and memory), restart the clocks."""
         import jax
 
-        from mlm_jax.instruments import step_memory, step_memory_line
+        from mlm_jax.instruments import exclude_from_rate, step_memory, step_memory_line
         from mlm_jax.metrics import device_memory
 
         jax.block_until_ready(metrics)
-        self.compile_s = time.perf_counter() - self.window_start
+        self.compile_s = time.perf_counter() - self.window_start - self.window_excluded
+        # The bar's rate, like the logged time per iteration, starts after the compiling step
+        # (whose time the line below reports).
+        exclude_from_rate(self.bar, self.compile_s)
         self.log(f"> first step (compile + run) took {self.compile_s:.1f} s")
         if not device_memory():
             self.step_mem = step_memory(self.pz.train_step, self.state, batch, key)
@@ -446,6 +454,8 @@ class Loop:
             self.last_train_loss = self.log_iteration(iteration, metrics)
             bar.set_postfix(loss=f"{self.last_train_loss:.3f}")
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            # Step `iteration` is still running: its time is training time, not evaluation's.
+            jax.block_until_ready(self.state["params"])
             with self.excluded("eval"):
                 self.last_valid = self.evaluate(iteration)
         with self.excluded("checkpoint"):
@@ -462,7 +472,11 @@ class Loop:
 
         # Validation before the first step only where asked (the default run); a resumed run
         # evaluates on schedule.
-        self.first_valid = self.evaluate(0) if self.start.iteration == 0 and self.t.eval_at_start else None
+        self.bar = bar
+        self.first_valid = None
+        if self.start.iteration == 0 and self.t.eval_at_start:
+            with self.excluded("eval"):  # before the first step: not its compile time either
+                self.first_valid = self.evaluate(0)
         self.last_valid = self.first_valid
         for iteration in range(self.start.iteration + 1, self.t.train_iters + 1):
             self.one_iteration(iteration, bar)
@@ -471,9 +485,11 @@ class Loop:
         if self.pending is not None:
             self.check(*self.pending)
         if self.exit_reason is None:
-            self.last_valid = self.evaluate(self.t.train_iters)
-        self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
-                          jax.random.key_data(self.seed_key))
+            with self.excluded("eval"):
+                self.last_valid = self.evaluate(self.t.train_iters)
+        with self.excluded("checkpoint"):
+            self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
+                              jax.random.key_data(self.seed_key))
 
 
 # --------------------------------------------------------------------------- the end
