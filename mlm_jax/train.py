@@ -265,6 +265,8 @@ class Loop:
     host never waits on the device except at a logged iteration.
     """
 
+    bar = None  # the progress bar (set by `run`), whose rate leaves out what `excluded` times
+
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
                  throughput, log, plan: RunPlan, layout: BatchLayout):
         import jax
@@ -282,7 +284,6 @@ class Loop:
         self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
         self.compile_s: float | None = None
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
-        self.bar = None  # the progress bar, whose rate leaves out what `excluded` times
         self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
         self._new_window()
 
