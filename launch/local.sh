@@ -5,7 +5,7 @@
 #   launch/local.sh NUM_PROCESSES DEVICES_PER_PROCESS [train flags...]
 #   launch/local.sh 2 4 --mock-data --tensor-model-parallel-size 4 --train-iters 10
 #
-# Process 0's output is printed here (without gloo's "[Gloo] Rank N is connected" lines); every
+# Process 0's output is printed here (without gloo's "[Gloo] Rank N is connected" announcements); every
 # process's output is in $LOG_DIR/process_<i>.log. When one process fails, the others are
 # stopped (SIGTERM, then SIGKILL after $GRACE_SECONDS: jax.distributed catches SIGTERM as a
 # preemption notice, so it alone does not stop a process), the failed process's last lines are
@@ -38,8 +38,15 @@ grace=${GRACE_SECONDS:-3}
 mkdir -p "$log_dir"
 xla_flags="$(sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g' <<< "${XLA_FLAGS:-}") --xla_force_host_platform_device_count=$devices"
 
-# gloo announces every communicator, from several threads at once (lines can interleave).
-gloo='^\[Gloo\]|^ is connected to [0-9]+ peer ranks'
+# gloo announces every communicator on stderr, from C++ (no setting silences it), from several
+# threads at once (the pieces of its lines can interleave) and often in the middle of a line
+# (after the progress bar's). Whole announcements are cut out wherever they are; a line left
+# with pieces of one is dropped, unless it says `error:`.
+gloo_msg='\[Gloo\] Rank [0-9]+ is connected to [0-9]+ peer ranks\. Expected number of connected peer ranks is : [0-9]+'
+gloo_piece='\[Gloo\]|is connected to [0-9]* ?peer ranks|peer ranks\. Expected number|connected peer ranks is : '
+strip_gloo() {
+    sed -u -E -e "/^(${gloo_msg})+\$/d" -e "s/${gloo_msg}//g" -e '/error:/b' -e "/${gloo_piece}/d"
+}
 pids=()
 stop_all() {
     local pid
@@ -64,7 +71,7 @@ for ((i = 0; i < num; i++)); do
         # Process 0 goes to the terminal too; a process substitution keeps $! the python pid.
         env XLA_FLAGS="$xla_flags" JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1 \
             MLM_JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" MLM_JAX_NUM_PROCESSES="$num" MLM_JAX_PROCESS_ID="$i" \
-            "${command[@]}" "$@" > >(tee "$log" | grep --line-buffered -v -E "$gloo") 2>&1 &
+            "${command[@]}" "$@" > >(tee "$log" | strip_gloo) 2>&1 &
     else
         env XLA_FLAGS="$xla_flags" JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1 \
             MLM_JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" MLM_JAX_NUM_PROCESSES="$num" MLM_JAX_PROCESS_ID="$i" \
@@ -90,7 +97,7 @@ while (( remaining > 0 )); do
             stop_all
             if (( i != 0 )); then
                 echo "launch/local.sh: last lines of process $i ($log_dir/process_$i.log):" >&2
-                grep -v -E "$gloo" "$log_dir/process_$i.log" | tail -n 20 | sed "s/^/[process $i] /" >&2
+                strip_gloo < "$log_dir/process_$i.log" | tail -n 20 | sed "s/^/[process $i] /" >&2
             fi
             exit "$status"
         fi

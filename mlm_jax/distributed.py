@@ -24,8 +24,8 @@ here), in which case all of those. `JAX_LOCAL_DEVICE_IDS` overrides both.
 Failures do not hang. XLA's client aborts the process (no Python exception) when the
 coordinator cannot be reached, so non-zero processes first probe the coordinator's TCP port
 themselves and raise `DistributedError` naming the address when it stays closed for the timeout;
-when it is up but not every process joins, a watchdog names the address and the count just
-before jax stops the process (about 6 s after the timeout). `fail()` prints an error with the
+when it is up but not every process joins, a watchdog names the address and the missing process
+at the timeout and leaves (exit 1) before jax's own, later deadline would abort the process. `fail()` prints an error with the
 process id and leaves at once, skipping jax's exit barrier that would hold a failed process for
 minutes while the others sit in a collective. Once joined, the processes watch each other
 (`mlm_jax.peers`): a dead one stops the rest within `--peer-timeout` seconds, naming it.
@@ -232,12 +232,25 @@ def _wait_for_coordinator(plan: Plan, deadline: float) -> None:
 
 
 def _watchdog(plan: Plan, deadline: float, done: threading.Event) -> None:
+    """Leave with our error at the deadline while `jax.distributed.initialize` still waits.
+
+    jax's client ends a failed join with a C++ abort (a fatal log line, a stack trace, exit 134)
+    that no Python code can catch; its own deadline is set later (`_JAX_GRACE`), so this thread
+    always speaks first and leaves with `os._exit`, before any jax atexit or C++ destructor."""
     if done.wait(max(0.0, deadline - time.monotonic()) + 0.5):
         return
-    print(f"error: [{plan.label}] the coordinator at {plan.coordinator_address} is up, but not all "
-          f"{plan.num_processes} processes joined within {plan.timeout:g} s (settings from "
-          f"{plan.source}); jax stops this process now. Did every process start, with the same "
-          "address and process count?", file=sys.stderr, flush=True)
+    others = [j for j in range(plan.num_processes) if j != plan.process_id]
+    who = (f"process {others[0]} never joined" if len(others) == 1 else
+           f"not all {plan.num_processes} processes (--num-processes) joined")
+    print(f"error: [{plan.label}] {who} the coordinator at {plan.coordinator_address} "
+          f"(--coordinator-address) within --coordinator-timeout {plan.timeout:g} s (settings from "
+          f"{plan.source}). Did every process start, with the same --coordinator-address and "
+          "--num-processes?", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+_JAX_GRACE = 30  # seconds jax's own join deadline lies past ours: its expiry is a C++ abort
 
 
 def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | None = None) -> Plan:
@@ -272,7 +285,7 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
             process_id=plan.process_id,
             local_device_ids=list(plan.local_device_ids) if plan.local_device_ids else None,
             cluster_detection_method="deactivate",  # `resolve` did the detection
-            initialization_timeout=max(1, int(deadline - time.monotonic())))
+            initialization_timeout=int(deadline - time.monotonic()) + _JAX_GRACE)
     finally:
         done.set()
     global _joined, _watch

@@ -162,6 +162,15 @@ class Throughput:
                 "mfu_peak_source": self.peak_source}
 
 
+def exclude_from_rate(bar, seconds: float) -> None:
+    """Leave `seconds` (evaluation, a checkpoint save, compiling) out of a tqdm bar's rate: tqdm
+    has no pause, so its clocks move forward by as much (its elapsed time shows the same)."""
+    if bar is None or getattr(bar, "disable", True):
+        return
+    bar.start_t += seconds
+    bar.last_print_t += seconds
+
+
 def iteration_record(iteration: int, global_batch_size: int, metrics: dict[str, float], step_s: float,
                      data_wait_s: float, throughput: Throughput, *extra: dict,
                      consumed_samples: int | None = None) -> dict[str, Any]:

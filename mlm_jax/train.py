@@ -274,6 +274,8 @@ class Loop:
     host never waits on the device except at a logged iteration.
     """
 
+    bar = None  # the progress bar (set by `run`), whose rate leaves out what `excluded` times
+
     def __init__(self, cfg: Config, pz, state, start, loader, valid_loader, saver, logger, inst,
                  throughput, log, plan: RunPlan, layout: BatchLayout):
         import jax
@@ -303,12 +305,16 @@ class Loop:
 
     @contextlib.contextmanager
     def excluded(self, timer: str):
-        """Time `timer` (eval, checkpoint) and keep it out of the tokens/s and MFU window, as
-        Megatron's timers do."""
+        """Time `timer` (eval, checkpoint) and keep it out of the elapsed time per iteration,
+        tokens/s and MFU, as Megatron's timers do, and out of the progress bar's rate."""
+        from mlm_jax.instruments import exclude_from_rate
+
         t0 = time.perf_counter()
         with self.inst.timed(timer):
             yield
-        self.window_excluded += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.window_excluded += spent
+        exclude_from_rate(self.bar, spent)
 
     def window_step_s(self) -> float:
         """Mean step time of the log window, evaluation and checkpoint time excluded; the first
@@ -417,11 +423,14 @@ class Loop:
         """After the compiling step: report its time (and memory), restart the clocks."""
         import jax
 
-        from mlm_jax.instruments import step_memory, step_memory_line
+        from mlm_jax.instruments import exclude_from_rate, step_memory, step_memory_line
         from mlm_jax.metrics import device_memory
 
         jax.block_until_ready(metrics)
-        self.compile_s = time.perf_counter() - self.window_start
+        self.compile_s = time.perf_counter() - self.window_start - self.window_excluded
+        # The bar's rate, like the logged time per iteration, starts after the compiling step
+        # (whose time the line below reports).
+        exclude_from_rate(self.bar, self.compile_s)
         self.log(f"> first step (compile + run) took {self.compile_s:.1f} s")
         if not device_memory():
             self.step_mem = step_memory(self.pz.train_step, self.state, batch, key)
@@ -476,6 +485,8 @@ class Loop:
             self.last_train_loss = self.log_iteration(iteration, metrics)
             bar.set_postfix(loss=f"{self.last_train_loss:.3f}")
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            # Step `iteration` is still running: its time is training time, not evaluation's.
+            jax.block_until_ready(self.state["params"])
             with self.excluded("eval"):
                 self.last_valid = self.evaluate(iteration)
         with self.excluded("checkpoint"):
@@ -492,7 +503,11 @@ class Loop:
 
         # Validation before the first step only where asked (the default run); a resumed run
         # evaluates on schedule.
-        self.first_valid = self.evaluate(0) if self.start.iteration == 0 and self.t.eval_at_start else None
+        self.bar = bar
+        self.first_valid = None
+        if self.start.iteration == 0 and self.t.eval_at_start:
+            with self.excluded("eval"):  # before the first step: not its compile time either
+                self.first_valid = self.evaluate(0)
         self.last_valid = self.first_valid
         if self.start.iteration >= self.t.train_iters:
             self.log(f"> nothing to train: the checkpoint is at iteration {self.start.iteration}, at or past "
@@ -504,9 +519,11 @@ class Loop:
         if self.pending is not None:
             self.check(*self.pending)
         if self.exit_reason is None:
-            self.last_valid = self.evaluate(self.iteration)
-        self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
-                          jax.random.key_data(self.seed_key))
+            with self.excluded("eval"):
+                self.last_valid = self.evaluate(self.iteration)
+        with self.excluded("checkpoint"):
+            self.saver.finish(self.iteration, self.state, self.consumed(self.iteration),
+                              jax.random.key_data(self.seed_key))
 
 
 # --------------------------------------------------------------------------- the end

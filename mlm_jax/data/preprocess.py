@@ -12,7 +12,8 @@ not an object, missing key, non-string value) stops the run with its line number
 `--skip-bad-lines` is counted, reported and skipped for every key; with NullTokenizer a word or
 an id outside [0, --vocab-size) is a bad line. An input with no documents, or no tokens for a
 key, is an error rather than an empty dataset. Outputs are written under temporary names,
-renamed only when complete and removed on any failure, Ctrl-C (exit 130) or SIGTERM (exit 1),
+renamed only when complete and removed on any failure, Ctrl-C (exit 130) or SIGTERM (exit 1;
+both stop at once, killing the workers mid-document rather than waiting for their tasks),
 so a stopped run leaves neither a pair that looks finished nor temporary files, and an
 earlier complete output stays as it was. Usage errors exit 2 with one `error:` line.
 """
@@ -78,9 +79,11 @@ def _init_worker(tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool)
 
 
 def _init_pool_worker(*args) -> None:
-    # Ctrl-C reaches the whole process group: only the parent handles it (and stops the
-    # pool), so workers print no KeyboardInterrupt tracebacks of their own.
+    # Ctrl-C (and a scheduler's SIGTERM) can reach the whole process group: only the parent
+    # handles them (and kills the pool), so workers print no tracebacks of their own and the
+    # parent's error is not replaced by a broken pool's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _init_worker(*args)
 
@@ -151,9 +154,10 @@ def _ordered_results(tasks, workers: int, init_args: tuple):
     """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded.
 
     A process pool from `concurrent.futures`, not `multiprocessing.Pool`: stopping a Pool early
-    (a bad line, Ctrl-C, SIGTERM) can deadlock in `terminate()` on the queue lock an idle
-    worker holds; the executor instead cancels what is queued and waits only for the few
-    tasks in flight.
+    can deadlock in `terminate()` on the queue lock an idle worker holds. Stopped early (a bad
+    line, Ctrl-C, SIGTERM), the executor cancels what is queued and its workers are killed: the
+    tasks in flight would be thrown away anyway, and one huge document holds its worker for
+    minutes, longer than a scheduler waits between SIGTERM and SIGKILL.
     """
     if workers <= 1:
         _init_worker(*init_args)
@@ -163,6 +167,7 @@ def _ordered_results(tasks, workers: int, init_args: tuple):
     ctx = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
                                                   initargs=init_args)
+    finished = False
     try:
         pending = collections.deque()
         for task in tasks:
@@ -171,8 +176,21 @@ def _ordered_results(tasks, workers: int, init_args: tuple):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+        finished = True
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if not finished:
+            _kill_workers(pool)
+        pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def _kill_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    kill = getattr(pool, "kill_workers", None)  # Python 3.14
+    if kill is not None:
+        kill()
+        return
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(Exception):  # already gone
+            proc.kill()
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
