@@ -9,7 +9,7 @@ train state stays as it was, only the scaler moves (`keep_on_overflow`).
 The rules (megatron/core/optimizer/grad_scaler.py):
 
   static (--loss-scale S)  the scale is S, always; an overflow still skips the step (and 3 in a
-               row stop the run, naming the flag: a static scale never backs off; mlm_jax/train.py).
+               row stop the run, naming the flag: a static scale never backs off; mlm_jax/loop.py).
   dynamic (the default with --fp16), from --initial-loss-scale (2**32):
     overflow   growth tracker := 0; hysteresis tracker -= 1; if the hysteresis tracker is
                <= 0, scale := max(scale / 2, --min-loss-scale). The tracker is *not* reset by

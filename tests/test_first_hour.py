@@ -70,6 +70,8 @@ def test_the_quickstart_speaks_at_once_and_never_falls_silent(quickstart):
     for (t_prev, prev), (t, line) in zip(lines, lines[1:]):
         if not prev.startswith("training:"):
             said = prev
+        elif "> " in prev:  # a line that followed a progress-bar redraw
+            said = prev[prev.index("> "):]
         if t - t_prev > GAP_S:
             assert "compiling" in said, f"{t - t_prev:.1f} s of silence after {said!r}\n{text}"
     assert "Traceback" not in text

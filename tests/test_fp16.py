@@ -19,7 +19,8 @@ from mlm_jax.arguments import parse_args
 from mlm_jax.config import ParallelConfig
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding import make_mesh
-from mlm_jax.train import TrainingStopped, main, train
+from mlm_jax.loop import TrainingStopped
+from mlm_jax.train import main, train
 from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 from mlm_jax.validation import finalize
 from tests.parallel_util import GLOBAL_BATCH, SEQ, VOCAB, place, tiny_config

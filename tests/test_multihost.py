@@ -310,7 +310,7 @@ def test_flags_then_environment():
     (DistributedConfig(coordinator_address="h:1"), {}, "is missing --num-processes, --process-id"),
     (DistributedConfig("h:1", 2, 2), {}, "--process-id 2 must be in [0, 2)"),
     (DistributedConfig("h", 2, 0), {}, "coordinator address 'h' is not HOST:PORT"),
-    (DistributedConfig("h:1", 2, 0, coordinator_timeout=0), {}, "--coordinator-timeout must be positive"),
+    (DistributedConfig("h:1", 2, 0, coordinator_timeout=0), {}, "--coordinator-timeout must be a finite number > 0"),
     (DistributedConfig(), {"MLM_JAX_NUM_PROCESSES": "two"}, "MLM_JAX_NUM_PROCESSES='two' is not an integer"),
     (DistributedConfig(), {"MLM_JAX_COORDINATOR_TIMEOUT": "soon"}, "MLM_JAX_COORDINATOR_TIMEOUT='soon' is not a number"),
 ])

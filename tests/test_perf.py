@@ -207,7 +207,7 @@ def test_evaluation_and_checkpoint_time_stay_out_of_the_throughput_window():
 
     from mlm_jax.config import InstrumentsConfig
     from mlm_jax.instruments import Instruments
-    from mlm_jax.train import Loop
+    from mlm_jax.loop import Loop
 
     loop = Loop.__new__(Loop)  # only the window bookkeeping: no model, data or saver
     loop.inst = Instruments(InstrumentsConfig())

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from mlm_jax.train import TrainingStopped, main
+from mlm_jax.loop import TrainingStopped
+from mlm_jax.train import main
 from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 
 TINY = tiny("--micro-batch-size", "1", "--global-batch-size", "16", *NO_DROPOUT, "--eval-iters", "1",
