@@ -103,7 +103,8 @@ def done_lines(cfg: Config, summary: dict, data, elapsed_s: float) -> list[str]:
              f"iteration {summary['last_iteration']} in {duration(elapsed_s)}; run folder {shown_path(run_dir)}"]
     if summary["checkpoints"]:
         last = summary["checkpoints"][-1]
-        lines.append(f"> checkpoint {shown_path(last)}; metrics in {shown_path(cfg.train.metrics_file or os.path.join(run_dir, 'metrics.jsonl'))}")
+        metrics = cfg.train.metrics_file or os.path.join(run_dir, "metrics.jsonl")
+        lines.append(f"> checkpoint {shown_path(last)}; metrics in {shown_path(metrics)}")
         commands = next_commands(cfg, os.path.dirname(last), data, summary.get("sample"))
         if commands:
             lines.append("> try next, on this checkpoint:")

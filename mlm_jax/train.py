@@ -236,7 +236,8 @@ def build_throughput(cfg: Config, mesh, log):
     t = cfg.train
     peak, source = t.peak_flops, "given"
     if peak is None:
-        log("> measuring this device's matmul peak, the MFU denominator (compiling and timing a matmul; --peak-flops-per-device gives it) ...")
+        log("> measuring this device's matmul peak, the MFU denominator (compiling and timing a matmul; "
+            "--peak-flops-per-device gives it) ...")
         peak, source = device_peak(mesh, compute_dtype(cfg.model))
     log(f"> MFU denominator: {peak / 1e9:.1f} GFLOP/s per device ({source} "
         f"{jnp.dtype(compute_dtype(cfg.model)).name} matmul peak)")
