@@ -63,3 +63,16 @@ def writable_file(path: str, flag: str) -> str:
         except OSError as e:
             raise UsageError(f"{flag} {path}: the file is not writable ({_reason(e)})") from e
     return full
+
+
+def not_there(path: str, kind: str = "folder") -> str | None:
+    """Why `path` is not the existing `kind` an input flag needs ("folder", "file", or a noun ending
+    in either: "checkpoint folder"): "no such folder", "is a file, not a folder" (or the reverse);
+    None when it is one. Callers raise their own error naming the flag, so a file given for a
+    folder is never called missing."""
+    folder = kind.endswith("folder")
+    if not os.path.exists(path):
+        return f"no such {kind}"
+    if os.path.isdir(path) != folder:
+        return f"is a {'file' if folder else 'folder'}, not a {kind}"
+    return None
