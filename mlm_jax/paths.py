@@ -6,6 +6,9 @@ find that its --save folder is a file or cannot be written.
 removing a probe file: `os.access` says
 yes to root on a read-only or immutable folder, a real write does not. Errors are
 `UsageError`s that name the flag, the path and the reason.
+
+Input paths: `not_there(path, kind)` says why a path is not the folder (or file) a flag reads, so
+that a file given where a folder is needed is called a file, not missing.
 """
 
 from __future__ import annotations
