@@ -38,6 +38,7 @@ import numpy as np
 
 from mlm_jax.cli import cli
 from mlm_jax.errors import UsageError
+from mlm_jax.paths import not_there
 
 TASKS = ("LAMBADA", "WIKITEXT103", "VALID")
 
@@ -295,8 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.task == "WIKITEXT103" and not 0 <= args.overlapping_eval <= args.seq_length:
         raise UsageError(f"--overlapping-eval must be in [0, --seq-length {args.seq_length}], "
                          f"got {args.overlapping_eval}")
-    if args.task != "VALID" and not _is_file(args.valid_data):
-        raise UsageError(f"--valid-data {args.valid_data}: no such file")
+    why = not_there(args.valid_data, "file") if args.task != "VALID" else None
+    if why:
+        raise UsageError(f"--valid-data {args.valid_data}: {why}")
     if args.output_json:  # before the model loads, not after the whole evaluation
         writable_file(args.output_json, "--output-json")
     model = load_model(args)
@@ -310,12 +312,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.output_json, "w") as f:
             json.dump(r, f, indent=2)
     return 0
-
-
-def _is_file(path: str) -> bool:
-    import os
-
-    return os.path.isfile(path)
 
 
 if __name__ == "__main__":

@@ -297,6 +297,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _prompt_ids(text: str) -> list[int]:
+    """The token ids of one --prompt-ids value; a UsageError naming the word that is not one."""
+    words = text.split()
+    bad = next((w for w in words if not w.lstrip("-").isdigit()), None)
+    if bad is not None:
+        raise UsageError(f"--prompt-ids {text!r}: {bad!r} is not a token id; give space-separated "
+                         "integers, e.g. --prompt-ids '1 2 3'")
+    return [int(w) for w in words]
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float, new_tokens: int, flags=True) -> None:
     """UsageError naming the flag (or field) for an invalid sampling setting."""
     name = (lambda f: "--" + f.replace("_", "-")) if flags else (lambda f: f)
@@ -322,14 +332,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_model(args):
     """The LoadedModel for `add_model_args` flags; UsageError naming --load when there is none."""
-    import os
-
     import mlm_jax
     from mlm_jax.config import ParallelConfig
+    from mlm_jax.paths import not_there
     from mlm_jax.sharding.mesh import make_mesh
 
-    if not os.path.exists(args.load):
-        raise UsageError(f"--load {args.load}: no such file or folder")
+    why = not_there(args.load)
+    if why:
+        raise UsageError(f"--load {args.load}: {why}; give a checkpoint, save, Hugging Face or Megatron-LM folder")
     tp = args.tensor_model_parallel_size
     if tp < 1 or jax.device_count() % tp:
         raise UsageError(f"--tensor-model-parallel-size {tp} must divide the {jax.device_count()} devices")
@@ -358,10 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p, args.tokens_to_generate)
     if not args.prompt and not args.prompt_ids:
         raise UsageError("give --prompt TEXT or --prompt-ids 'ID ID ...'")
-    try:
-        ids = [[int(t) for t in s.split()] for s in args.prompt_ids]
-    except ValueError as e:
-        raise UsageError(f"--prompt-ids: {e}") from e
+    ids = [_prompt_ids(s) for s in args.prompt_ids]
     m = load_model(args)
     if args.prompt and m.tokenizer is None:
         raise UsageError(f"--prompt: {args.load} carries no tokenizer; give --tokenizer-type "

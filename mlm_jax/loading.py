@@ -196,7 +196,9 @@ def load(path: str, mesh=None, step: int | None = None) -> LoadedModel:
         return _load_megatron(path, mesh, step)
     found = find_checkpoint(path, step, flag="mlm_jax.load", log=lambda *_: None)
     if found is None:
-        raise FileNotFoundError(f"mlm_jax.load {path}: no complete checkpoint in this folder")
+        weightless = " (it holds a config.json but no *.safetensors weights)" if os.path.isfile(
+            os.path.join(path, "config.json")) else ""
+        raise FileNotFoundError(f"mlm_jax.load {path}: no complete checkpoint in this folder{weightless}")
     saved = found.config.model
     model = dataclasses.replace(saved, padded_vocab_size=padded_vocab_size(
         saved.vocab_size, saved.make_vocab_size_divisible_by, tp))

@@ -6,6 +6,9 @@ find that its --save folder is a file or cannot be written.
 removing a probe file: `os.access` says
 yes to root on a read-only or immutable folder, a real write does not. Errors are
 `UsageError`s that name the flag, the path and the reason.
+
+Input paths: `not_there(path, kind)` says why a path is not the folder (or file) a flag reads, so
+that a file given where a folder is needed is called a file, not missing.
 """
 
 from __future__ import annotations
@@ -63,3 +66,16 @@ def writable_file(path: str, flag: str) -> str:
         except OSError as e:
             raise UsageError(f"{flag} {path}: the file is not writable ({_reason(e)})") from e
     return full
+
+
+def not_there(path: str, kind: str = "folder") -> str | None:
+    """Why `path` is not the existing `kind` an input flag needs ("folder", "file", or a noun ending
+    in either: "checkpoint folder"): "no such folder", "is a file, not a folder" (or the reverse);
+    None when it is one. Callers raise their own error naming the flag, so a file given for a
+    folder is never called missing."""
+    folder = kind.endswith("folder")
+    if not os.path.exists(path):
+        return f"no such {kind}"
+    if os.path.isdir(path) != folder:
+        return f"is a {'file' if folder else 'folder'}, not a {kind}"
+    return None

@@ -8,6 +8,7 @@ import json
 import os
 
 from mlm_jax.config import Config
+from mlm_jax.paths import not_there
 from mlm_jax.checkpoint.format import (ARCH_FIELDS, FORMAT, META, ORBAX_COMMIT, PARAMS, TMP_MARK,
                                        CheckpointError, config_from_dict, tokenizer_flags)
 
@@ -89,8 +90,9 @@ def find_checkpoint(path: str, step: int | None = None, flag: str = "--load",
     A relative `path` is taken from the working directory: `Found.path` is always absolute
     (Orbax refuses relative paths)."""
     path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{flag} {path}: no such folder")
+    why = not_there(path)
+    if why:
+        raise CheckpointError(f"{flag} {path}: {why}; give a save folder or one checkpoint folder")
     if is_checkpoint(path):
         meta = read_meta(path)
         if step is not None and step != meta["iteration"]:

@@ -179,11 +179,17 @@ def build_indices(
         assert 0 <= from_final <= per_epoch + 1
         separate_final_epoch = from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
-    sample_index = build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch)
-    total = sample_index.shape[0] - 1
-    first = samples_sans_final if separate_final_epoch else total
-    shuffle_index = build_shuffle_index(first, total, rng)
+    try:
+        document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+        sample_index = build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch)
+        total = sample_index.shape[0] - 1
+        first = samples_sans_final if separate_final_epoch else total
+        shuffle_index = build_shuffle_index(first, total, rng)
+    except MemoryError as e:  # numpy's refusal of the allocation, before any index exists
+        raise DatasetError(
+            f"{num_samples} samples of {seq_length} tokens need {num_epochs} epochs of a dataset of "
+            f"{tokens_per_epoch} tokens: the sample index does not fit in memory; lower --train-samples "
+            "(or --train-iters x --global-batch-size)") from e
     return document_index, sample_index, shuffle_index
 
 

@@ -39,7 +39,7 @@ from mlm_jax import errors
 from mlm_jax.cli import cli
 from mlm_jax.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from mlm_jax.data.tokenizers import TokenizerError, make_tokenizer
-from mlm_jax.paths import writable_dir
+from mlm_jax.paths import not_there, writable_dir
 
 LINES_PER_TASK = 256
 MAX_REPORTED_BAD_LINES = 20
@@ -266,8 +266,9 @@ def _sigterm_raises():
 
 
 def _check_paths(input_path: str, output_prefix: str) -> None:
-    if not os.path.isfile(input_path):
-        raise InputError(f"--input {input_path}: no such file")
+    why = not_there(input_path, "file")
+    if why:
+        raise InputError(f"--input {input_path}: {why}; give a JSON-lines file, one document per line")
     if not os.access(input_path, os.R_OK):
         raise InputError(f"--input {input_path}: not readable")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import signal
 import socket
 from typing import Sequence
@@ -64,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--max-context must be >= 2, got {args.max_context}")
     if not args.request_timeout > 0:
         raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    if not args.max_body_mb > 0:
-        raise UsageError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        raise UsageError(f"--max-body-mb must be a finite number > 0, got {args.max_body_mb}")
     sock = _bind(args.host, args.port)
 
     import jax

@@ -31,14 +31,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 
 import numpy as np
 
 from mlm_jax.cli import cli
+from mlm_jax.errors import UsageError
 from mlm_jax.config import Config, ModelConfig, padded_vocab_size
-from mlm_jax.paths import writable_dir
+from mlm_jax.paths import not_there, writable_dir
 from mlm_jax.xla_flags import use_cpu_devices
 from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
@@ -51,8 +53,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
-    if not os.path.isdir(hf_dir):
-        raise HFError(f"--hf-dir {hf_dir}: no such folder")
+    why = not_there(hf_dir)
+    if why:
+        raise HFError(f"--hf-dir {hf_dir}: {why}; a local Hugging Face model folder is needed")
     if not os.path.isfile(path):
         raise HFError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model folder is needed; "
                       "nothing is downloaded)")
@@ -567,6 +570,11 @@ def main(argv=None) -> int:
     mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     use_cpu_devices()
+    if getattr(args, "make_vocab_size_divisible_by", 1) < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}")
+    shard_gb = getattr(args, "max_shard_size_gb", 1.0)
+    if not (math.isfinite(shard_gb) and shard_gb > 0):
+        raise UsageError(f"--max-shard-size-gb must be a finite number > 0, got {shard_gb}")
     if args.command == "export-megatron":
         export_megatron(args.load, args.save, args.ckpt_format, args.tensor_model_parallel_size,
                         args.pipeline_model_parallel_size, args.ckpt_step)

@@ -25,6 +25,7 @@ from mlm_jax.checkpoint.megatron.args import model_config_from_args, tokenizer_f
 from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
 from mlm_jax.checkpoint.megatron.layout import Tensors, to_params
 from mlm_jax.config import ModelConfig, padded_vocab_size
+from mlm_jax.paths import not_there
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^(iter_\d{7,}|release)$")
@@ -87,10 +88,11 @@ def resolve_iteration(path: str, step: int | None = None, flag: str = "") -> tup
     else:
         folder = path
     lead = f"{flag} " if flag else ""
-    if not os.path.isdir(folder):
+    why = not_there(folder, "checkpoint folder")
+    if why:
         named = (f" (--ckpt-step {step})" if step is not None else
                  f" (named by {tracker})" if os.path.isfile(tracker) else "")
-        raise MegatronCheckpointError(f"{lead}{folder}: no such checkpoint folder{named}")
+        raise MegatronCheckpointError(f"{lead}{folder}: {why}{named}")
     if not _is_iter_dir(folder):
         raise MegatronCheckpointError(f"{lead}{folder}: neither a torch_dist checkpoint (.metadata) nor a legacy one "
                                       "(mp_rank_* folders)")
