@@ -356,7 +356,7 @@ def main(argv=None, command: bool = False) -> int:
     from mlm_jax.distributed import resolve
 
     if resolve(cfg.distributed).process_id == 0:  # the first line within a second: JAX takes a few to import
-        print(f"> mlm_jax.train: {cfg.train.train_iters} iterations; starting JAX ...", flush=True)
+        print("> mlm_jax.train: starting JAX ...", flush=True)
     if command:
         from mlm_jax.checkpoint import silence_orbax  # imports Orbax and JAX: after the first line
 
