@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 
 from mlm_jax.batch_layout import BatchLayout
 from mlm_jax.batch_schedule import RunPlan
 from mlm_jax.config import Config
 from mlm_jax.errors import ConfigError, RunFailure
+from mlm_jax.run_end import perplexity
 
 # Overflowed (skipped) steps in a row after which a static --loss-scale stops the run.
 STATIC_SKIP_LIMIT = 3
@@ -102,7 +102,7 @@ class Loop:
         if count == 0:
             return None
         loss = total / count
-        ppl = math.exp(min(loss, 20.0))
+        ppl = perplexity(loss)
         self.logger.log({"iteration": iteration, "valid_lm_loss": loss, "valid_ppl": ppl},
                         console=validation_line(iteration, loss, ppl))
         return loss
