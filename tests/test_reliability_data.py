@@ -6,6 +6,7 @@ Each case runs the real command line in a subprocess (one CPU device, no jax for
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -209,6 +210,39 @@ def test_interrupted_preprocessing_leaves_no_temporary_files(tmp_path, earlier_o
         assert_one_error(p.returncode, err, 130, "interrupted")
     else:
         assert_one_error(p.returncode, err, 1, "stopped by SIGTERM", "no output written")
+    assert glob.glob(str(tmp_path / "out" / "*.tmp-*")) == []
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The pids of `pid`'s spawned multiprocessing workers (Linux /proc)."""
+    found = []
+    for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        with contextlib.suppress(FileNotFoundError):
+            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                found.append(int(child))
+    return found
+
+
+def test_preprocessing_worker_killed_is_named(tmp_path, earlier_output):
+    """A worker killed from outside (the kernel's OOM killer) stops the run with one line naming
+    it and its exit code, at once, with no temporaries left and earlier output untouched."""
+    src = big_input(tmp_path / "big.jsonl")
+    args = preprocess_args(src, tmp_path / "out" / "o", "--workers", 2)
+    p = subprocess.Popen([sys.executable, "-m", PRE, *map(str, args)],
+                         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 60
+    workers = []
+    while len(workers) < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.02)
+        workers = _workers_of(p.pid)
+    time.sleep(0.3)  # mid-run: workers started, tokens being written
+    assert p.poll() is None and len(workers) == 2, "preprocessing ended before a worker could be killed"
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert_one_error(p.returncode, err, 1, "preprocessing worker", "stopped unexpectedly", "exit code -9",
+                     "no output written")
     assert glob.glob(str(tmp_path / "out" / "*.tmp-*")) == []
     assert_nothing_lost(earlier_output, tmp_path / "out")
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -150,47 +150,133 @@ def _read_tasks(path: str, lines_per_task: int):
             yield line_no, batch
 
 
-def _ordered_results(tasks, workers: int, init_args: tuple):
-    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded.
+def _worker_main(conn, init_args: tuple) -> None:
+    """One worker: a thread receives tasks as soon as they are sent (so the parent's send never
+    waits on this worker's send of a result: no deadlock on full pipes), the main thread encodes
+    them in order and sends each result back, or the exception it raised."""
+    _init_pool_worker(*init_args)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
 
-    A process pool from `concurrent.futures`, not `multiprocessing.Pool`: stopping a Pool early
-    can deadlock in `terminate()` on the queue lock an idle worker holds. Stopped early (a bad
-    line, Ctrl-C, SIGTERM), the executor cancels what is queued and its workers are killed: the
-    tasks in flight would be thrown away anyway, and one huge document holds its worker for
-    minutes, longer than a scheduler waits between SIGTERM and SIGKILL.
+    def receive() -> None:
+        try:
+            while True:
+                task = conn.recv()
+                inbox.put(task)
+                if task is None:
+                    return
+        except (EOFError, OSError):  # the parent closed the pipe
+            inbox.put(None)
+
+    threading.Thread(target=receive, daemon=True).start()
+    while (task := inbox.get()) is not None:
+        try:
+            reply = (True, _encode_chunk(task))
+        except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it
+            reply = (False, e)
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, EOFError, OSError):
+            return
+        except Exception as e:  # noqa: BLE001 - an exception that does not pickle
+            conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+class _Workers:
+    """`n` worker processes the parent owns, one pipe each; task i goes to worker i mod n, so
+    results come back in input order by reading the workers in turn.
+
+    Not `concurrent.futures` nor `multiprocessing.Pool`: stopped early (a bad line, Ctrl-C,
+    SIGTERM) their workers must be killed at once (one huge document holds a worker for
+    minutes, longer than a scheduler waits between SIGTERM and SIGKILL), and a worker killed
+    while sending a result leaves the executor's manager thread blocked on the half-sent message,
+    which the interpreter then waits for at exit (a hang seen here); Pool can deadlock in
+    `terminate()` on the queue lock an idle worker holds. Here only the parent's main thread
+    reads, so killing the workers and closing the pipes is the whole cleanup.
     """
+
+    def __init__(self, n: int, init_args: tuple):
+        ctx = multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        try:
+            for _ in range(n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(child, init_args), daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _died(self, w: int) -> errors.RunFailure:
+        proc = self.procs[w]
+        proc.join(1)
+        return errors.RunFailure(f"preprocessing worker {w + 1} of {len(self.procs)} stopped unexpectedly "
+                                 f"(exit code {proc.exitcode}; killed for lack of memory? try fewer --workers); "
+                                 "no output written")
+
+    def send(self, w: int, task) -> None:
+        try:
+            self.conns[w].send(task)
+        except (BrokenPipeError, OSError):
+            raise self._died(w) from None
+
+    def receive(self, w: int):
+        try:
+            ok, value = self.conns[w].recv()
+        except (EOFError, OSError):
+            raise self._died(w) from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Finished: tell each worker to stop, give it a moment, then kill what is left."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(5)
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(Exception):  # already gone
+                proc.kill()
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.join(5)
+                proc.close()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+
+def _ordered_results(tasks, workers: int, init_args: tuple):
+    """Results in input order; at most 2 tasks per worker in flight, so memory stays bounded."""
     if workers <= 1:
         _init_worker(*init_args)
         for task in tasks:
             yield _encode_chunk(task)
         return
-    ctx = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
-                                                  initargs=init_args)
+    pool = _Workers(workers, init_args)
     finished = False
     try:
-        pending = collections.deque()
-        for task in tasks:
-            pending.append(pool.submit(_encode_chunk, task))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        in_flight: collections.deque[int] = collections.deque()
+        for i, task in enumerate(tasks):
+            pool.send(i % workers, task)
+            in_flight.append(i % workers)
+            if len(in_flight) >= 2 * workers:
+                yield pool.receive(in_flight.popleft())
+        while in_flight:
+            yield pool.receive(in_flight.popleft())
         finished = True
     finally:
-        if not finished:
-            _kill_workers(pool)
-        pool.shutdown(wait=finished, cancel_futures=True)
-
-
-def _kill_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    kill = getattr(pool, "kill_workers", None)  # Python 3.14
-    if kill is not None:
-        kill()
-        return
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-        with contextlib.suppress(Exception):  # already gone
-            proc.kill()
+        if finished:
+            pool.close()
+        else:
+            pool.kill()
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
