@@ -21,6 +21,10 @@
 # JAX_PLATFORMS=cpu and --xla_force_host_platform_device_count=DEVICES_PER_PROCESS in XLA_FLAGS
 # (other XLA_FLAGS are kept).
 set -u
+if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501 )); then
+    echo "$0: needs bash 5.1 or newer (wait -n -p); this is bash $BASH_VERSION" >&2
+    exit 2
+fi
 
 if [[ $# -lt 2 || ! "$1" =~ ^[1-9][0-9]*$ || ! "$2" =~ ^[1-9][0-9]*$ ]]; then
     echo "usage: $0 NUM_PROCESSES DEVICES_PER_PROCESS [train flags...]" >&2
@@ -80,29 +84,26 @@ for ((i = 0; i < num; i++)); do
     pids+=($!)
 done
 
-# Wait for all; the first failure stops the rest.
-remaining=$num
-declare -A done_
-while (( remaining > 0 )); do
-    for ((i = 0; i < num; i++)); do
-        [[ -n "${done_[$i]:-}" ]] && continue
-        pid=${pids[$i]}
-        kill -0 "$pid" 2>/dev/null && continue
-        wait "$pid"
-        status=$?
-        done_[$i]=1
-        remaining=$((remaining - 1))
-        if (( status != 0 )); then
-            echo "launch/local.sh: process $i exited with status $status; stopping the others" >&2
-            stop_all
-            if (( i != 0 )); then
-                echo "launch/local.sh: last lines of process $i ($log_dir/process_$i.log):" >&2
-                strip_gloo < "$log_dir/process_$i.log" | tail -n 20 | sed "s/^/[process $i] /" >&2
-            fi
-            exit "$status"
+# Wait for all, in the order they end; the first failure stops the rest. (The order matters: a
+# process whose peer died stops too, soon after, and must not be reported as the cause.)
+declare -A index_of running
+for ((i = 0; i < num; i++)); do index_of[${pids[$i]}]=$i; running[${pids[$i]}]=1; done
+while (( ${#running[@]} > 0 )); do
+    ended=""
+    wait -n -p ended "${!running[@]}"
+    status=$?
+    [[ -n "$ended" ]] || continue  # a signal interrupted the wait
+    unset "running[$ended]"
+    i=${index_of[$ended]}
+    if (( status != 0 )); then
+        echo "launch/local.sh: process $i exited with status $status; stopping the others" >&2
+        stop_all
+        if (( i != 0 )); then
+            echo "launch/local.sh: last lines of process $i ($log_dir/process_$i.log):" >&2
+            strip_gloo < "$log_dir/process_$i.log" | tail -n 20 | sed "s/^/[process $i] /" >&2
         fi
-    done
-    (( remaining > 0 )) && sleep 0.2
+        exit "$status"
+    fi
 done
 wait  # the tee of process 0's output
 exit 0
