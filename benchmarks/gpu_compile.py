@@ -73,6 +73,10 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 CASES = {
     "gpt_1p3b": ("README GPT 1.3B (dp8, ZeRO, micro 8)", 8, 8, README_GPT_1P3B.format(micro=8).split()),
     "gpt_1p3b_micro4": ("README GPT 1.3B (dp8, ZeRO, micro 4)", 8, 8, README_GPT_1P3B.format(micro=4).split()),
+    "gpt_1p3b_overlap": ("README GPT 1.3B + --overlap-grad-reduce (micro 8)", 8, 8,
+                         README_GPT_1P3B.format(micro=8).split() + ["--overlap-grad-reduce"]),
+    "gpt_1p3b_micro4_overlap": ("README GPT 1.3B + --overlap-grad-reduce (micro 4)", 8, 8,
+                                README_GPT_1P3B.format(micro=4).split() + ["--overlap-grad-reduce"]),
     "llama3_8b": ("Megatron Llama-3 8B script as written (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
                   script_args("llama3_8b_bf16")),
     "llama3_8b_recompute": ("the same + full recompute (the plan's first suggestion)", 8, 8,
@@ -101,6 +105,9 @@ def run_case(name: str, gpu: str, out: Path) -> dict:
         row.update(layout=" x ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1),
                    gib=r["per_device_bytes"]["total"] / 2**30, usable_gib=r["usable_bytes"] / 2**30,
                    fits=r["fits"], compile_seconds=r["compile_seconds"], attention=r["attention_backend"])
+        reduction = r["data_parallel"].get("gradient reduction")
+        if reduction:  # the data-parallel gradient reduction's collectives: overlapped / all
+            row["grad_reduce_overlap"] = f"{reduction['overlapped']}/{reduction['count']}"
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     if errors:
         row["error"] = errors[-1]
@@ -116,15 +123,17 @@ def main() -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'case':<18} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9}  attention")
+    print(f"{'case':<24} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9} "
+          f"{'dp grads overlapped':>19}  attention")
     for name in a.cases.split(","):
         row = run_case(name, a.gpu, out)
         rows.append(row)
         if "gib" in row:
-            print(f"{name:<18} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
-                  f"{row['compile_seconds']:>9.1f}  {row['attention']}", flush=True)
+            print(f"{name:<24} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
+                  f"{row['compile_seconds']:>9.1f} {row.get('grad_reduce_overlap', '-'):>19}  {row['attention']}",
+                  flush=True)
         else:
-            print(f"{name:<18} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)
+            print(f"{name:<24} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)
     (out / f"gpu_compile_{a.gpu}.json").write_text(json.dumps(rows, indent=1))
     print(f"> {out / f'gpu_compile_{a.gpu}.json'}")
     return 0

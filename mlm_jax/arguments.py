@@ -66,7 +66,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),
     ("--decoupled-min-lr", "optim", "decoupled_min_lr", "float", "final LR of the input embedding and output layer (with --decoupled-lr; default --min-lr)"),
     ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see README)"),
-    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "GPU: XLA's latency-hiding scheduler and async all-reduce / reduce-scatter (XLA_FLAGS set before JAX starts; see README)"),
+    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "reduce each layer's data-parallel gradient inside the last microbatch's backward, overlapping the rest of it (not with pipeline or expert parallelism or mixed dense/MoE layers: reduced once after the backward there); GPU: XLA's latency-hiding scheduler and pipelined all-reduce / reduce-scatter too (see README)"),
     ("--overlap-param-gather", "parallel", "overlap_param_gather", "true", "GPU: XLA's latency-hiding scheduler and async all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),

@@ -126,7 +126,9 @@ class ParallelConfig:
     # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
     # step reduces once per step: mlm_jax/step.py `reduce_once_loss_and_grads`).
     grad_reduce_in_bf16: bool = False
-    # --overlap-grad-reduce / --overlap-param-gather: XLA's GPU scheduler flags (mlm_jax/xla_flags.py).
+    # --overlap-grad-reduce: each layer's gradient reduced in the last microbatch's backward
+    # (mlm_jax/parallel/data.py `overlaps_grad_reduce`); with --overlap-param-gather, XLA's GPU
+    # scheduler flags (mlm_jax/xla_flags.py).
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     # Pipeline schedule (mlm_jax/pipeline/): None picks Megatron's default (1F1B; interleaved

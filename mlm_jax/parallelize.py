@@ -42,6 +42,7 @@ from mlm_jax.models.build import abstract_model, init_params
 from mlm_jax.models.gpt import GPT
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import make_optimizer, optimizer_shardings
+from mlm_jax.parallel.data import overlaps_grad_reduce
 from mlm_jax.parallel.tracing import tracing
 from mlm_jax.platform import mesh_platform
 from mlm_jax.sharding.rules import activation_rules, logical_to_spec, param_rules, zero_spec
@@ -120,8 +121,10 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
         shapes, compute_spec = pipeline.stored_shapes(shapes), pipeline.stored_specs(compute_spec, shapes)
     storage_spec = compute_spec
     if p.use_distributed_optimizer:
-        storage_spec = jax.tree.map(lambda s, a: zero_spec(s, a.shape, sizes), compute_spec, shapes,
-                                    is_leaf=is_spec)
+        # --overlap-grad-reduce reduce-scatters one layer at a time: the layers dim stays whole.
+        skip = 1 if overlaps_grad_reduce(cfg, mesh) else 0
+        storage_spec = jax.tree.map(lambda s, a, n: zero_spec(s, a.shape, sizes, skip=skip * (n[:1] == ("layers",))),
+                                    compute_spec, shapes, names, is_leaf=is_spec)
     if pipeline is not None:  # the parameters every stage computes with whole, stored split over pipe
         storage_spec = pipeline.shared_storage_specs(storage_spec, shapes)
     to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731

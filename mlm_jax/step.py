@@ -19,6 +19,7 @@ the state under "loss_scale".
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -31,7 +32,10 @@ from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
-from mlm_jax.parallel.data import gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once
+from mlm_jax.parallel.data import (ReduceInBackward, gather_once, leaf_reduction, overlaps_grad_reduce,
+                                   per_rank_trace, rank_axes, reduce_over_ranks, reduces_once)
+from mlm_jax.sharding import trace
+from mlm_jax.sharding.mesh import DATA
 from mlm_jax.sharding.specs import manual_part, rows_over, stacked_per_rank
 
 # (params, batch, key, loss_scale=None) -> (token-mean loss, grads in storage sharding, summed aux)
@@ -58,7 +62,7 @@ def loss_functions(cfg: Config, mesh, graphdef, compute: dict, storage: dict,
     run, loss_sum = plain_loss_and_grads(graphdef, compute, storage)
     if reduces_once(mesh):  # one data-parallel gradient reduction per step, not per microbatch
         run = reduce_once_loss_and_grads(graphdef, compute, storage, run, compute_dtype(cfg.model),
-                                         cfg.parallel.grad_reduce_in_bf16)
+                                         cfg.parallel.grad_reduce_in_bf16, overlaps_grad_reduce(cfg, mesh))
     return run, loss_sum
 
 
@@ -104,7 +108,7 @@ def plain_loss_and_grads(graphdef, compute: dict, storage: dict) -> tuple[LossAn
 
 
 def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback: LossAndGrads,
-                               gather_dtype=None, bf16: bool = False) -> LossAndGrads:
+                               gather_dtype=None, bf16: bool = False, overlap: bool = False) -> LossAndGrads:
     """Like `plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -118,17 +122,37 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
     `parallel.data.gather_once`), and each rank differentiates that copy, accumulating its
     gradients in fp32. A model whose head reports aux scalars that are not MoE rank shares
     takes `fallback` (`reduces_once`).
+
+    With `overlap` (--overlap-grad-reduce where `parallel.data.overlaps_grad_reduce` allows) the
+    loop runs the first m - 1 microbatches only, and the last one's backward reduces each
+    gradient (its own plus the accumulated) as soon as it is complete, the layers' one layer at
+    a time inside the layer scan (`parallel.data.ReduceInBackward`): the same one reduction per
+    parameter per step, now overlapping the rest of the backward. The model's step is then
+    compiled twice (the loop's body and the last microbatch).
     """
+    def loss_fn(prm, mb, mb_key, weight):
+        loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
+        return loss_sum * weight, aux
+
+    def accumulate(prm, weight, key, carry, mbs, first: int = 0):
+        """The microbatches `mbs` [n, b, s] (numbered from `first`) differentiated at `prm`, their
+        (loss, aux) and gradients added to `carry`'s fp32 accumulators."""
+        def micro(carry, xs):
+            grads_acc, loss_acc, aux_acc = carry
+            mb, index = xs
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                prm, mb, jax.random.fold_in(key, index), weight)
+            return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads), loss_acc + loss,
+                    sum_aux(aux_acc, aux)), None
+
+        num = mbs["tokens"].shape[0]
+        return jax.lax.scan(micro, carry, (mbs, first + jnp.arange(num)))[0] if num else carry
+
     def run(params, batch, key, loss_scale=None):
         # Gathered once, the weights kept in the compute dtype: no fp32 copy of them lives
         # through the loop, and each microbatch's weight gradients come in the compute dtype
         # (the same values the fp32 copy's cast would widen), accumulated in fp32.
         gathered = gather_once(params, storage, compute, gather_dtype, widen=False)
-
-        def loss_fn(prm, mb, mb_key, weight):
-            loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
-            return loss_sum * weight, aux
-
         first = jax.tree.map(lambda x: x[0], batch)
         weight = ls.token_weight(batch, loss_scale)  # one replicated argument of the shard_map
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, gathered, first, key, weight)[1])
@@ -136,33 +160,72 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
         if not reduces_once(mesh, aux0):
             return fallback(params, batch, key, loss_scale)
         ranks = rank_axes(mesh)
-
-        def per_rank(prm, mbs, key, weight):
-            # Manual over `data` (and `expert`; tensor still GSPMD's): mbs [m, b, s] holds this
-            # rank's rows, prm this rank's experts.
-            def micro(carry, xs):
-                grads_acc, loss_acc, aux_acc = carry
-                mb, index = xs
-                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                    prm, mb, jax.random.fold_in(key, index), weight)
-                return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads), loss_acc + loss,
-                        sum_aux(aux_acc, aux)), None
-
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), prm)  # fp32 accumulators
-            num_micro, rows_here = mbs["tokens"].shape[:2]
-            with per_rank_trace(mesh, ranks, rows_here):
-                (grads, loss, aux), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), aux0),
-                                                     (mbs, jnp.arange(num_micro)))
-            # [1, ...] per rank: stacked over the ranks outside, summed there once.
-            return jax.tree.map(lambda g: g[None], (grads, loss, aux))
-
         held = jax.tree.map(lambda sharding: manual_part(sharding.spec, ranks), compute)  # the experts
-        stacked = jax.shard_map(
-            per_rank, in_specs=(held, rows_over(ranks), P(), P()),
-            out_specs=(jax.tree.map(lambda spec: stacked_per_rank(spec, ranks), held), P(ranks), P(ranks)),
-            axis_names=set(ranks), check_vma=False)
-        grads, loss, aux = stacked(gathered, batch, key, weight)
+
+        def start(prm):  # fp32 gradient accumulators, loss, aux
+            return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), prm), jnp.zeros((), jnp.float32), aux0
+
+        if overlap:
+            sizes = dict(mesh.shape)
+            reductions = jax.tree_util.tree_map_with_path(
+                lambda path, st, co: leaf_reduction(st.spec, co.spec, sizes, ReduceInBackward.stacked(path), bf16),
+                storage, compute)
+
+            def per_rank(prm, mbs, key, weight):
+                # Manual over `data` (tensor still GSPMD's): mbs [m, b, s] holds this rank's rows.
+                num_micro, rows_here = mbs["tokens"].shape[:2]
+                shares0 = ReduceInBackward.zero_shares(prm, reductions, sizes[DATA])
+
+                def micro(carry, xs):
+                    acc, shares, loss_acc, aux_acc = carry
+                    mb, index = xs
+                    mb_key = jax.random.fold_in(key, index)
+
+                    def earlier():  # accumulated, not reduced
+                        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(prm, mb, mb_key, weight)
+                        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), shares, loss, aux
+
+                    def last():  # reduced in the backward: the shares' gradient
+                        def loss_at(shares):
+                            hooks = ReduceInBackward(reductions, acc, shares)
+                            with trace.using(layer_grad_hook=hooks):
+                                return loss_fn(hooks.hooked(prm), mb, mb_key, weight)
+
+                        (loss, aux), reduced = jax.value_and_grad(loss_at, has_aux=True)(shares0)
+                        return acc, reduced, loss, aux
+
+                    # Both kinds in the loop, chosen per microbatch: each one's activations then
+                    # live inside its own branch (the last microbatch's outside the loop would
+                    # be placed beside the loop's, not after them).
+                    acc, shares, loss, aux = jax.lax.cond(index == num_micro - 1, last, earlier)
+                    return (acc, shares, loss_acc + loss, sum_aux(aux_acc, aux)), None
+
+                acc0, loss0, aux0_ = start(prm)
+                with per_rank_trace(mesh, ranks, rows_here):
+                    (_, shares, loss, aux), _ = jax.lax.scan(micro, (acc0, shares0, loss0, aux0_),
+                                                             (mbs, jnp.arange(num_micro)))
+                return shares, loss[None], jax.tree.map(lambda a: a[None], aux)
+
+            grads_spec = jax.tree_util.tree_map_with_path(
+                lambda path, r: r.out_spec(ReduceInBackward.stacked(path)), reductions)
+        else:
+            def per_rank(prm, mbs, key, weight):
+                # Manual over `data` (and `expert`; tensor still GSPMD's): mbs [m, b, s] holds this
+                # rank's rows, prm this rank's experts.
+                with per_rank_trace(mesh, ranks, mbs["tokens"].shape[1]):
+                    grads, loss, aux = accumulate(prm, weight, key, start(prm), mbs)
+                # [1, ...] per rank: stacked over the ranks outside, summed there once.
+                return jax.tree.map(lambda g: g[None], (grads, loss, aux))
+
+            grads_spec = jax.tree.map(lambda spec: stacked_per_rank(spec, ranks), held)
+
+        grads, loss, aux = jax.shard_map(
+            per_rank, in_specs=(held, rows_over(ranks), P(), P()), out_specs=(grads_spec, P(ranks), P(ranks)),
+            axis_names=set(ranks), check_vma=False)(gathered, batch, key, weight)
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)  # each rank holds its share
+        if overlap:  # reduced in the backward: each rank's share assembled in storage
+            grads = jax.tree.map(lambda r, g, p: r.unpiece(g, p.shape), reductions, grads, gathered)
+            return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, storage), aux
         return jnp.sum(loss), reduce_over_ranks(grads, storage, bf16), aux  # the one dp reduction
 
     return run

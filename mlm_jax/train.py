@@ -159,7 +159,7 @@ def build_model(cfg: Config, mesh, layout: BatchLayout, log):
     from mlm_jax.metrics import active_params
     from mlm_jax.models.attention import backend_note
     from mlm_jax.models.build import abstract_model, count_params
-    from mlm_jax.parallel.data import bf16_grad_reduce_note
+    from mlm_jax.parallel.data import bf16_grad_reduce_note, overlap_grad_reduce_note
     from mlm_jax.parallelize import parallelize
     from mlm_jax.platform import mesh_platform
 
@@ -168,9 +168,10 @@ def build_model(cfg: Config, mesh, layout: BatchLayout, log):
     log(f"> mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{n_params / 1e6:.2f} M parameters; vocab {cfg.model.vocab_size} padded to {cfg.model.vocab}; "
         f"{layout.num_microbatches} microbatch(es) of {layout.micro_batch_size} per data-parallel rank")
-    note = bf16_grad_reduce_note(cfg, mesh)
-    if note:
-        log(f"> --grad-reduce-in-bf16: {note}")
+    for flag, note in (("--grad-reduce-in-bf16", bf16_grad_reduce_note(cfg, mesh)),
+                       ("--overlap-grad-reduce", overlap_grad_reduce_note(cfg, mesh))):
+        if note:
+            log(f"> {flag}: {note}")
     note = backend_note(cfg.model, mesh_platform(mesh))
     if note:
         log(f"> {note}")

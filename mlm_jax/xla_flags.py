@@ -21,7 +21,9 @@ and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device mem
 
 Not set: `--xla_gpu_enable_while_loop_double_buffering` (unrolls the layer scan twice: twice the
 compile time, more temporaries). Megatron's --overlap-grad-reduce / --overlap-param-gather ask for
-a subset of these (`GRAD_REDUCE`, `PARAM_GATHER`): on GPUs the overlap is always on.
+a subset of these (`GRAD_REDUCE`, `PARAM_GATHER`): on GPUs the scheduler's overlap is always on
+(--overlap-grad-reduce also moves the gradient reduction into the backward, where there is
+compute to overlap: mlm_jax/parallel/data.py).
 
 XLA reads XLA_FLAGS once, when its backend starts, so `apply` runs before any JAX work. A flag
 the user already set in XLA_FLAGS, to any value, is left alone; an unknown flag would abort

@@ -8,7 +8,8 @@ same path as `python -m mlm_jax.plan`, and what each compiled program shows asse
   document mask; with context parallelism, a2a), XLA attention elsewhere;
 - no matmul with an fp32 operand in a bf16 dense step;
 - ZeRO's parameter all-gather sends bf16 under --bf16;
-- the data-parallel gradient reduction runs once, outside every loop;
+- the data-parallel gradient reduction runs once, outside every loop; with --overlap-grad-reduce
+  inside the last microbatch's backward, layer by layer, overlapping compute;
 - every collective is asynchronous, and the data-parallel ones overlap compute.
 
 The compiles run in worker processes started with the XLA flags a GPU run sets (the suite's own
@@ -71,7 +72,13 @@ LAYOUTS = {
     "llama_tp2_zero": (BF16 + LLAMA + " --tensor-model-parallel-size 2 --sequence-parallel "
                        "--use-distributed-optimizer", True),
     "flash_llama_dp8": (BF16 + LLAMA + " --attention-backend flash", True),
+    # 4 layers: the layer loop runs 3 times (XLA peels one iteration off to pipeline the reduction)
+    "dp8_zero_overlap": (BF16 + " --use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
+    "dp8_grad_bf16_overlap": (BF16 + " --grad-reduce-in-bf16 --overlap-grad-reduce --num-layers 4", True),
+    "tp2_sp_dp4_zero_overlap": (BF16 + " --tensor-model-parallel-size 2 --sequence-parallel "
+                                "--use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
 }
+OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
 DENSE = [n for n in LAYOUTS if "ep" not in n.split("_")[0] and LAYOUTS[n][0].startswith(BF16)]
 MIB = 2**20
 
@@ -148,7 +155,8 @@ def test_zero_gathers_parameters_in_the_compute_dtype(plans, name):
         [c["bytes_by_dtype"] for c in gathers]
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if "dp" in n or "zero" in n or n in ("fp16", "fp32", "dropout")])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if ("dp" in n or "zero" in n or n in ("fp16", "fp32", "dropout"))
+                                  and n not in OVERLAP])
 def test_gradient_reduction_once_outside_loops(plans, name):
     r = _plan(plans, name)
     grads = _collectives(r, axis="data", kinds=("all-reduce", "reduce-scatter"), min_bytes=64 * 1024)
@@ -160,6 +168,32 @@ def test_gradient_reduction_once_outside_loops(plans, name):
     assert sum(c["bytes"] for c in grads) <= 1.05 * params, (sum(c["bytes"] for c in grads), params)
     if "grad_bf16" in name:
         assert all(c["dtypes"] == ["bf16"] for c in grads), [c["dtypes"] for c in grads]
+
+
+@pytest.mark.parametrize("name", OVERLAP)
+def test_overlap_grad_reduce_reduces_each_layer_in_the_backward_overlapping_compute(plans, name):
+    """--overlap-grad-reduce: the layers' gradients reduce-scattered inside the layer loop of the
+    last microbatch's backward (a conditional's branch in the microbatch loop), every gradient
+    reduction overlapping compute; nothing reduced per microbatch. Without the flag the same
+    layout reduces once after the loop (test above), overlapping only the optimizer's update."""
+    r = _plan(plans, name)
+    grads = _collectives(r, axis="data", kinds=("all-reduce", "reduce-scatter"), min_bytes=64 * 1024)
+    # In the layer loop: run more often than the branch's microbatch loop alone would run them.
+    microbatches = 32 // (2 * r["mesh"]["data"])  # global batch / (micro batch x dp)
+    in_layers = [c for c in grads if c["in_branch"] and c["runs"] > microbatches]
+    zero = "--use-distributed-optimizer" in LAYOUTS[name][0]
+    kind = "reduce-scatter" if zero else "all-reduce"  # into ZeRO's shards, or whole
+    assert in_layers and all(c["kind"] == kind and c["overlapped"] for c in in_layers), grads
+    assert not [c for c in grads if c["in_loop"] and not c["in_branch"]], grads
+    reduction = r["data_parallel"]["gradient reduction"]
+    assert reduction["overlapped"] == reduction["count"] >= 2, reduction
+    # Each parameter reduced once per step: one execution of the branch's reductions moves at
+    # most the parameters' fp32 gradients (the layer loop's one layer each).
+    params = r["per_device_bytes"]["parameters"] * (r["mesh"]["data"] if zero else 1)
+    if "--grad-reduce-in-bf16" in LAYOUTS[name][0]:  # half the bytes, in bf16 on the wire
+        params //= 2
+        assert all(c["dtypes"] == ["bf16"] for c in grads), [c["dtypes"] for c in grads]
+    assert sum(c["bytes"] for c in grads if c["in_branch"]) <= 1.05 * params, (grads, params)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -37,6 +37,7 @@ from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, nor
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
+from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import varying, zeros_like_typed
 from mlm_jax.sharding.rules import constrain
 
@@ -169,9 +170,15 @@ class GPT(nnx.Module):
         n = jax.tree.leaves(layer_state)[0].shape[0]
 
         stats0 = zero_stats() if self.layer_kinds[0] else {}
+        # --overlap-grad-reduce: each layer's weights pass through the installed hook, which
+        # reduces their gradient over the data-parallel ranks as the backward leaves the layer.
+        hook = trace.current().layer_grad_hook
+        hook_xs = () if hook is None else (hook.layer_inputs(layer_state),)
 
         def body(x, xs):
-            state_l, index = xs
+            state_l, index, *hook_l = xs
+            if hook_l:
+                state_l = hook.at_layer(state_l, hook_l[0])
 
             def layer():
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
@@ -183,11 +190,13 @@ class GPT(nnx.Module):
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
         # --recompute-granularity / -method / -num-layers (mlm_jax/models/recompute.py)
-        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n)), n, self.cfg)
+        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n), *hook_xs), n, self.cfg)
 
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
         """Dense and MoE layers in the pattern's order: one scan over the layers whose body
         picks the kind with lax.cond and the block's row of that kind's stack."""
+        if trace.current().layer_grad_hook is not None:
+            raise ConfigError("a per-layer gradient hook needs one stack of layers (not mixed dense/MoE)")
         kinds = jnp.asarray(self.layer_kinds, jnp.int32)
         row = jnp.asarray(_rows_within_kind(self.layer_kinds), jnp.int32)
         dense_def, dense_state = nnx.split(self.layers)

@@ -1,6 +1,8 @@
 """Data parallelism's hand-placed pieces, shared by the plain step (`mlm_jax/step.py`) and the
 pipeline (`mlm_jax/pipeline/runtime.py`): ZeRO's parameter gather once per step, the per-rank
-body that accumulates each rank's own gradients, and the one gradient reduction over the ranks.
+body that accumulates each rank's own gradients, and the one gradient reduction over the ranks:
+after the backward (`reduce_over_ranks`), or with --overlap-grad-reduce inside the last
+microbatch's backward, layer by layer as each layer's gradient is complete (`ReduceInBackward`).
 
 Everything else of data parallelism (the batch split over `data`, ZeRO's storage) is a rules
 choice the compiler derives.
@@ -9,18 +11,21 @@ choice the compiler derives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
+from mlm_jax import platform
 from mlm_jax.config import Config
 from mlm_jax.models.layers import compute_dtype, used_in_compute_dtype
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import DATA, EXPERT
 from mlm_jax.sharding.rules import active_rules
-from mlm_jax.sharding.specs import pick_axes
+from mlm_jax.sharding.specs import entry_axes, pick_axes
 
 
 def reduces_once(mesh: Mesh, aux_names=()) -> bool:
@@ -120,3 +125,195 @@ def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     if not reduces_once(mesh):
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     return None
+
+
+# ----------------------------------------------------------------- --overlap-grad-reduce
+
+def overlaps_grad_reduce(cfg: Config, mesh: Mesh) -> bool:
+    """Whether the step reduces the gradients in the last microbatch's backward, layer by layer
+    (--overlap-grad-reduce, Megatron's bucketed reduction that overlaps the backward): where the
+    per-rank body runs over `data` alone and the layers are one stack. The pipeline (whose
+    reduction follows the schedule), expert parallelism (a per-rank body over `expert` too) and
+    mixed dense/MoE stacks keep the one reduction after the backward."""
+    m = cfg.model
+    return (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline_model_parallel_size == 1
+            and reduces_once(mesh) and rank_axes(mesh) == (DATA,)
+            and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1)
+
+
+def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
+    """Where --overlap-grad-reduce asks for what `overlaps_grad_reduce` cannot do, what happens
+    instead (the run logs it); None when it applies or was not asked for."""
+    p = cfg.parallel
+    if not p.overlap_grad_reduce or overlaps_grad_reduce(cfg, mesh):
+        return None
+    if not reduces_once(mesh):
+        return "no effect: the data-parallel size is 1, there is no gradient reduction"
+    why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
+           "expert parallelism" if rank_axes(mesh) != (DATA,) else "mixed dense/MoE layers")
+    return f"the gradients are reduced once after the backward ({why}), not inside it"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafReduction:
+    """How one gradient (a whole leaf, or one layer's slice of a stacked leaf) is reduced over
+    `data` inside the per-rank body: summed whole on every rank (`dim` None: an all-reduce) or
+    reduce-scattered on `dim`, the dim ZeRO's storage splits over `data`. Storage may split that
+    dim over other axes first, (t, data): then the dim is seen as [groups = t, n / t] and
+    scattered on the second, so that each rank's block is the one storage puts there."""
+    dim: int | None
+    groups: int = 1
+    bf16: bool = False  # --grad-reduce-in-bf16: the collective runs in bf16
+    compute: P = P()  # the gradient's sharding over the axes left to the compiler (tensor)
+
+    def __call__(self, total: jax.Array) -> jax.Array:
+        """The per-rank fp32 gradient `total` reduced over `data`: this rank's share, fp32.
+
+        The collective runs on each device's block (a shard_map over the axes the gradient is
+        split over besides `data`): a collective over `data` on a value the compiler splits
+        over tensor would otherwise be given the whole value, gathered first."""
+        split = tuple(dict.fromkeys(a for e in self.compute for a in entry_axes(e)))
+
+        def block(x):  # this device's block of the gradient
+            if self.bf16:
+                x = x.astype(jnp.bfloat16)
+                if platform.current() == platform.CPU:
+                    # XLA:CPU reduces bf16 in fp32 anyway (its all-reduce promotion: each
+                    # rank's bf16 widened, summed in fp32, the sum rounded to bf16), and that
+                    # pass aborts on these reductions: the same arithmetic, written out.
+                    x = x.astype(jnp.float32)
+            if self.dim is None:
+                out = jax.lax.psum(x, DATA)
+            else:
+                out = jax.lax.psum_scatter(x, DATA, scatter_dimension=self.dim, tiled=True)
+                if self.groups > 1:  # [.., n / t / dp, ..] -> [.., 1, n / t / dp, ..]
+                    out = jnp.expand_dims(out, self.dim)
+            return out.astype(jnp.bfloat16).astype(jnp.float32) if self.bf16 else out
+
+        out_spec = self.compute
+        if self.dim is not None and self.groups > 1:
+            # Blocks of the (t, data) storage: [.., t, n / t / dp, ..] here, [.., t, n / t] once
+            # the shares of the data ranks are put side by side on the second (`out_spec`).
+            d, parts = self.dim, tuple(self.compute) + (None,) * (self.dim + 1 - len(self.compute))
+            out_spec = P(*parts[:d], parts[d], None, *parts[d + 1:])
+        if not split:
+            return block(total)
+        return jax.shard_map(block, in_specs=self.compute, out_specs=out_spec, axis_names=set(split),
+                             check_vma=False)(total)
+
+    def share_shape(self, shape, num_ranks: int) -> tuple[int, ...]:
+        """A rank's share of the reduced gradient of a `shape` leaf (or layer slice), as `__call__`
+        returns it (with `groups`, the dim seen as [groups, n / groups])."""
+        shape = tuple(shape)
+        if self.dim is None:
+            return shape
+        d = self.dim
+        if self.groups > 1:
+            shape = (*shape[:d], self.groups, shape[d] // self.groups, *shape[d + 1:])
+            d += 1
+        return (*shape[:d], shape[d] // num_ranks, *shape[d + 1:])
+
+    def out_spec(self, stacked: bool) -> P:
+        """The per-rank body's out spec of the shares (`stacked`: [layers, ...] of a stacked leaf)."""
+        if self.dim is None:
+            return P()
+        d = self.dim + (self.groups > 1) + stacked
+        return P(*([None] * d), DATA)
+
+    def unpiece(self, g: jax.Array, shape) -> jax.Array:
+        """The shares assembled outside the per-rank body, back to the leaf's `shape`."""
+        return g.reshape(shape) if self.groups > 1 else g
+
+
+def leaf_reduction(storage_spec: P, compute_spec: P, mesh_sizes: dict[str, int], stacked: bool,
+                   bf16: bool) -> LeafReduction:
+    """The `LeafReduction` of a leaf stored as `storage_spec` and computed with as `compute_spec`
+    (for one layer's slice of it when `stacked`: the layers dim is then never the one split over
+    `data`, see `zero_spec`'s `skip`)."""
+    compute = P(*tuple(compute_spec)[stacked:])
+    for dim, entry in enumerate(storage_spec):
+        axes = entry_axes(entry)
+        if DATA in axes:
+            assert axes[-1] == DATA and not (stacked and dim == 0), storage_spec
+            return LeafReduction(dim - stacked, math.prod(mesh_sizes[a] for a in axes[:-1]), bf16, compute)
+    return LeafReduction(None, 1, bf16, compute)
+
+
+def _reduced_in_backward(reduction: LeafReduction):
+    """w -> w, whose backward sums the earlier microbatches' gradient `acc` and this one's, reduces
+    that over `data` (`reduction`) and hands the rank's share back as the cotangent of `share`:
+    the reduced gradient comes out as the gradient of the zeros passed as `share`."""
+
+    @jax.custom_vjp
+    def hook(w, acc, share):
+        return w
+
+    def forward(w, acc, share):
+        return w, acc
+
+    def backward(acc, g):
+        return jnp.zeros_like(g), jnp.zeros_like(acc), reduction(acc + g.astype(jnp.float32))
+
+    hook.defvjp(forward, backward)
+    return hook
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceInBackward:
+    """--overlap-grad-reduce inside the per-rank body (`overlaps_grad_reduce`): the last
+    microbatch is differentiated with respect to `shares` (zeros shaped like each rank's share of
+    the reduced gradients), every weight passing through `_reduced_in_backward` with its
+    accumulated gradient `acc`: the backward reduces each gradient as soon as it is complete, the
+    layers' one layer at a time inside the layer scan's backward (the model calls `layer_inputs`
+    and `at_layer` through the trace's `layer_grad_hook`), where XLA's scheduler overlaps it with
+    the backward of the layers below. Each parameter is still reduced once per step."""
+    reductions: Any  # a tree like the parameters: LeafReduction of each leaf
+    acc: Any  # per-rank fp32 gradients of the earlier microbatches, like the parameters
+    shares: Any  # zeros like each rank's share of the reduced gradients
+
+    STACKED = "layers"  # the parameters' key of the stacked layers
+
+    @classmethod
+    def stacked(cls, path) -> bool:
+        """Is the leaf at `path` (in the parameters) one of the stacked layers'?"""
+        first = path[0]
+        return str(getattr(first, "key", getattr(first, "name", first))) == cls.STACKED
+
+    @classmethod
+    def zero_shares(cls, params, reductions, num_ranks: int):
+        """The `shares` of `params`: zeros shaped like each rank's share of every gradient."""
+        def zeros(path, p, r):
+            stacked = cls.stacked(path)
+            shape = p.shape[1:] if stacked else p.shape
+            piece = r.share_shape(shape, num_ranks)
+            return jnp.zeros((p.shape[0], *piece) if stacked else piece, jnp.float32)
+
+        return jax.tree_util.tree_map_with_path(zeros, params, reductions)
+
+    def hooked(self, params):
+        """`params` with every leaf but the stacked layers' passed through its hook (the layers'
+        are hooked one layer at a time, inside the scan)."""
+        def hook(path, w, r, a, s):
+            if self.stacked(path):
+                return w
+            return _reduced_in_backward(r)(w, a, s)
+
+        return jax.tree_util.tree_map_with_path(hook, params, self.reductions, self.acc, self.shares)
+
+    def layer_inputs(self, layer_state):
+        """The scan inputs the layer scan adds for its `layer_state` ([layers, ...] leaves): the
+        stacked layers' accumulated gradients and shares, in `layer_state`'s structure."""
+        leaves = jax.tree.leaves(layer_state)
+        acc, shares = (jax.tree.leaves(t[self.STACKED]) for t in (self.acc, self.shares))
+        assert [a.shape for a in acc] == [w.shape for w in leaves], "layer_inputs: another stack"
+        treedef = jax.tree.structure(layer_state)
+        return jax.tree.unflatten(treedef, acc), jax.tree.unflatten(treedef, shares)
+
+    def at_layer(self, state_l, inputs_l):
+        """One layer's weights `state_l`, each passed through its hook with its slice of the scan
+        inputs `inputs_l` (`layer_inputs`)."""
+        acc_l, shares_l = inputs_l
+        reductions = jax.tree.unflatten(jax.tree.structure(state_l),
+                                        jax.tree.leaves(self.reductions[self.STACKED]))
+        return jax.tree.map(lambda w, r, a, s: _reduced_in_backward(r)(w, a, s),
+                            state_l, reductions, acc_l, shares_l)

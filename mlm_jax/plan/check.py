@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 from mlm_jax.config import data_parallel_size
+from mlm_jax.parallel.data import overlaps_grad_reduce
 from mlm_jax.xla_flags import MEM_FRACTION, MEM_FRACTION_ENV
 from mlm_jax.plan import gpu_hlo
 from mlm_jax.plan.compile import Compiled
@@ -33,8 +34,9 @@ def attention_backend(c: Compiled, program: gpu_hlo.Program) -> str:
 
 def _is_gradient_or_gather(col: gpu_hlo.Collective) -> str | None:
     """'gradient reduction' / 'ZeRO parameter gather' for the once-per-step data-parallel
-    collectives, None for the rest."""
-    if "data" not in col.axes or col.in_loop or col.bytes < 1024:
+    collectives (outside loops, or in the last microbatch's branch of --overlap-grad-reduce,
+    layer by layer), None for the rest."""
+    if "data" not in col.axes or (col.in_loop and not col.in_branch) or col.bytes < 1024:
         return None
     if col.kind in ("all-reduce", "reduce-scatter"):
         return "gradient reduction"
@@ -81,10 +83,25 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "data_parallel": dp_kinds,
         "matmul_dtypes": {f"{a} x {b}": n for (a, b), n in sorted(program.matmul_dtypes.items())},
         "collective_list": [dataclasses.asdict(col) for col in program.collectives],
+        "overlap_hint": _overlap_hint(c.cfg, c.pz.mesh, dp_kinds.get("gradient reduction")),
         "lower_seconds": round(c.lower_seconds, 2),
         "compile_seconds": round(c.compile_seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def _overlap_hint(cfg, mesh, reduction: dict | None) -> str | None:
+    """What would overlap a gradient reduction that does not overlap compute, or None."""
+    if not reduction or reduction["overlapped"] == reduction["count"]:
+        return None
+    asked = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_grad_reduce=True))
+    if not overlaps_grad_reduce(asked, mesh):
+        return None  # the pipeline, expert parallelism, mixed stacks: reduced after the backward
+    if not cfg.parallel.overlap_grad_reduce:
+        return ("the gradient reduction runs after the backward: --overlap-grad-reduce reduces each layer's "
+                "gradient inside the last microbatch's backward, overlapping the rest of it")
+    return ("not every gradient reduction overlaps compute: XLA's scheduler keeps some back when memory is "
+            "tight (a smaller --micro-batch-size or recompute leaves it room)")
 
 
 def suggestions(cfg, gpus: int, gpus_per_node: int) -> list[str]:
@@ -135,9 +152,12 @@ def text(r: dict) -> str:
     ]
     for axes, row in sorted(r["collectives"].items()):
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(row["kinds"].items()))
-        lines.append(f"  over {axes:<14} {row['count']:>4} ({kinds}); {row['bytes_per_step'] / 2**20:,.1f} MiB "
+        at_most = "at most " if row.get("at_most") else ""
+        lines.append(f"  over {axes:<14} {row['count']:>4} ({kinds}); {at_most}{row['bytes_per_step'] / 2**20:,.1f} MiB "
                      f"per step; {row['async']} async, {row['overlapped']} overlapped")
     for what, row in sorted(r["data_parallel"].items()):
         lines.append(f"  data-parallel {what}: {row['count']} collective(s), {row['bytes'] / 2**20:,.1f} MiB, "
                      f"{row['overlapped']} overlapped with compute")
+    if r.get("overlap_hint"):
+        lines.append(f"  {r['overlap_hint']}")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ attention kernels, as `mlm_jax.plan` reports them and the GPU-compile tests asse
   all-gather's or all-reduce's result, a reduce-scatter's input), whether asynchronous
   (`-start`/`-done` pair) and overlapped (compute scheduled between start and done: in a
   scheduled module the instructions of a computation are listed in execution order), and how
-  many times a step runs them (trip counts of the enclosing while loops, e.g. the layer scan).
+  many times a step runs them (trip counts of the enclosing while loops, e.g. the layer scan;
+  inside a branch of a conditional in a loop, `in_branch`, an upper bound: e.g. the last
+  microbatch's branch of --overlap-grad-reduce runs once per step, not once per microbatch).
 - Matmuls: the element types of both operands of every cuBLAS call and `dot` (in fusions too).
 - Attention: cuDNN's fused kernels (`__cudnn$fmha...` custom calls).
 """
@@ -53,9 +55,10 @@ class Collective:
     bytes_by_dtype: dict  # element type -> bytes of `bytes`
     is_async: bool
     overlapped: bool  # compute scheduled between start and done
-    runs: int  # executions per step (product of enclosing loops' trip counts)
+    runs: int  # executions per step (product of enclosing loops' trip counts; at most, if in_branch)
     in_loop: bool
     op_name: str
+    in_branch: bool = False  # inside a conditional's branch that a loop runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +93,10 @@ def parse(text: str) -> dict[str, Instr]:
     return instrs
 
 
-def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool]]:
-    """computation -> (times one step runs it, inside a while loop), through whiles and calls."""
-    calls: dict[str, list[tuple[str, int, bool]]] = {}
+def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool, bool]]:
+    """computation -> (times one step runs it, inside a while loop, inside a conditional's branch
+    in a loop: the count is then an upper bound), through whiles, calls and conditionals."""
+    calls: dict[str, list[tuple[str, int, bool, bool]]] = {}
     for ins in instrs.values():
         if ins.opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", ins.rest)
@@ -101,19 +105,23 @@ def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool]]:
             n = int(trips.group(1)) if trips else 1
             for target in (body, cond):
                 if target:
-                    calls.setdefault(ins.computation, []).append((target.group(1), n, True))
+                    calls.setdefault(ins.computation, []).append((target.group(1), n, True, False))
         else:
-            for target in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", ins.rest):
-                calls.setdefault(ins.computation, []).append((target, 1, False))
-    called = {t for edges in calls.values() for t, _, _ in edges}
-    runs: dict[str, tuple[int, bool]] = {}
-    stack = [(c, 1, False) for c in calls if c not in called]
+            branch = ins.opcode == "conditional"
+            targets = re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", ins.rest)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)
+            targets += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+            for target in targets:
+                calls.setdefault(ins.computation, []).append((target, 1, False, branch))
+    called = {t for edges in calls.values() for t, *_ in edges}
+    runs: dict[str, tuple[int, bool, bool]] = {}
+    stack = [(c, 1, False, False) for c in calls if c not in called]
     while stack:
-        comp, n, looped = stack.pop()
+        comp, n, looped, branched = stack.pop()
         if comp in runs and runs[comp][0] >= n:
             continue
-        runs[comp] = (n, looped)
-        stack += [(t, n * k, looped or loop) for t, k, loop in calls.get(comp, [])]
+        runs[comp] = (n, looped, branched)
+        stack += [(t, n * k, looped or loop, branched or (branch and looped)) for t, k, loop, branch in calls.get(comp, [])]
     return runs
 
 
@@ -202,10 +210,10 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
         if is_async and done is not None and done.computation == ins.computation:
             between = by_comp[ins.computation][ins.index + 1:done.index]
             overlapped = any(b.opcode in _COMPUTE for b in between)
-        n, looped = runs.get(ins.computation, (1, False))
+        n, looped, branched = runs.get(ins.computation, (1, False, False))
         op_name = re.search(r'op_name="([^"]*)"', ins.rest)
         found.append(Collective(kind, _axes(groups, mesh_shape), size, tuple(sorted(by_dtype)), by_dtype,
-                                is_async, overlapped, n, looped, op_name.group(1) if op_name else ""))
+                                is_async, overlapped, n, looped, op_name.group(1) if op_name else "", branched))
     matmuls: dict[tuple[str, str], int] = {}
     attention: dict[str, int] = {}
     for ins in instrs.values():
@@ -221,13 +229,16 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
 
 
 def by_axes(collectives: list[Collective]) -> dict[str, dict]:
-    """Per mesh-axis group ("data", "tensor", "data+tensor", ...): count, bytes per step, and how
-    many of them are async and overlapped."""
+    """Per mesh-axis group ("data", "tensor", "data+tensor", ...): count, bytes per step (an upper
+    bound where `at_most`: some run in a conditional's branch), and how many of them are async
+    and overlapped."""
     out: dict[str, dict] = {}
     for c in collectives:
         key = "+".join(c.axes) or "none"
-        row = out.setdefault(key, {"count": 0, "bytes_per_step": 0, "async": 0, "overlapped": 0, "kinds": {}})
+        row = out.setdefault(key, {"count": 0, "bytes_per_step": 0, "async": 0, "overlapped": 0, "kinds": {},
+                                   "at_most": False})
         row["count"] += 1
+        row["at_most"] |= c.in_branch
         row["bytes_per_step"] += c.bytes * c.runs
         row["async"] += int(c.is_async)
         row["overlapped"] += int(c.overlapped)

@@ -78,9 +78,11 @@ def unsharded(rules: Rules, *names: str) -> Rules:
     return tuple((name, None if name in names else axes) for name, axes in rules)
 
 
-def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int], axis: str = DATA) -> P:
-    """Add `axis` (`data`) to the first dim that stays evenly divisible: the ZeRO storage of one
-    array (over `pipe`: the pipeline's storage of the parameters every stage holds whole).
+def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int], axis: str = DATA, skip: int = 0) -> P:
+    """Add `axis` (`data`) to the first dim (past the first `skip`) that stays evenly divisible:
+    the ZeRO storage of one array (over `pipe`: the pipeline's storage of the parameters every
+    stage holds whole). `skip` 1 keeps a stacked leaf's layers dim whole, so that one layer's
+    gradient can be reduce-scattered on its own (--overlap-grad-reduce).
 
     Leaves that no dim can split evenly (tiny vectors) stay replicated over `axis`.
     """
@@ -89,6 +91,8 @@ def zero_spec(spec: P, shape: Sequence[int], mesh_sizes: dict[str, int], axis: s
     if dp == 1 or any(axis == p or (isinstance(p, tuple) and axis in p) for p in parts):
         return P(*parts)
     for i, (dim, part) in enumerate(zip(shape, parts)):
+        if i < skip:
+            continue
         axes = () if part is None else (part if isinstance(part, tuple) else (part,))
         split = 1
         for a in axes:

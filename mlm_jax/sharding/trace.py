@@ -16,7 +16,10 @@ imports `parallel/` or names a mesh axis. The fields:
   expert_dispatch    the token dispatch to the experts (`parallel/experts.py`); None: every
                      expert runs on every token here;
   platform           the platform of the mesh's devices (a deviceless GPU compile runs in a CPU
-                     process); None: the default device's (see `mlm_jax.platform.current`).
+                     process); None: the default device's (see `mlm_jax.platform.current`);
+  layer_grad_hook    what each layer's weights pass through inside the layer scan, with the
+                     per-layer inputs it gives (`parallel/data.py`: --overlap-grad-reduce's
+                     gradient reduction in the last microbatch's backward); None: nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Trace:
     context_attention: Callable | None = None
     expert_dispatch: Callable | None = None
     platform: str | None = None
+    layer_grad_hook: Any = None
 
 
 _OUTSIDE = Trace()
