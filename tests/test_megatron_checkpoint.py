@@ -318,7 +318,7 @@ def test_the_cli_reports_one_error_line(tmp_path, capsys):
 def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys):
     """import-megatron writes the Megatron weights at the Megatron iteration: the same logits
     as reading the folder directly, and `--load OUT --no-load-optim` trains on from there;
-    `--load <Megatron folder>` itself is refused with the command that converts it."""
+    `--load <Megatron folder>` without --no-load-optim or --finetune is refused naming them."""
     from mlm_jax.arguments import parse_args
     from mlm_jax.tools.checkpoint import main as convert
     from mlm_jax.train import main as train_main
@@ -343,7 +343,51 @@ def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys)
 
     assert train_main(["--load", root, *flags]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint") and "import-megatron" in last
+    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint, whose optimizer state mlm_jax "
+                           "does not read") and "--no-load-optim" in last and "--finetune" in last, last
+
+
+def test_train_loads_a_megatron_checkpoint_directly(tmp_path, capsys):
+    """`train --load <Megatron save root> --no-load-optim` continues at the Megatron iteration with
+    its weights (the first step's loss equals the imported copy's), saving into the same folder
+    (Megatron's --save = --load); run again, it resumes its own newer checkpoint there, not the
+    Megatron one; --finetune starts from the weights at iteration 0."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.tools.checkpoint import main as convert
+    from mlm_jax.train import train
+
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    flags = ["--use-checkpoint-args", "--mock-data", "--seq-length", "16", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--lr", "1e-4", "--eval-iters", "0", "--no-progress-bar",
+             "--sample-tokens", "0", "--log-interval", "1", "--save-interval", "2", "--no-load-optim"]
+
+    def run(load, iters, *extra, save=None):
+        logs = []
+        capsys.readouterr()
+        summary = train(parse_args(["--load", load, "--save", save or str(tmp_path / "s" / str(len(runs))),
+                                    "--train-iters", str(iters), "--run-dir", str(tmp_path / f"run{len(runs)}"),
+                                    *flags, *extra]), log=logs.append)
+        runs.append(logs)
+        return summary, [str(line) for line in logs] + capsys.readouterr().out.splitlines()
+
+    runs = []
+    out = tmp_path / "imported"
+    assert convert(["import-megatron", "--load", root, "--save", str(out)]) == 0
+    _, via_import = run(str(out), 12)
+    summary, direct = run(root, 12, save=root)  # Megatron's habit: --save = --load
+    assert any("Megatron-LM torch_dist checkpoint" in line and "iteration 10" in line for line in direct), direct
+    assert any("resumed from checkpoint" in line and "iteration 10" in line for line in direct), direct
+    assert summary["iterations"] == 12 and summary["last_iteration"] == 12
+
+    def losses(lines):
+        return [line.split("lm loss: ")[1].split(" ")[0] for line in lines if "lm loss: " in line]
+
+    assert losses(direct) and losses(direct) == losses(via_import), (losses(direct), losses(via_import))
+    _, again = run(root, 14, save=root)  # our iteration-12 checkpoint beside Megatron's iteration 10
+    assert any("resumed from checkpoint" in line and "iteration 12" in line for line in again), again
+    assert not any("Megatron-LM torch_dist checkpoint" in line for line in again)
+    _, tuned = run(root, 2, "--finetune", "--ckpt-step", "10")
+    assert any("weights only (--finetune)" in line for line in tuned), tuned
 
 
 def test_tokenizer_from_args(tmp_path):

@@ -6,20 +6,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 from mlm_jax.config import Config
 from mlm_jax.paths import not_there
 from mlm_jax.checkpoint.format import (ARCH_FIELDS, FORMAT, META, ORBAX_COMMIT, PARAMS, TMP_MARK,
-                                       CheckpointError, config_from_dict, tokenizer_flags)
+                                       CheckpointError, config_from_dict, config_to_dict, tokenizer_flags,
+                                       tokenizer_record)
 
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """A complete checkpoint: its folder, iteration and metadata."""
+    """A complete checkpoint: its folder, iteration and metadata; `params` (host arrays) when it was
+    read whole already (a Megatron-LM checkpoint: `megatron_found`)."""
 
     path: str
     iteration: int
     meta: dict
+    params: Any = None
 
     @property
     def config(self) -> Config:
@@ -133,15 +137,20 @@ def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
     if not os.path.isdir(c.load) and resume_pattern and not c.exit_on_missing_checkpoint:
         log(f"> --load {c.load}: no such folder yet; starting from scratch (it is also --save)")
         return cfg, None
-    if os.path.isdir(c.load):
-        from mlm_jax.checkpoint.megatron import is_megatron_checkpoint
+    from mlm_jax.checkpoint.megatron import is_megatron_checkpoint
 
-        if is_megatron_checkpoint(c.load):
+    if os.path.isdir(c.load) and is_megatron_checkpoint(c.load) and not own_checkpoint_beside(c.load, c.ckpt_step):
+        if c.load_optim and not c.finetune:
             raise CheckpointError(
-                f"--load {c.load}: a Megatron-LM checkpoint; convert it once with `python -m "
-                f"mlm_jax.tools.checkpoint import-megatron --load {c.load} --save OUT`, then --load OUT "
-                "(with --no-load-optim to continue at its iteration, or --finetune to start from its weights)")
-    found = find_checkpoint(c.load, c.ckpt_step, log=log)
+                f"--load {c.load}: a Megatron-LM checkpoint, whose optimizer state mlm_jax does not read "
+                "(Megatron's optimizer shards are not converted); add --no-load-optim to continue at its "
+                "iteration with a fresh optimizer and LR schedule (as Megatron's --no-load-optim does), or "
+                "--finetune to start from its weights at iteration 0")
+        found = megatron_found(c.load, c.ckpt_step, cfg.parallel.tensor_model_parallel_size)
+        log(f"> --load {c.load}: Megatron-LM {found.meta['megatron']['format']} checkpoint {found.path}, "
+            f"iteration {found.iteration}, read without PyTorch")
+    else:
+        found = find_checkpoint(c.load, c.ckpt_step, log=log)
     if found is None:
         if c.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {c.load}: no complete checkpoint there; exiting "
@@ -164,3 +173,36 @@ def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
                data.tokenizer_type else ""))
     return cfg, found
 
+
+def own_checkpoint_beside(root: str, step: int | None) -> bool:
+    """Whether the Megatron-LM save folder `root` also holds an mlm_jax checkpoint to resume (a run
+    started from it with --save there too, Megatron's --save = --load habit): the one --ckpt-step
+    names, or ours newer than the Megatron iteration."""
+    from mlm_jax.checkpoint.megatron import resolve_iteration
+
+    complete = scan(root)[0]
+    if not complete:
+        return False
+    if step is not None:
+        return step in complete
+    return complete[-1] >= (resolve_iteration(root)[1] or 0)
+
+
+def megatron_found(path: str, step: int | None, tensor_parallel: int) -> Found:
+    """A Megatron-LM checkpoint (save root or iteration folder) read whole, as the `Found` that
+    `restore.restore_train_state` continues from: its weights (vocab padded for `tensor_parallel`),
+    config from its args, iteration and consumed samples; no optimizer state."""
+    from mlm_jax.checkpoint.megatron import read_checkpoint
+
+    ck = read_checkpoint(path, tensor_parallel=tensor_parallel, step=step, flag="--load")
+    record, _ = tokenizer_record(ck.tokenizer, in_place=True)
+    data = Config().data
+    if record is not None:
+        data = dataclasses.replace(data, tokenizer_type=record["tokenizer_type"])
+    iteration = ck.iteration or 0  # a release checkpoint: weights at iteration 0
+    meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": ck.consumed_samples,
+            "opt_step": iteration, "has_optimizer": False, "rng": None, "tokenizer": record, "layout": None,
+            "config": config_to_dict(Config(model=ck.config, data=data)),
+            "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
+                         "schedule_samples": ck.schedule_samples}}
+    return Found(os.path.abspath(ck.path), iteration, meta, ck.params)

@@ -167,30 +167,33 @@ def _check_readable(saved_version: int) -> None:
 # --------------------------------------------------------------------------- tokenizer files
 
 
-def tokenizer_record(tokenizer) -> tuple[dict | None, dict[str, bytes]]:
-    """(JSON record naming the files by flag, {file name: bytes}) to rebuild `tokenizer`."""
+def tokenizer_record(tokenizer, in_place: bool = False) -> tuple[dict | None, dict[str, bytes]]:
+    """(JSON record naming the files by flag, {file name: bytes}) to rebuild `tokenizer`; with
+    `in_place` the record names the files where they are (absolute paths) and none is read."""
     if tokenizer is None:
         return None, {}
     kind = tokenizer.tokenizer_type
     record = {"tokenizer_type": kind, "vocab_size": int(tokenizer.vocab_size), "eod": int(tokenizer.eod)}
     files = {}
-    for path in tokenizer.files():
+    for path in () if in_place else tokenizer.files():
         with open(path, "rb") as f:
             files[os.path.basename(path)] = f.read()
+    name = os.path.abspath if in_place else os.path.basename
     if kind == "GPT2BPETokenizer":
-        record["vocab_file"] = os.path.basename(tokenizer.vocab_file)
-        record["merge_file"] = os.path.basename(tokenizer.merge_file)
+        record["vocab_file"] = name(tokenizer.vocab_file)
+        record["merge_file"] = name(tokenizer.merge_file)
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer",
                   "TikTokenizer"):
-        record["tokenizer_model"] = os.path.basename(tokenizer.model_file)
+        record["tokenizer_model"] = name(tokenizer.model_file)
         record.update(tokenizer.options() if hasattr(tokenizer, "options") else {})  # tiktoken's flags
     elif kind == "HuggingFaceTokenizer":
-        record["tokenizer_model"] = os.path.basename(tokenizer.tokenizer_file)
+        record["tokenizer_model"] = name(tokenizer.tokenizer_file)
     return record, files
 
 
 def tokenizer_flags(found_path: str, record: dict | None) -> dict:
-    """DataConfig fields that rebuild the checkpoint's tokenizer from its tokenizer/ folder."""
+    """DataConfig fields that rebuild the checkpoint's tokenizer from its tokenizer/ folder (or
+    where the record names them by absolute path: a Megatron-LM checkpoint's own files)."""
     if not record or record["tokenizer_type"] == "NullTokenizer":
         return {}
     folder = os.path.join(found_path, TOKENIZER)

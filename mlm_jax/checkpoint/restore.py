@@ -176,13 +176,17 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     saved_padded = saved_cfg.model.padded_vocab_size or saved_cfg.model.vocab_size
     strict = saved_padded == cfg.model.vocab  # else pad/cut the zero padding rows
     version = saved_version(meta)
-    items = {PARAMS: ocp.args.StandardRestore(as_saved(_abstract(shapes, p_sh), version), strict=strict)}
-    if load_optim:
-        o_shapes = jax.eval_shape(pz.tx.init, shapes)
-        items[OPT_STATE] = ocp.args.StandardRestore(as_saved(_abstract(o_shapes, o_sh), version), strict=strict)
-    restored = read_items(found, items, optimizer=load_optim)
-    params = upgrade(restored[PARAMS], version)
-    opt_state = restored.get(OPT_STATE)
+    if found.params is not None:  # read whole already (a Megatron-LM checkpoint)
+        params, opt_state = place_host_params(found, shapes, p_sh), None
+    else:
+        items = {PARAMS: ocp.args.StandardRestore(as_saved(_abstract(shapes, p_sh), version), strict=strict)}
+        if load_optim:
+            o_shapes = jax.eval_shape(pz.tx.init, shapes)
+            items[OPT_STATE] = ocp.args.StandardRestore(as_saved(_abstract(o_shapes, o_sh), version),
+                                                        strict=strict)
+        restored = read_items(found, items, optimizer=load_optim)
+        params = upgrade(restored[PARAMS], version)
+        opt_state = restored.get(OPT_STATE)
     if opt_state is not None:
         opt_state = upgrade(opt_state, version)
     if pipe is not None:  # plain -> the pipeline's stored order
@@ -215,6 +219,31 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
         f"restored onto [{describe_layout(layout_record(pz))}] in {time.perf_counter() - t0:.1f} s")
     return state, start
 
+
+
+def place_host_params(found: Found, shapes: dict, shardings: dict):
+    """`found.params` (host arrays in the plain layout) onto `shardings`; the vocab's zero padding
+    rows (embedding rows, untied head columns) cut or added to the run's padded size."""
+    import jax
+    import numpy as np
+
+    def fit(path, x, shape):
+        x = np.asarray(x)
+        name = jax.tree_util.keystr(path[:1])
+        for dim in ({"['embed']": (0,), "['lm_head']": (1,)}.get(name, ())):
+            if x.shape[dim] > shape.shape[dim]:
+                x = x.take(np.arange(shape.shape[dim]), axis=dim)
+            elif x.shape[dim] < shape.shape[dim]:
+                pad = [(0, 0)] * x.ndim
+                pad[dim] = (0, shape.shape[dim] - x.shape[dim])
+                x = np.pad(x, pad)
+        if x.shape != shape.shape:
+            raise CheckpointError(f"--load {found.path}: {jax.tree_util.keystr(path)} has shape {x.shape}, "
+                                  f"the model's is {shape.shape}")
+        return x.astype(shape.dtype)
+
+    host = jax.tree_util.tree_map_with_path(fit, found.params, shapes)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), host, shardings)
 
 
 def _scaler_state(cfg: Config, pz, meta: dict, load_optim: bool) -> dict:
