@@ -1,5 +1,6 @@
-"""export-megatron: mlm_jax checkpoints written as Megatron-LM legacy `torch` checkpoints
-without PyTorch (mlm_jax/checkpoint/megatron/torch_write.py, layout_write.py).
+"""export-megatron: mlm_jax checkpoints written as Megatron-LM legacy `torch` checkpoints and
+Megatron-Core `torch_dist` ones without PyTorch (mlm_jax/checkpoint/megatron/torch_write.py,
+dcp_write.py, layout_write.py).
 
 The mlm_jax checkpoints come from the synthetic Megatron fixtures (tests/fixtures/
 megatron_synthetic/) via import-megatron: a GPT-2 style model (LayerNorm, learned positions,
@@ -204,13 +205,62 @@ def test_nothing_partial_is_left_on_failure(ckpts, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_only_the_torch_format_yet(ckpts, tmp_path, capsys):
-    from mlm_jax.tools.checkpoint import main
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_torch_dist_export_reads_back_bitwise_in_megatron_cores_layout(ckpts, tmp_path, model):
+    """--ckpt-format torch_dist: Megatron-Core's files (metadata.json, common.pt, .metadata,
+    __0_0.distcp), global tensors with the layers stacked one chunk each, the norms under the
+    fused names, SwiGLU's fc1 in a gate and an up chunk; read back bitwise; then import bitwise.
+    (Megatron-Core 0.16.1's dist_checkpointing.load of such an export gives its own logits:
+    tests/make_megatron_fixtures.py --check, by hand; benchmarks/RESULTS.md.)"""
+    from mlm_jax.checkpoint.megatron import dcp
+    from mlm_jax.tools.checkpoint import import_megatron, main
 
-    assert main(["export-megatron", "--load", ckpts["gpt"][0], "--save", str(tmp_path / "x"),
-                 "--ckpt-format", "torch_dist"]) == 2
-    assert "--ckpt-format torch_dist" in _last_error(capsys)
-    assert os.listdir(tmp_path) == []
+    root, found, ref, logits = ckpts[model]
+    dst = str(tmp_path / "megatron")
+    assert main(["export-megatron", "--load", root, "--save", dst, "--ckpt-format", "torch_dist"]) == 0
+    assert [n for n in os.listdir(tmp_path) if n != "megatron"] == []  # no temp folder left
+    it = os.path.join(dst, f"iter_{found.iteration:07d}")
+    assert sorted(os.listdir(it)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert dcp.read_json(os.path.join(it, "metadata.json"))["sharded_backend"] == "torch_dist"
+    ck = read_checkpoint(dst)
+    assert ck.format == "torch_dist" and ck.iteration == found.iteration and ck.config == found.config.model
+    _assert_same(_flat(ck.params), ref, f"{model} torch_dist")
+    np.testing.assert_array_equal(mlm_jax.load(dst).logits(TOKENS), logits)
+
+    m = found.config.model
+    d = dcp.Distcp(it)
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    g, r, k = m.query_groups, m.num_attention_heads // m.query_groups, m.head_dim
+    assert d.shapes[qkv] == (m.num_layers, g * (r + 2) * k, m.hidden_size)
+    assert sorted(o for o, _, _ in d.chunks[qkv]) == [(i, 0, 0) for i in range(m.num_layers)]
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in d.shapes
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in d.shapes
+    assert not [key for key in d.shapes if key.startswith("decoder.layers.0.") or "input_layernorm" in key]
+    fc1 = sorted(o for o, _, _ in d.chunks["decoder.layers.mlp.linear_fc1.weight"])
+    halves = [0, m.ffn_size] if m.swiglu else [0]
+    assert fc1 == [(i, h, 0) for i in range(m.num_layers) for h in halves]
+    assert f"decoder.layers.mlp.linear_fc2._extra_state/shard_0_{m.num_layers}" in d.objects
+    common = dcp.read_common(it)
+    assert common["iteration"] == found.iteration and common["args"].ckpt_format == "torch_dist"
+    back = str(tmp_path / "back")
+    import_megatron(dst, back, log=lambda *a: None)
+    _assert_same(_host_params(back)[1], ref, f"{model} torch_dist -> import")
+
+
+def test_torch_dist_refuses_what_it_does_not_write(ckpts, tmp_path, capsys):
+    """torch_dist is global: no tensor/pipeline split to ask for; MoE is written by --ckpt-format
+    torch only. Each an error naming it, nothing written."""
+    from mlm_jax.tools.checkpoint import import_megatron, main
+
+    gpt = ckpts["gpt"][0]
+    assert main(["export-megatron", "--load", gpt, "--save", str(tmp_path / "x"), "--ckpt-format", "torch_dist",
+                 "--tensor-model-parallel-size", "2"]) == 2
+    assert "--ckpt-format torch_dist holds global tensors" in _last_error(capsys)
+    moe = str(tmp_path / "moe")
+    import_megatron(os.path.join(SYN, "mixtral", "dist_tp1"), moe, log=lambda *a: None)
+    assert main(["export-megatron", "--load", moe, "--save", str(tmp_path / "y"), "--ckpt-format", "torch_dist"]) == 2
+    assert "mixture-of-experts models are not written in this format yet" in _last_error(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["moe"]
     with pytest.raises(MegatronCheckpointError):
         from mlm_jax.checkpoint.megatron.torch_write import write_legacy
 

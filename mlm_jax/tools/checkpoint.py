@@ -4,7 +4,7 @@ Mixtral (MixtralForCausalLM); Megatron-LM checkpoints (torch_dist or legacy torc
     python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
     python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
     python -m mlm_jax.tools.checkpoint import-megatron --load MEGATRON_DIR --save OUT
-    python -m mlm_jax.tools.checkpoint export-megatron --load CKPT --save DIR [--ckpt-format torch]
+    python -m mlm_jax.tools.checkpoint export-megatron --load CKPT --save DIR [--ckpt-format torch|torch_dist]
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 
 Local files only: `config.json` plus `model.safetensors` or sharded `model-0000x-of-0000y.safetensors`
@@ -453,15 +453,21 @@ def import_megatron(load: str, save: str, step: int | None = None, log=print) ->
 
 def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_parallel: int = 1,
                     pipeline_parallel: int = 1, step: int | None = None, log=print) -> str:
-    """Write the mlm_jax checkpoint `load` as a Megatron-LM checkpoint (legacy `torch` format,
-    fp32, weights and args; no optimizer or RNG state) under `save`, split for tensor parallel
-    size T and pipeline size P (mlm_jax/checkpoint/megatron/torch_write.py; no PyTorch)."""
+    """Write the mlm_jax checkpoint `load` as a Megatron-LM checkpoint (fp32 weights and args; no
+    optimizer or RNG state) under `save`: Megatron-Core's `torch_dist` (global tensors, any
+    parallel layout loads it: megatron/dcp_write.py; dense models), or the legacy `torch` format
+    split for tensor parallel size T and pipeline size P (megatron/torch_write.py). No PyTorch."""
     from mlm_jax.checkpoint import TOKENIZER, find_checkpoint, restore_host_params
     from mlm_jax.checkpoint.megatron import MegatronCheckpointError
+    from mlm_jax.checkpoint.megatron.dcp_write import write_torch_dist
     from mlm_jax.checkpoint.megatron.torch_write import write_legacy
 
-    if ckpt_format != "torch":
-        raise MegatronCheckpointError(f"--ckpt-format {ckpt_format}: only 'torch' (legacy) is written yet")
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise MegatronCheckpointError(f"--ckpt-format {ckpt_format}: choose torch_dist or torch")
+    if ckpt_format == "torch_dist" and (tensor_parallel, pipeline_parallel) != (1, 1):
+        raise MegatronCheckpointError(
+            "--ckpt-format torch_dist holds global tensors that any parallel layout loads: leave out "
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size (they split the legacy torch format)")
     save_abs = os.path.abspath(save)
     if os.path.exists(save_abs) and (not os.path.isdir(save_abs) or os.listdir(save_abs)):
         raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
@@ -482,9 +488,17 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
     from mlm_jax.checkpoint.megatron.layout_write import check_layout
 
     check_layout(m, tensor_parallel, pipeline_parallel)
+    if ckpt_format == "torch_dist" and m.num_experts:
+        raise MegatronCheckpointError("--ckpt-format torch_dist: mixture-of-experts models are not written in "
+                                      "this format yet; --ckpt-format torch writes them")
     params = restore_host_params(found)
-    path = write_legacy(save, params, m, found.iteration, tensor_parallel, pipeline_parallel,
-                        int(found.meta.get("consumed_samples", 0) or 0), tok, files)
+    consumed = int(found.meta.get("consumed_samples", 0) or 0)
+    if ckpt_format == "torch_dist":
+        path = write_torch_dist(save, params, m, found.iteration, consumed, tok, files)
+        log(f"> exported iteration {found.iteration} of {found.path} as a Megatron-Core torch_dist checkpoint "
+            f"to {path}")
+        return path
+    path = write_legacy(save, params, m, found.iteration, tensor_parallel, pipeline_parallel, consumed, tok, files)
     log(f"> exported iteration {found.iteration} of {found.path} as a Megatron-LM torch checkpoint "
         f"(tensor parallel {tensor_parallel}, pipeline parallel {pipeline_parallel}) to {path}")
     return path
@@ -565,7 +579,9 @@ def main(argv=None) -> int:
     mex.add_argument("--load", required=True, help="an mlm_jax save folder (latest) or checkpoint folder")
     mex.add_argument("--save", required=True, help="Megatron save root to create (must not exist or be empty)")
     mex.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default latest)")
-    mex.add_argument("--ckpt-format", default="torch", help="torch (legacy mp_rank_* files)")
+    mex.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
+                     help="torch: legacy mp_rank_* files, split by the sizes below; torch_dist: Megatron-Core's "
+                          "global tensors (dense models), loadable at any parallel layout")
     mex.add_argument("--tensor-model-parallel-size", type=int, default=1)
     mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)

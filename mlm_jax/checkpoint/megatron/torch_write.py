@@ -110,7 +110,8 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be o
 class ArchiveWriter:
     """A torch.save zip archive written record by record (tensors streamed, pickle last)."""
 
-    def __init__(self, path: str, prefix: str = "archive"):
+    def __init__(self, path, prefix: str = "archive"):
+        """`path`: a file name, or a binary file object (an archive in memory)."""
         self.path, self.prefix = path, prefix
         self.zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
         self.n = 0
@@ -148,7 +149,7 @@ class ArchiveWriter:
 
 
 def megatron_args(m: ModelConfig, tp: int, pp: int, iteration: int, consumed_samples: int,
-                  tokenizer: dict | None) -> argparse.Namespace:
+                  tokenizer: dict | None, ckpt_format: str = "torch") -> argparse.Namespace:
     """The args Megatron-LM would hold for this model (args.py's model_config_from_args maps
     them back to `m`): every ModelConfig field under its Megatron name, plus the flags Megatron
     derives (group_query_attention, kv_channels, padded vocab for `tp`, parallel sizes)."""
@@ -166,7 +167,7 @@ def megatron_args(m: ModelConfig, tp: int, pp: int, iteration: int, consumed_sam
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
         transformer_impl="local", use_rotary_position_embeddings=m.position_embedding_type == "rope",
         bias_gelu_fusion=False, iteration=iteration, consumed_train_samples=consumed_samples,
-        consumed_valid_samples=0, ckpt_format="torch", bf16=False, fp16=False)
+        consumed_valid_samples=0, ckpt_format=ckpt_format, bf16=False, fp16=False)
     if m.num_experts:
         fields["moe_ffn_hidden_size"] = m.moe_ffn_size
     return argparse.Namespace(**fields)

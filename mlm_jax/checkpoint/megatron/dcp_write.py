@@ -1,0 +1,192 @@
+"""Megatron-Core's `torch_dist` checkpoints written without PyTorch (dcp.py's format, inverted).
+
+    DIR/latest_checkpointed_iteration.txt
+    DIR/iter_XXXXXXX/metadata.json      {"sharded_backend": "torch_dist", ...}
+    DIR/iter_XXXXXXX/common.pt          torch.save of args, iteration, checkpoint_version
+    DIR/iter_XXXXXXX/.metadata          a pickled DCP `Metadata`
+    DIR/iter_XXXXXXX/__0_0.distcp       every chunk, each a torch.save archive of its tensor
+
+What Megatron-Core's `dist_checkpointing.save` writes for a GPT model's sharded state dict,
+as its own files show (tests/fixtures/megatron): one *global* tensor per key, layers stacked
+on a leading dim (`decoder.layers.self_attention.linear_qkv.weight` is [L, ...], one chunk per
+layer at offset (i, 0, ..), shaped [1, ...]), the norms under the fused
+names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), SwiGLU's fc1 as all gate
+rows then all up rows, each half a chunk; an `_extra_state` object per linear layer and layer
+(`[None]`, as the local spec saves it). The layouts inside each tensor are layout_write.py's,
+so any tensor-parallel size Megatron loads it with reads its own slices. The pickle names
+torch's classes (`torch.distributed.checkpoint.metadata.*`, `torch.Size`, `torch.float32`) as
+torch itself would: `pickle.load` of it in Megatron's process rebuilds torch's objects.
+
+Dense models only (mixture-of-experts keys are stacked per expert differently: the legacy
+`torch` format writes those). The chunks are written one at a time into one file; everything in
+a temporary folder beside DIR, renamed to DIR when complete.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import numpy as np
+
+from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
+from mlm_jax.checkpoint.megatron.layout_write import global_tensors
+from mlm_jax.checkpoint.megatron.torch_write import TRACKER, ArchiveWriter, _Global, _Pickler, megatron_args
+from mlm_jax.config import ModelConfig, padded_vocab_size
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_STORAGE = "torch.distributed.checkpoint.filesystem"
+DATA_FILE = "__0_0.distcp"
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+# Legacy per-layer names -> the stacked keys Megatron-Core saves (its fused-norm names).
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+          "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+          "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+          "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+class _Obj:
+    """An instance of torch class `module.name`, pickled as torch's would be: cls.__new__(cls), then
+    its state (`__dict__` update, or `__setstate__` of a tuple)."""
+
+    def __init__(self, module: str, name: str, state):
+        self.cls, self.state = _Global(module, name), state
+
+
+class _Call:
+    """`module.name(*args)` in the pickle (torch.Size, layouts, enums)."""
+
+    def __init__(self, module: str, name: str, *args):
+        self.fn, self.args = _Global(module, name), args
+
+
+class _DcpPickler(_Pickler):
+    def save(self, obj, save_persistent_id=True):
+        if isinstance(obj, _Obj):
+            self.save_reduce(copyreg.__newobj__, (obj.cls,), state=obj.state)  # (obj: the class check)
+            return
+        if isinstance(obj, _Call):
+            self.save_reduce(obj.fn, obj.args, obj=obj)
+            return
+        super().save(obj, save_persistent_id)
+
+
+def _size(shape) -> _Call:
+    return _Call("torch", "Size", tuple(int(n) for n in shape))
+
+
+def _properties() -> _Obj:
+    # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory)
+    return _Obj(_DCP, "TensorProperties", (_Global("torch", "float32"),
+                                           _Call("torch.serialization", "_get_layout", "torch.strided"), False,
+                                           _Call(_DCP, "_MEM_FORMAT_ENCODING", 0), False))
+
+
+def _index(key: str, offsets=None) -> _Obj:
+    state = {"fqn": key, "index": None}
+    if offsets is not None:
+        state["offset"] = _size(offsets)
+    return _Obj(_DCP, "MetadataIndex", state)
+
+
+def stacked_key(name: str) -> tuple[str, int | None]:
+    """(Megatron-Core's key, layer number or None) of a legacy per-layer name."""
+    m = _LAYER.match(name)
+    if not m:
+        return name, None
+    rest = m.group(2)
+    return f"decoder.layers.{_NORMS.get(rest, rest)}", int(m.group(1))
+
+
+def _chunk_bytes(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    w = ArchiveWriter(buf)
+    w.close(w.tensor(x))
+    return buf.getvalue()
+
+
+def _object_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    ArchiveWriter(buf).close(obj)
+    return buf.getvalue()
+
+
+def write_torch_dist(save: str, params: dict, m: ModelConfig, iteration: int, consumed_samples: int = 0,
+                     tokenizer: dict | None = None, tokenizer_files: dict[str, bytes] | None = None) -> str:
+    """Write `params` (numpy, plain layout) as a Megatron-Core `torch_dist` checkpoint at `save`;
+    returns the iteration folder. `save` must not exist or be empty; nothing is left on failure."""
+    save = os.path.abspath(save)
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
+    if m.num_experts:
+        raise MegatronCheckpointError("--ckpt-format torch_dist: mixture-of-experts models are not written in "
+                                      "this format yet; --ckpt-format torch writes them")
+    rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    args = megatron_args(m, 1, 1, iteration, consumed_samples, tokenizer, ckpt_format="torch_dist")
+    parent = os.path.dirname(save)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save)}.tmp-", dir=parent)
+    try:
+        it = os.path.join(tmp, f"iter_{iteration:07d}")
+        os.makedirs(it)
+        tensors: dict[str, dict] = {}  # key -> {"size": global shape, "chunks": [(offsets, sizes)]}
+        storage = {}
+        with open(os.path.join(it, DATA_FILE), "wb") as f:
+            def put(index: _Obj, data: bytes) -> None:
+                storage[index] = _Obj(_STORAGE, "_StorageInfo",
+                                      {"relative_path": DATA_FILE, "offset": f.tell(), "length": len(data)})
+                f.write(data)
+
+            for name, x in global_tensors(params, m, rows):
+                key, layer = stacked_key(name)
+                halves = 2 if m.swiglu and key.endswith("linear_fc1.weight") else 1  # gate, then up
+                parts = np.split(x, halves, axis=0)
+                entry = tensors.setdefault(key, {"size": (m.num_layers, *x.shape) if layer is not None else x.shape,
+                                                 "chunks": []})
+                for h, part in enumerate(parts):
+                    lead = () if layer is None else (layer,)
+                    offsets = (*lead, h * part.shape[0], *([0] * (part.ndim - 1)))
+                    chunk = part[None] if lead else part  # [1, ...]: the chunk of layer `layer`
+                    entry["chunks"].append((offsets, chunk.shape))
+                    put(_index(key, offsets), _chunk_bytes(chunk))
+                del x
+            objects = [f"decoder.layers.{lin}._extra_state/shard_{i}_{m.num_layers}"
+                       for i in range(m.num_layers) for lin in _LINEARS]
+            for key in objects:
+                put(_index(key), _object_bytes([None]))
+        state = {key: _Obj(_DCP, "TensorStorageMetadata", {
+            "properties": _properties(), "size": _size(t["size"]),
+            "chunks": [_Obj(_DCP, "ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)})
+                       for o, s in t["chunks"]]}) for key, t in tensors.items()}
+        state.update({key: _Obj(_DCP, "BytesStorageMetadata", {}) for key in objects})
+        metadata = _Obj(_DCP, "Metadata", {"state_dict_metadata": state, "planner_data": None,
+                                           "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
+        buf = io.BytesIO()
+        _DcpPickler(buf).dump(metadata)
+        with open(os.path.join(it, ".metadata"), "wb") as f:
+            f.write(buf.getvalue())
+        ArchiveWriter(os.path.join(it, "common.pt")).close(
+            {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "num_floating_point_operations_so_far": 0})
+        with open(os.path.join(it, "metadata.json"), "w") as f:
+            json.dump(METADATA_JSON, f)
+        for name, data in (tokenizer_files or {}).items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+        with open(os.path.join(tmp, TRACKER), "w") as f:
+            f.write(str(iteration))
+        if os.path.isdir(save):
+            os.rmdir(save)  # empty (checked above)
+        os.rename(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.join(save, f"iter_{iteration:07d}")
