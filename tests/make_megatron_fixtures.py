@@ -1,7 +1,7 @@
 """Fixtures written by Megatron-Core itself: tiny models built with Megatron-Core on the CPU,
 saved as Megatron-LM saves them, with Megatron-Core's own logits for fixed token ids.
 
-Read by tests/test_megatron_core_fixtures.py (TP1 writers only so far; no MoE, no TP2/PP2).
+Read by tests/test_megatron_core_fixtures.py (TP1 and TP2 writers; no MoE, no PP2).
 
 Run BY HAND in a separate venv (the tests never import torch):
 
@@ -9,6 +9,7 @@ Run BY HAND in a separate venv (the tests never import torch):
     /work/venv-torch/bin/pip install torch==2.13.0 numpy packaging psutil
     /work/venv-torch/bin/pip install --no-deps megatron-core==0.16.1
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py tests/fixtures/megatron
+    /work/venv-torch/bin/torchrun --nproc-per-node 2 tests/make_megatron_fixtures.py tests/fixtures/megatron --tp 2
 
 It writes, per model (gpt2: learned positions, LayerNorm, GELU, biases, tied head; llama: rope,
 RMSNorm, SwiGLU, no biases, untied head, GQA 4 heads / 2 groups), a `torch_dist` save root
@@ -57,14 +58,16 @@ def padded(vocab: int, tp: int = 1) -> int:
     return (vocab + m - 1) // m * m
 
 
-def init_megatron():
+def init_megatron(tp: int = 1):
+    """World size `tp` (torchrun's RANK / WORLD_SIZE; one process without it), all tensor parallel."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        torch.distributed.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, 1)
     # Megatron-Core's CUDA RNG tracker on a machine without CUDA: its states live on the CPU.
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -78,7 +81,7 @@ def init_megatron():
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def build(kind: str):
+def build(kind: str, tp: int = 1):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -95,9 +98,9 @@ def build(kind: str):
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, params_dtype=torch.float32)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
-                     vocab_size=padded(VOCAB), max_sequence_length=MAX_POS,
+                     vocab_size=padded(VOCAB, tp), max_sequence_length=MAX_POS,
                      share_embeddings_and_output_weights=not s["untie"],
-                     position_embedding_type=s["position_embedding_type"])
+                     position_embedding_type=s["position_embedding_type"], parallel_output=False)
     with torch.no_grad():  # biases and norms away from their zero/one init, so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -114,7 +117,7 @@ def logits(model) -> np.ndarray:
     return out[..., :VOCAB].float().numpy()  # the true vocab (NullTokenizer: vocab_size + 1)
 
 
-def make_args(kind: str) -> argparse.Namespace:
+def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
     """The args Megatron-LM's checkpoint holds, for the fields a reader needs."""
     s = SPECS[kind]
     return argparse.Namespace(
@@ -126,40 +129,44 @@ def make_args(kind: str) -> argparse.Namespace:
         openai_gelu=False, squared_relu=False, untie_embeddings_and_output_weights=s["untie"],
         add_bias_linear=s["add_bias_linear"], add_qkv_bias=False, apply_layernorm_1p=False, qk_layernorm=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2, make_vocab_size_divisible_by=128,
-        padded_vocab_size=padded(VOCAB), vocab_size=VOCAB - 1, tokenizer_type="NullTokenizer", vocab_file=None,
-        merge_file=None, tokenizer_model=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        padded_vocab_size=padded(VOCAB, tp), vocab_size=VOCAB - 1, tokenizer_type="NullTokenizer", vocab_file=None,
+        merge_file=None, tokenizer_model=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, transformer_impl="local",
         num_experts=None, bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
         micro_batch_size=1, global_batch_size=GBS, lr=1e-4, min_lr=1e-5, iteration=ITERATION,
         consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist")
 
 
-def common_state(kind: str, fmt: str) -> dict:
-    args = make_args(kind)
+def common_state(kind: str, fmt: str, tp: int = 1) -> dict:
+    args = make_args(kind, tp)
     args.ckpt_format = fmt
     return {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
             "opt_param_scheduler": {"max_lr": 1e-4, "min_lr": 1e-5, "num_steps": ITERATION * GBS,
                                     "warmup_steps": 0, "decay_steps": 100 * GBS, "decay_style": "cosine"}}
 
 
-def save(model, kind: str, root: str):
-    from megatron.core import dist_checkpointing
+def save(model, kind: str, root: str, tp: int = 1):
+    """Both formats from every tensor-parallel rank (torch_dist collectively; legacy, a
+    mp_rank_TT file each)."""
+    from megatron.core import dist_checkpointing, parallel_state
 
-    dist_root, legacy_root = os.path.join(root, kind, "dist_tp1"), os.path.join(root, kind, "legacy_tp1")
+    rank_t = parallel_state.get_tensor_model_parallel_rank()
+    dist_root, legacy_root = (os.path.join(root, kind, f"dist_tp{tp}"), os.path.join(root, kind, f"legacy_tp{tp}"))
     folder = os.path.join(dist_root, f"iter_{ITERATION:07d}")
     os.makedirs(folder, exist_ok=True)
-    state = common_state(kind, "torch_dist")
+    torch.distributed.barrier()
+    state = common_state(kind, "torch_dist", tp)
     state["model"] = model.sharded_state_dict()
     dist_checkpointing.save(state, folder)
-    with open(os.path.join(dist_root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(ITERATION))
-    rank = os.path.join(legacy_root, f"iter_{ITERATION:07d}", "mp_rank_00")
+    rank = os.path.join(legacy_root, f"iter_{ITERATION:07d}", f"mp_rank_{rank_t:02d}")
     os.makedirs(rank, exist_ok=True)
-    state = common_state(kind, "torch")
+    state = common_state(kind, "torch", tp)
     state["model"] = model.state_dict_for_save_checkpoint()
     torch.save(state, os.path.join(rank, "model_optim_rng.pt"))
-    with open(os.path.join(legacy_root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(ITERATION))
+    if torch.distributed.get_rank() == 0:
+        for r in (dist_root, legacy_root):
+            with open(os.path.join(r, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
     return [os.path.relpath(dist_root, root), os.path.relpath(legacy_root, root)]
 
 
@@ -183,8 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", default=os.path.join(os.path.dirname(__file__), "fixtures", "megatron"))
     p.add_argument("--check", default=None, help="a checkpoint to load and compare with the manifest's logits")
     p.add_argument("--model", choices=sorted(SPECS), default="llama")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel writers: run under torchrun --nproc-per-node TP; "
+                                                     "adds <model>_tp<TP> entries to an existing manifest")
     a = p.parse_args(argv)
-    init_megatron()
+    init_megatron(a.tp)
     import megatron.core
 
     if a.check:
@@ -197,17 +206,22 @@ def main(argv=None) -> int:
         want = np.asarray(manifest["models"][a.model]["logits"], np.float32)
         print(f"{a.check}: max |logits - manifest| = {np.abs(logits(model) - want).max():.3e}")
         return 0
+    path = os.path.join(a.out, "manifest.json")
     manifest = {"megatron_core": megatron.core.__version__, "torch": torch.__version__, "ids": IDS,
                 "vocab_size": VOCAB - 1, "padded_vocab_size": padded(VOCAB), "iteration": ITERATION,
                 "consumed_samples": ITERATION * GBS, "models": {}}
+    if a.tp > 1:
+        manifest = json.load(open(path))
     for kind in SPECS:
-        model = build(kind)
+        model = build(kind, a.tp)
         out = logits(model)
-        folders = save(model, kind, a.out)
-        manifest["models"][kind] = {"folders": folders, "logits": out[0].tolist()}
+        folders = save(model, kind, a.out, a.tp)
+        manifest["models"][kind if a.tp == 1 else f"{kind}_tp{a.tp}"] = {"folders": folders,
+                                                                          "logits": out[0].tolist()}
         print(f"{kind}: {folders}, logits {out.shape}")
-    with open(os.path.join(a.out, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+    if torch.distributed.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(manifest, f)
     return 0
 
 
