@@ -39,3 +39,21 @@ HEAVY_FIRST = ("test_gpu_compile.py", "test_pipeline.py", "test_moe.py", "test_c
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable
+
+
+# .ci/run: each test's outcome, as the controller learns it (a worker's crash included), so that a
+# run cut short by a crashed worker can name the files it did not finish (.ci/unfinished.py).
+OUTCOMES = os.environ.get("MLM_JAX_TEST_OUTCOMES")
+
+
+def pytest_runtest_logreport(report):
+    if not OUTCOMES or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.failed:
+        outcome = "crashed" if "crashed while running" in str(report.longrepr) else "failed"
+    elif report.skipped or (report.passed and report.when == "call"):
+        outcome = "skipped" if report.skipped else "passed"
+    else:
+        return
+    with open(OUTCOMES, "a") as f:
+        f.write(f"{outcome}\t{report.nodeid}\n")
