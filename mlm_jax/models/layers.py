@@ -4,6 +4,7 @@ rotary embeddings and the compute dtype. No mesh here: parameters carry logical 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -12,6 +13,7 @@ from flax import nnx
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding import trace
+from mlm_jax.sharding.mesh import psum, varying_axes
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -74,18 +76,69 @@ class Norm(nnx.Module):
         self.bias = None if self.rms else param(None, zeros, (d,), ("embed",))
 
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
-        x = x_bsd.astype(jnp.float32)
-        if self.rms:
-            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        else:
-            mean = jnp.mean(x, axis=-1, keepdims=True)
-            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-            y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        gamma = self.scale[...].astype(jnp.float32)
-        y = y * (1.0 + gamma if self.one_p else gamma)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(x_bsd.dtype)
+        bias = None if self.bias is None else self.bias[...]
+        return norm(x_bsd, self.scale[...], bias, self.rms, self.eps, self.one_p)
+
+
+def _normalized(x: jax.Array, rms: bool, eps: float):
+    """(x normalized, mean or None, 1 / std), in fp32: [.., d], [.., 1], [.., 1]."""
+    x = x.astype(jnp.float32)
+    mean = None if rms else jnp.mean(x, axis=-1, keepdims=True)
+    centered = x if rms else x - mean
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + eps)
+    return centered * rstd, mean, rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def norm(x_bsd, scale, bias, rms: bool, eps: float, one_p: bool):
+    """LayerNorm / RMSNorm of `x_bsd` over its last dim, computed in fp32, returned in its dtype.
+
+    The backward keeps only the input (in its own dtype: the residual stream, kept anyway) and
+    each row's mean and 1 / std, and recomputes the normalized rows from them: autodiff of the
+    fp32 forward kept fp32 copies of the rows (the upcast input, the centered and the normalized
+    rows: 12 bytes per element of every norm's [b, s, d] input in a bf16 step, most of a layer's
+    saved activations). Megatron's fused norms keep the same (input, mean, rstd)."""
+    return _norm_forward(x_bsd, scale, bias, rms, eps, one_p)[0]
+
+
+def _norm_forward(x_bsd, scale, bias, rms, eps, one_p):
+    xhat, mean, rstd = _normalized(x_bsd, rms, eps)
+    gamma = scale.astype(jnp.float32)
+    y = xhat * (1.0 + gamma if one_p else gamma)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x_bsd.dtype), (x_bsd, mean, rstd, scale, bias)
+
+
+def _like(ct, primal):
+    """A custom backward's cotangent typed as its primal input: summed over the manual mesh axes
+    it varies over and the input does not (inside a shard_map the input was the same on every
+    device of those axes and used by each: the sum autodiff's own transpose takes)."""
+    if ct is None:
+        return None
+    extra = sorted(varying_axes(ct) - varying_axes(primal))
+    return psum(ct, tuple(extra)) if extra else ct
+
+
+def _norm_backward(rms, eps, one_p, res, dy):
+    x_bsd, mean, rstd, scale, bias = res
+    x = x_bsd.astype(jnp.float32)
+    xhat = (x if rms else x - mean) * rstd
+    dy = dy.astype(jnp.float32)
+    rows = tuple(range(dy.ndim - 1))
+    dscale = jnp.sum(dy * xhat, axis=rows).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(dy, axis=rows).astype(bias.dtype)
+    gamma = scale.astype(jnp.float32)
+    g = dy * (1.0 + gamma if one_p else gamma)  # d loss / d xhat
+    proj = jnp.mean(g * xhat, axis=-1, keepdims=True)
+    if rms:
+        dx = rstd * (g - xhat * proj)
+    else:
+        dx = rstd * (g - jnp.mean(g, axis=-1, keepdims=True) - xhat * proj)
+    return _like(dx.astype(x_bsd.dtype), x_bsd), _like(dscale, scale), _like(dbias, bias)
+
+
+norm.defvjp(_norm_forward, _norm_backward)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -208,3 +261,67 @@ def fp32_einsum(spec: str, grad_a: str, grad_b: str):
 
     product.defvjp(forward, backward)
     return product
+
+
+def mlp_activation(h: jax.Array, swiglu: bool, openai_gelu: bool, gate_up_axis: int) -> jax.Array:
+    """The MLP's activation of fc1's output `h`: SwiGLU (silu(gate) x up, the two stacked on
+    `gate_up_axis`) or GELU (tanh-approximated with --openai-gelu, else exact). Computed in fp32,
+    returned in h's dtype; the backward keeps only the activation's input and recomputes the rest
+    (autodiff kept its intermediates too: two more [b, s, f] per layer)."""
+    if swiglu:
+        gate, up = (jnp.take(h, i, axis=gate_up_axis) for i in (0, 1))
+        return _swiglu(gate, up)
+    return _gelu(h, openai_gelu)
+
+
+_TANH_K = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_f32(x, approximate: bool):
+    if approximate:
+        return 0.5 * x * (1.0 + jnp.tanh(_TANH_K * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + jax.lax.erf(x / math.sqrt(2.0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gelu(x, approximate: bool):
+    return _gelu_f32(x.astype(jnp.float32), approximate).astype(x.dtype)
+
+
+def _gelu_forward(x, approximate):
+    return _gelu(x, approximate), x
+
+
+def _gelu_backward(approximate, x, dy):
+    x32 = x.astype(jnp.float32)
+    if approximate:
+        t = jnp.tanh(_TANH_K * (x32 + 0.044715 * x32 ** 3))
+        d = 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _TANH_K * (1.0 + 3 * 0.044715 * x32 * x32)
+    else:
+        d = 0.5 * (1.0 + jax.lax.erf(x32 / math.sqrt(2.0))) + x32 * jnp.exp(-0.5 * x32 * x32) / math.sqrt(2 * math.pi)
+    return (_like((dy.astype(jnp.float32) * d).astype(x.dtype), x),)
+
+
+_gelu.defvjp(_gelu_forward, _gelu_backward)
+
+
+@jax.custom_vjp
+def _swiglu(gate, up):
+    g = gate.astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def _swiglu_forward(gate, up):
+    return _swiglu(gate, up), (gate, up)
+
+
+def _swiglu_backward(res, du):
+    gate, up = res
+    g, u, du = gate.astype(jnp.float32), up.astype(jnp.float32), du.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    dgate = du * u * sig * (1.0 + g * (1.0 - sig))
+    return _like(dgate.astype(gate.dtype), gate), _like((du * g * sig).astype(up.dtype), up)
+
+
+_swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+

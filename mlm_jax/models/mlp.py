@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.layers import add_bias, cast, normal, param, zeros
+from mlm_jax.models.layers import add_bias, cast, mlp_activation, normal, param, zeros
 from mlm_jax.sharding.rules import constrain
 
 
@@ -37,10 +37,9 @@ class MLP(nnx.Module):
     def __call__(self, y_bsd) -> jax.Array:
         cfg, dt = self.cfg, y_bsd.dtype
         if cfg.swiglu:
-            gu = add_bias(jnp.einsum("bsd,dnf->bsnf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt))
-            u = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [b, s, f]
+            h = add_bias(jnp.einsum("bsd,dnf->bsnf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt))  # [b, s, 2, f]
         else:
-            u = jax.nn.gelu(add_bias(jnp.einsum("bsd,df->bsf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt)),
-                            approximate=cfg.openai_gelu)
+            h = add_bias(jnp.einsum("bsd,df->bsf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt))  # [b, s, f]
+        u = mlp_activation(h, cfg.swiglu, cfg.openai_gelu, gate_up_axis=2)  # [b, s, f]
         u = constrain(u, ("batch", "context_seq", "mlp"))
         return add_bias(jnp.einsum("bsf,fd->bsd", u, cast(self.w2, dt)), cast(self.b2, dt))

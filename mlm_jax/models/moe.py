@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.layers import cast, normal, param, zeros
+from mlm_jax.models.layers import cast, mlp_activation, normal, param, zeros
 from mlm_jax.models.mlp import MLP
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain
@@ -301,12 +301,6 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 # (shard_map over `expert`) is `parallel/experts.py`'s, installed in the trace context.
 
 
-def _activation(cfg: ModelConfig, h):
-    if cfg.swiglu:  # [r, 2, f]
-        return jax.nn.silu(h[:, 0]) * h[:, 1]
-    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
-
-
 def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
     """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
 
@@ -324,7 +318,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
-        u = jnp.where(valid[:, None], _activation(cfg, h), 0)  # [r, f]
+        u = jnp.where(valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0)  # [r, f]
         ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
     else:
         starts = jnp.cumsum(sizes) - sizes
@@ -334,15 +328,9 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         h = jnp.einsum("ecd,ed...->ec...", buf, w1)  # [e, c, (2,) f]
         if b1 is not None:
             h = h + b1[:, None]
-        y_ecd = jnp.einsum("ecf,efd->ecd", _activation_ec(cfg, h), w2)
+        y_ecd = jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2)
         ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
     return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
-
-
-def _activation_ec(cfg: ModelConfig, h):
-    if cfg.swiglu:  # [e, c, 2, f]
-        return jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
-    return jax.nn.gelu(h, approximate=cfg.openai_gelu)
 
 
 def row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:

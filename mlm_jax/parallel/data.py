@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mlm_jax import platform
 from mlm_jax.config import Config
 from mlm_jax.models.layers import compute_dtype, used_in_compute_dtype
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import DATA, EXPERT
+from mlm_jax.sharding.mesh import DATA, EXPERT, psum
 from mlm_jax.sharding.rules import active_rules
 from mlm_jax.sharding.specs import entry_axes, pick_axes
 
@@ -175,20 +174,10 @@ class LeafReduction:
         split = tuple(dict.fromkeys(a for e in self.compute for a in entry_axes(e)))
 
         def block(x):  # this device's block of the gradient
-            if self.bf16:
-                x = x.astype(jnp.bfloat16)
-                if platform.current() == platform.CPU:
-                    # XLA:CPU reduces bf16 in fp32 anyway (its all-reduce promotion: each
-                    # rank's bf16 widened, summed in fp32, the sum rounded to bf16), and that
-                    # pass aborts on these reductions: the same arithmetic, written out.
-                    x = x.astype(jnp.float32)
-            if self.dim is None:
-                out = jax.lax.psum(x, DATA)
-            else:
-                out = jax.lax.psum_scatter(x, DATA, scatter_dimension=self.dim, tiled=True)
-                if self.groups > 1:  # [.., n / t / dp, ..] -> [.., 1, n / t / dp, ..]
-                    out = jnp.expand_dims(out, self.dim)
-            return out.astype(jnp.bfloat16).astype(jnp.float32) if self.bf16 else out
+            out = psum(x.astype(jnp.bfloat16) if self.bf16 else x, DATA, self.dim)
+            if self.dim is not None and self.groups > 1:  # [.., n / t / dp, ..] -> [.., 1, n / t / dp, ..]
+                out = jnp.expand_dims(out, self.dim)
+            return out.astype(jnp.float32)
 
         out_spec = self.compute
         if self.dim is not None and self.groups > 1:

@@ -65,3 +65,23 @@ def zeros_like_typed(like) -> jax.Array:
     """Zeros shaped, typed and varying like `like` (e.g. a scan's initial carry for a body
     whose outputs vary over manual axes)."""
     return varying(jnp.zeros(like.shape, like.dtype), sorted(varying_axes(like)))
+
+
+def psum(x, axes, scatter_dimension: int | None = None) -> jax.Array:
+    """`jax.lax.psum` of `x` over manual mesh `axes` (with `scatter_dimension`, `psum_scatter`
+    tiled on it); a bf16/fp16 `x` on a CPU mesh is summed in fp32 and rounded back: XLA:CPU
+    promotes those reductions to fp32 anyway, and its promotion pass aborts on some of them
+    (`Invalid binary instruction opcode copy`: a reduction region ending in a copy, as a custom
+    backward's sum can have). GPUs reduce in `x`'s dtype."""
+    from mlm_jax.sharding import trace
+
+    def reduce(v):
+        if scatter_dimension is None:
+            return jax.lax.psum(v, axes)
+        return jax.lax.psum_scatter(v, axes, scatter_dimension=scatter_dimension, tiled=True)
+
+    on_cpu = (trace.current().platform or jax.devices()[0].platform) == "cpu"  # the traced step's, else here
+    if x.dtype in (jnp.bfloat16, jnp.float16) and on_cpu:
+        return reduce(x.astype(jnp.float32)).astype(x.dtype)
+    return reduce(x)
+
