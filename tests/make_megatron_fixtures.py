@@ -34,9 +34,10 @@ checked on 2026-12-04 (torch 2.13.0, megatron-core 0.16.1), for MODEL in gpt2 ll
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check dist --model MODEL     # 1.907e-06; moe: 0.0
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check legacy --model MODEL   # 1.907e-06; moe: 0.0
 
-The same round trip of an MoE model with a dense first layer and a shared expert (Megatron-Core's
-non-homogeneous layers, built with get_gpt_decoder_block_spec, not a fixture) also gave 0.000e+00,
-its torch_dist export holding exactly Megatron-Core's keys, shapes, chunks and objects.
+The same round trip of two MoE models with a shared expert (built with get_gpt_decoder_block_spec,
+not fixtures): every layer MoE, and a dense first layer (Megatron-Core's non-homogeneous layers,
+per-layer keys) also gave 0.000e+00 in both formats, their torch_dist exports holding exactly
+Megatron-Core's keys, shapes, chunks and objects.
 """
 
 from __future__ import annotations
