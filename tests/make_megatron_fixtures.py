@@ -1,7 +1,7 @@
 """Fixtures written by Megatron-Core itself: tiny models built with Megatron-Core on the CPU,
 saved as Megatron-LM saves them, with Megatron-Core's own logits for fixed token ids.
 
-Read by tests/test_megatron_core_fixtures.py (TP1 and TP2 writers; no MoE, no PP2).
+Read by tests/test_megatron_core_fixtures.py (TP1 and TP2 writers; no PP2, no expert parallel).
 
 Run BY HAND in a separate venv (the tests never import torch):
 
@@ -11,8 +11,11 @@ Run BY HAND in a separate venv (the tests never import torch):
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py tests/fixtures/megatron
     /work/venv-torch/bin/torchrun --nproc-per-node 2 tests/make_megatron_fixtures.py tests/fixtures/megatron --tp 2
 
-It writes, per model (gpt2: learned positions, LayerNorm, GELU, biases, tied head; llama: rope,
-RMSNorm, SwiGLU, no biases, untied head, GQA 4 heads / 2 groups), a `torch_dist` save root
+(`--only moe` writes one model and keeps the manifest's other entries as they are.) It writes, per
+model (gpt2: learned positions, LayerNorm, GELU, biases, tied head; llama: rope, RMSNorm, SwiGLU,
+no biases, untied head, GQA 4 heads / 2 groups; moe: llama's, hidden 16, with every MLP a Mixtral
+style mixture of 4 SwiGLU experts, top-2, Megatron's default router (softmax over the top-k
+logits), allgather dispatcher, dropless, the local spec's SequentialMLP), a `torch_dist` save root
 (`dist_checkpointing.save` of the model's sharded state dict with Megatron-LM's common state:
 args, iteration, checkpoint_version, opt_param_scheduler) and a legacy `torch` one
 (`mp_rank_00/model_optim_rng.pt` of `state_dict_for_save_checkpoint`), both from one tensor-
@@ -23,13 +26,18 @@ parallel rank (world size 1, gloo), local layer specs (no Transformer Engine), f
 
 loads DIR (torch_dist or legacy) into the same Megatron-Core model and prints the largest
 difference of its logits from the manifest's (for checkpoints mlm_jax writes). The round trip
-checked on 2026-12-04 (torch 2.13.0, megatron-core 0.16.1), for MODEL in gpt2 llama:
+checked on 2026-12-04 (torch 2.13.0, megatron-core 0.16.1), for MODEL in gpt2 llama moe:
 
     python -m mlm_jax.tools.checkpoint import-megatron --load tests/fixtures/megatron/MODEL/dist_tp1 --save imp
     python -m mlm_jax.tools.checkpoint export-megatron --load imp --save dist --ckpt-format torch_dist
     python -m mlm_jax.tools.checkpoint export-megatron --load imp --save legacy --ckpt-format torch
-    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check dist --model MODEL     # 1.907e-06
-    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check legacy --model MODEL   # 1.907e-06
+    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check dist --model MODEL     # 1.907e-06; moe: 0.0
+    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check legacy --model MODEL   # 1.907e-06; moe: 0.0
+
+The same round trip of two MoE models with a shared expert (built with get_gpt_decoder_block_spec,
+not fixtures): every layer MoE, and a dense first layer (Megatron-Core's non-homogeneous layers,
+per-layer keys) also gave 0.000e+00 in both formats, their torch_dist exports holding exactly
+Megatron-Core's keys, shapes, chunks and objects.
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ SPECS = {
                  add_bias_linear=True, untie=False, groups=None, ffn=128),
     "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                   untie=True, groups=2, ffn=48),
+    # Mixtral style: llama's layers with every MLP 4 SwiGLU experts, top-2 routing (Megatron's
+    # default: top-k of the logits, then softmax over the k), dropless; narrower (hidden 16), as
+    # its per-expert chunks make the files larger.
+    "moe": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                untie=True, groups=2, ffn=32, experts=4, topk=2, moe_ffn=8, hidden=16),
 }
 LAYERS, HIDDEN, HEADS = 2, 32, 4
 
@@ -78,6 +91,11 @@ def init_megatron(tp: int = 1):
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *a, **k: None
+    # The MoE router's gating matmul tests `te_general_gemm is not None`, a name moe_utils only
+    # defines when Transformer Engine imports: None is its torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
@@ -89,15 +107,20 @@ def build(kind: str, tp: int = 1):
 
     s = SPECS[kind]
     torch.manual_seed(0)
+    experts = s.get("experts")
+    moe = dict(num_moe_experts=experts, moe_router_topk=s["topk"], moe_ffn_hidden_size=s["moe_ffn"],
+               moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=None,
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2) if experts else {}
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=s["ffn"],
+        num_layers=LAYERS, hidden_size=s.get("hidden", HIDDEN), num_attention_heads=HEADS, ffn_hidden_size=s["ffn"],
         num_query_groups=s["groups"], normalization=s["normalization"], gated_linear_unit=s["swiglu"],
         activation_func=F.silu if s["swiglu"] else F.gelu, add_bias_linear=s["add_bias_linear"],
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.2,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, params_dtype=torch.float32)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
+        apply_rope_fusion=False, params_dtype=torch.float32, **moe)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=experts, moe_grouped_gemm=False, normalization=s["normalization"]),
                      vocab_size=padded(VOCAB, tp), max_sequence_length=MAX_POS,
                      share_embeddings_and_output_weights=not s["untie"],
                      position_embedding_type=s["position_embedding_type"], parallel_output=False)
@@ -120,10 +143,11 @@ def logits(model) -> np.ndarray:
 def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
     """The args Megatron-LM's checkpoint holds, for the fields a reader needs."""
     s = SPECS[kind]
+    hidden = s.get("hidden", HIDDEN)
     return argparse.Namespace(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=s["ffn"], num_attention_heads=HEADS,
+        num_layers=LAYERS, hidden_size=hidden, ffn_hidden_size=s["ffn"], num_attention_heads=HEADS,
         group_query_attention=s["groups"] is not None, num_query_groups=s["groups"] or HEADS,
-        kv_channels=HIDDEN // HEADS, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
+        kv_channels=hidden // HEADS, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
         position_embedding_type=s["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
         rotary_interleaved=False, normalization=s["normalization"], norm_epsilon=1e-5, swiglu=s["swiglu"],
         openai_gelu=False, squared_relu=False, untie_embeddings_and_output_weights=s["untie"],
@@ -132,9 +156,23 @@ def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
         padded_vocab_size=padded(VOCAB, tp), vocab_size=VOCAB - 1, tokenizer_type="NullTokenizer", vocab_file=None,
         merge_file=None, tokenizer_model=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, transformer_impl="local",
-        num_experts=None, bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
+        bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
         micro_batch_size=1, global_batch_size=GBS, lr=1e-4, min_lr=1e-5, iteration=ITERATION,
-        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist")
+        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist", **moe_args(kind))
+
+
+def moe_args(kind: str) -> dict:
+    """Megatron-LM's --num-experts / --moe-* args of an MoE model (build's TransformerConfig)."""
+    s = SPECS[kind]
+    if not s.get("experts"):
+        return {"num_experts": None}
+    return dict(num_experts=s["experts"], moe_router_topk=s["topk"], moe_ffn_hidden_size=s["moe_ffn"],
+                moe_layer_freq=1, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=None,
+                moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+                moe_router_enable_expert_bias=False, moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
+                moe_pad_expert_input_to_capacity=False, moe_shared_expert_intermediate_size=None,
+                moe_router_dtype=None, moe_use_legacy_grouped_gemm=False)
 
 
 def common_state(kind: str, fmt: str, tp: int = 1) -> dict:
@@ -192,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(SPECS), default="llama")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel writers: run under torchrun --nproc-per-node TP; "
                                                      "adds <model>_tp<TP> entries to an existing manifest")
+    p.add_argument("--only", nargs="+", choices=sorted(SPECS), default=None,
+                   help="write these models only; the manifest's other entries are kept as they are")
     a = p.parse_args(argv)
     init_megatron(a.tp)
     import megatron.core
@@ -210,9 +250,9 @@ def main(argv=None) -> int:
     manifest = {"megatron_core": megatron.core.__version__, "torch": torch.__version__, "ids": IDS,
                 "vocab_size": VOCAB - 1, "padded_vocab_size": padded(VOCAB), "iteration": ITERATION,
                 "consumed_samples": ITERATION * GBS, "models": {}}
-    if a.tp > 1:
+    if a.tp > 1 or a.only:
         manifest = json.load(open(path))
-    for kind in SPECS:
+    for kind in a.only or SPECS:
         model = build(kind, a.tp)
         out = logits(model)
         folders = save(model, kind, a.out, a.tp)

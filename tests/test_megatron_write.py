@@ -248,23 +248,89 @@ def test_torch_dist_export_reads_back_bitwise_in_megatron_cores_layout(ckpts, tm
 
 
 def test_torch_dist_refuses_what_it_does_not_write(ckpts, tmp_path, capsys):
-    """torch_dist is global: no tensor/pipeline split to ask for; MoE is written by --ckpt-format
-    torch only. Each an error naming it, nothing written."""
-    from mlm_jax.tools.checkpoint import import_megatron, main
+    """torch_dist is global: no tensor/pipeline split to ask for. An error naming it, nothing
+    written."""
+    from mlm_jax.tools.checkpoint import main
 
     gpt = ckpts["gpt"][0]
     assert main(["export-megatron", "--load", gpt, "--save", str(tmp_path / "x"), "--ckpt-format", "torch_dist",
                  "--tensor-model-parallel-size", "2"]) == 2
     assert "--ckpt-format torch_dist holds global tensors" in _last_error(capsys)
-    moe = str(tmp_path / "moe")
-    import_megatron(os.path.join(SYN, "mixtral", "dist_tp1"), moe, log=lambda *a: None)
-    assert main(["export-megatron", "--load", moe, "--save", str(tmp_path / "y"), "--ckpt-format", "torch_dist"]) == 2
-    assert "mixture-of-experts models are not written in this format yet" in _last_error(capsys)
-    assert sorted(os.listdir(tmp_path)) == ["moe"]
+    assert os.listdir(tmp_path) == []
     with pytest.raises(MegatronCheckpointError):
         from mlm_jax.checkpoint.megatron.torch_write import write_legacy
 
         write_legacy(str(tmp_path / "y"), {}, ckpts["gpt"][1].config.model, 1, tp=3)
+
+
+def _dcp_layout(it):
+    """{key: (global shape, sorted chunk (offsets, sizes))} and the object keys of a torch_dist folder."""
+    from mlm_jax.checkpoint.megatron import dcp
+
+    d = dcp.Distcp(it)
+    return {k: (d.shapes[k], sorted((o, s) for o, s, _ in d.chunks[k])) for k in d.shapes}, sorted(d.objects)
+
+
+def test_moe_torch_dist_export_is_megatron_cores_layout(tmp_path):
+    """--ckpt-format torch_dist of the MoE model Megatron-Core 0.16.1 wrote itself
+    (tests/fixtures/megatron/moe, SequentialMLP): the same keys, global shapes, chunks (per layer
+    and expert, SwiGLU halves apart) and `_extra_state` objects as Megatron-Core's own file; read
+    back bitwise, the same logits. (Megatron-Core loads the export and computes its own logits:
+    tests/make_megatron_fixtures.py --check, by hand.)"""
+    from mlm_jax.tools.checkpoint import import_megatron, main
+
+    src = os.path.join(HERE, "fixtures", "megatron", "moe", "dist_tp1")
+    root = str(tmp_path / "mlm")
+    import_megatron(src, root, log=lambda *a: None)
+    found, ref = _host_params(root)
+    dst = str(tmp_path / "megatron")
+    assert main(["export-megatron", "--load", root, "--save", dst, "--ckpt-format", "torch_dist"]) == 0
+    it = f"iter_{found.iteration:07d}"
+    assert _dcp_layout(os.path.join(dst, it)) == _dcp_layout(os.path.join(src, it))
+    ck = read_checkpoint(dst)
+    assert ck.format == "torch_dist" and ck.config == found.config.model
+    _assert_same(_flat(ck.params), ref, "moe torch_dist")
+    np.testing.assert_array_equal(mlm_jax.load(dst).logits(TOKENS), mlm_jax.load(src).logits(TOKENS))
+
+
+@pytest.mark.parametrize("model", ["mixtral", "moe_mixed"])
+def test_moe_torch_dist_export_reads_back_bitwise(tmp_path, model):
+    """--ckpt-format torch_dist of MoE models: every layer MoE (stacked on the layers dim, experts
+    on the second) and dense + MoE layers with a shared expert (Megatron-Core's non-homogeneous
+    layers: per-layer keys, no layers dim); read back bitwise, then import bitwise."""
+    from mlm_jax.checkpoint.megatron import dcp
+    from mlm_jax.tools.checkpoint import import_megatron, main
+
+    root = str(tmp_path / "mlm")
+    import_megatron(os.path.join(SYN, model, "dist_tp1"), root, log=lambda *a: None)
+    found, ref = _host_params(root)
+    m = found.config.model
+    dst = str(tmp_path / "megatron")
+    assert main(["export-megatron", "--load", root, "--save", dst, "--ckpt-format", "torch_dist"]) == 0
+    ck = read_checkpoint(dst)
+    assert ck.config == found.config.model
+    _assert_same(_flat(ck.params), ref, f"{model} torch_dist")
+    np.testing.assert_array_equal(mlm_jax.load(dst).logits(TOKENS), mlm_jax.load(root).logits(TOKENS))
+    d = dcp.Distcp(os.path.join(dst, f"iter_{found.iteration:07d}"))
+    L, E, f = m.num_layers, m.num_experts, m.moe_ffn_size
+    if model == "mixtral":
+        fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+        assert d.shapes[fc1] == (L, E, 2 * f, m.hidden_size)
+        assert sorted(o for o, _, _ in d.chunks[fc1]) == [(i, j, h, 0) for i in range(L) for j in range(E)
+                                                         for h in (0, f)]
+        assert d.shapes["decoder.layers.mlp.router.weight"] == (L, E, m.hidden_size)
+        assert f"decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_{L}.{E}" in d.objects
+    else:
+        assert not [k for k in d.shapes if k.startswith("decoder.layers.") and not k.split(".")[2].isdigit()]
+        assert d.shapes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == (E, 2 * f, m.hidden_size)
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in d.shapes and "decoder.layers.1.mlp.router.weight" in d.shapes
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in d.shapes
+        assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in d.shapes
+        assert f"decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_{E}" in d.objects
+        assert "decoder.layers.0.mlp.linear_fc2._extra_state/shard_0_1" in d.objects
+    back = str(tmp_path / "back")
+    import_megatron(dst, back, log=lambda *a: None)
+    _assert_same(_host_params(back)[1], ref, f"{model} torch_dist -> import")
 
 
 @pytest.mark.parametrize("model", ["mixtral", "moe_mixed"])

@@ -455,7 +455,7 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
                     pipeline_parallel: int = 1, step: int | None = None, log=print) -> str:
     """Write the mlm_jax checkpoint `load` as a Megatron-LM checkpoint (fp32 weights and args; no
     optimizer or RNG state) under `save`: Megatron-Core's `torch_dist` (global tensors, any
-    parallel layout loads it: megatron/dcp_write.py; dense models), or the legacy `torch` format
+    parallel layout loads it: megatron/dcp_write.py), or the legacy `torch` format
     split for tensor parallel size T and pipeline size P (megatron/torch_write.py). No PyTorch."""
     from mlm_jax.checkpoint import TOKENIZER, find_checkpoint, restore_host_params
     from mlm_jax.checkpoint.megatron import MegatronCheckpointError
@@ -488,9 +488,6 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
     from mlm_jax.checkpoint.megatron.layout_write import check_layout
 
     check_layout(m, tensor_parallel, pipeline_parallel)
-    if ckpt_format == "torch_dist" and m.num_experts:
-        raise MegatronCheckpointError("--ckpt-format torch_dist: mixture-of-experts models are not written in "
-                                      "this format yet; --ckpt-format torch writes them")
     params = restore_host_params(found)
     consumed = int(found.meta.get("consumed_samples", 0) or 0)
     if ckpt_format == "torch_dist":
@@ -581,7 +578,7 @@ def main(argv=None) -> int:
     mex.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default latest)")
     mex.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
                      help="torch: legacy mp_rank_* files, split by the sizes below; torch_dist: Megatron-Core's "
-                          "global tensors (dense models), loadable at any parallel layout")
+                          "global tensors, loadable at any parallel layout")
     mex.add_argument("--tensor-model-parallel-size", type=int, default=1)
     mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)

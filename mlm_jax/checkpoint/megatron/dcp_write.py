@@ -10,16 +10,25 @@ What Megatron-Core's `dist_checkpointing.save` writes for a GPT model's sharded 
 as its own files show (tests/fixtures/megatron): one *global* tensor per key, layers stacked
 on a leading dim (`decoder.layers.self_attention.linear_qkv.weight` is [L, ...], one chunk per
 layer at offset (i, 0, ..), shaped [1, ...]), the norms under the fused
-names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), SwiGLU's fc1 as all gate
-rows then all up rows, each half a chunk; an `_extra_state` object per linear layer and layer
-(`[None]`, as the local spec saves it). The layouts inside each tensor are layout_write.py's,
-so any tensor-parallel size Megatron loads it with reads its own slices. The pickle names
-torch's classes (`torch.distributed.checkpoint.metadata.*`, `torch.Size`, `torch.float32`) as
-torch itself would: `pickle.load` of it in Megatron's process rebuilds torch's objects.
+names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`, an MoE layer's too), SwiGLU's
+fc1 (weight and bias) as all gate rows then all up rows, each half a chunk; an `_extra_state`
+object per linear layer and layer (`[None]`, as the local spec saves it). The layouts inside each
+tensor are layout_write.py's, so any tensor-parallel size Megatron loads it with reads its own
+slices. The pickle names torch's classes (`torch.distributed.checkpoint.metadata.*`,
+`torch.Size`, `torch.float32`) as torch itself would: `pickle.load` of it in Megatron's process
+rebuilds torch's objects.
 
-Dense models only (mixture-of-experts keys are stacked per expert differently: the legacy
-`torch` format writes those). The chunks are written one at a time into one file; everything in
-a temporary folder beside DIR, renamed to DIR when complete.
+Mixture of experts, as the local spec's SequentialMLP saves them: the router
+`decoder.layers.mlp.router.weight` [L, E, d]; the experts stacked on a second dim,
+`decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, (2) f, d], one chunk per layer and
+expert ([1, 1, ...], SwiGLU's halves apart), an `_extra_state` object per layer and expert
+(`.../shard_<i>.<j>_<L>.<E>`); a shared expert as an MLP under `mlp.shared_experts`. When the
+layers differ (--moe-layer-freq other than 1: Megatron-Core's `non_homogeneous_layers`) nothing
+is stacked on L: every layer has its own keys `decoder.layers.<i>.<rest>`, chunks and objects
+without the layer dim (`.../shard_0_1`, an expert's `.../shard_<j>_<E>`).
+
+The chunks are written one at a time into one file; everything in a temporary folder beside DIR,
+renamed to DIR when complete.
 """
 
 from __future__ import annotations
@@ -44,13 +53,17 @@ _STORAGE = "torch.distributed.checkpoint.filesystem"
 DATA_FILE = "__0_0.distcp"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
-# Legacy per-layer names -> the stacked keys Megatron-Core saves (its fused-norm names).
+# Legacy per-layer names -> the keys Megatron-Core saves (its fused-norm names, its experts).
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
           "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
           "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
-_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_ATTENTION = ("self_attention.linear_proj", "self_attention.linear_qkv")
+_MLP = ("mlp.linear_fc1", "mlp.linear_fc2")
+_SHARED = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+_EXPERTS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
 class _Obj:
@@ -97,13 +110,46 @@ def _index(key: str, offsets=None) -> _Obj:
     return _Obj(_DCP, "MetadataIndex", state)
 
 
-def stacked_key(name: str) -> tuple[str, int | None]:
-    """(Megatron-Core's key, layer number or None) of a legacy per-layer name."""
-    m = _LAYER.match(name)
-    if not m:
-        return name, None
-    rest = m.group(2)
-    return f"decoder.layers.{_NORMS.get(rest, rest)}", int(m.group(1))
+def stacked(m: ModelConfig) -> bool:
+    """Whether Megatron-Core stacks the layers on a leading dim: every layer alike (its
+    `non_homogeneous_layers` is set by a --moe-layer-freq list or one above 1)."""
+    return isinstance(m.moe_layer_freq, int) and m.moe_layer_freq <= 1
+
+
+def dist_key(name: str, m: ModelConfig) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(Megatron-Core's key, the chunk's leading offsets, the key's leading global dims) of a
+    legacy name: layer (stacked), then expert."""
+    match = _LAYER.match(name)
+    if not match:
+        return name, (), ()
+    i, rest = int(match.group(1)), match.group(2)
+    rest = _NORMS.get(rest, rest)
+    lead, dims = ((i,), (m.num_layers,)) if stacked(m) else ((), ())
+    expert = _EXPERT.match(rest)
+    if expert:
+        rest = f"mlp.experts.experts.{expert.group(2)}"
+        lead, dims = (*lead, int(expert.group(1))), (*dims, m.num_experts)
+    return (f"decoder.layers.{rest}" if stacked(m) else f"decoder.layers.{i}.{rest}"), lead, dims
+
+
+def extra_states(m: ModelConfig) -> list[str]:
+    """The `_extra_state` object keys of every linear layer: per layer (and expert), numbered as
+    Megatron-Core's ShardedObjects (`shard_<offsets>_<global counts>`)."""
+    L, E = m.num_layers, m.num_experts
+    out = []
+    for i in range(L):
+        moe = m.is_moe_layer(i)
+        linears = _ATTENTION + ((_SHARED if m.moe_shared_expert_intermediate_size else ()) if moe else _MLP)
+        if stacked(m):
+            out += [f"decoder.layers.{lin}._extra_state/shard_{i}_{L}" for lin in linears]
+            if moe:
+                out += [f"decoder.layers.{lin}._extra_state/shard_{i}.{j}_{L}.{E}" for lin in _EXPERTS
+                        for j in range(E)]
+        else:
+            out += [f"decoder.layers.{i}.{lin}._extra_state/shard_0_1" for lin in linears]
+            if moe:
+                out += [f"decoder.layers.{i}.{lin}._extra_state/shard_{j}_{E}" for lin in _EXPERTS for j in range(E)]
+    return out
 
 
 def _chunk_bytes(x: np.ndarray) -> bytes:
@@ -126,9 +172,6 @@ def write_torch_dist(save: str, params: dict, m: ModelConfig, iteration: int, co
     save = os.path.abspath(save)
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
         raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
-    if m.num_experts:
-        raise MegatronCheckpointError("--ckpt-format torch_dist: mixture-of-experts models are not written in "
-                                      "this format yet; --ckpt-format torch writes them")
     rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     args = megatron_args(m, 1, 1, iteration, consumed_samples, tokenizer, ckpt_format="torch_dist")
     parent = os.path.dirname(save)
@@ -146,20 +189,17 @@ def write_torch_dist(save: str, params: dict, m: ModelConfig, iteration: int, co
                 f.write(data)
 
             for name, x in global_tensors(params, m, rows):
-                key, layer = stacked_key(name)
-                halves = 2 if m.swiglu and key.endswith("linear_fc1.weight") else 1  # gate, then up
-                parts = np.split(x, halves, axis=0)
-                entry = tensors.setdefault(key, {"size": (m.num_layers, *x.shape) if layer is not None else x.shape,
-                                                 "chunks": []})
+                key, lead, dims = dist_key(name, m)
+                gated = m.swiglu and key.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+                parts = np.split(x, 2 if gated else 1, axis=0)  # gate, then up
+                entry = tensors.setdefault(key, {"size": (*dims, *x.shape), "chunks": []})
                 for h, part in enumerate(parts):
-                    lead = () if layer is None else (layer,)
                     offsets = (*lead, h * part.shape[0], *([0] * (part.ndim - 1)))
-                    chunk = part[None] if lead else part  # [1, ...]: the chunk of layer `layer`
+                    chunk = part.reshape((1,) * len(lead) + part.shape)  # [1, (1,) ...]: this layer's (expert's)
                     entry["chunks"].append((offsets, chunk.shape))
                     put(_index(key, offsets), _chunk_bytes(chunk))
                 del x
-            objects = [f"decoder.layers.{lin}._extra_state/shard_{i}_{m.num_layers}"
-                       for i in range(m.num_layers) for lin in _LINEARS]
+            objects = extra_states(m)
             for key in objects:
                 put(_index(key), _object_bytes([None]))
         state = {key: _Obj(_DCP, "TensorStorageMetadata", {

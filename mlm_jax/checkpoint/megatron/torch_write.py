@@ -169,7 +169,9 @@ def megatron_args(m: ModelConfig, tp: int, pp: int, iteration: int, consumed_sam
         bias_gelu_fusion=False, iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, ckpt_format=ckpt_format, bf16=False, fp16=False)
     if m.num_experts:
-        fields["moe_ffn_hidden_size"] = m.moe_ffn_size
+        # The experts are written as the local spec's SequentialMLP (layout_write.py): Megatron
+        # builds that one for these args (mlm_jax's own field says how mlm_jax computes them).
+        fields.update(moe_ffn_hidden_size=m.moe_ffn_size, moe_grouped_gemm=False)
     return argparse.Namespace(**fields)
 
 
