@@ -208,6 +208,147 @@ def save(model, kind: str, root: str, tp: int = 1):
     return [os.path.relpath(dist_root, root), os.path.relpath(legacy_root, root)]
 
 
+# The resumable fixture: llama trained RESUME_STEPS Adam steps by Megatron-Core's distributed
+# optimizer on TRAIN_IDS (one global batch of 4 rows, every step), saved as Megatron-LM saves with
+# --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable; then one more step, recorded.
+RESUME_STEPS, RESUME_GBS = 3, 4
+TRAIN_IDS = [[(7 * i + 11 * r + 3) % (VOCAB - 1) + 1 for i in range(17)] for r in range(RESUME_GBS)]
+OPTIM = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+             clip_grad=1.0, lr_warmup_iters=1, lr_decay_iters=10, train_iters=10, lr_decay_style="cosine")
+# Megatron-LM's content metadata of that save (_build_sharded_state_dict_metadata, dp_cp_group dropped).
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
+                     "chained_optim_avoid_prefix": True}
+
+
+def cpu_optimizer_patches():
+    """Megatron-Core's distributed optimizer on the CPU: it makes its flag and norm scalars with
+    device='cuda', checks parameters by their CUDA type names and moves gathered shards with
+    .cuda(); here those are CPU tensors, CPU type names read as CUDA ones, and .cuda() a no-op."""
+    import types
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.utils as mutils
+
+    type_name = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        out = type_name(self, *a, **k)
+        return out.replace("torch.", "torch.cuda.", 1) if not a and not k and not self.is_cuda else out
+
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    class CpuTorch(types.ModuleType):
+        def __getattr__(self, name):
+            f = getattr(torch, name)
+            if name not in ("tensor", "zeros", "empty", "ones"):
+                return f
+
+            def on_cpu(*a, **k):
+                if k.get("device") == "cuda":
+                    k["device"] = "cpu"
+                return f(*a, **k)
+            return on_cpu
+
+    for m in (mutils, optimizer, clip_grads, distrib_optimizer):
+        m.torch = CpuTorch("torch")
+
+
+def train_steps(tp: int = 1):
+    """(model, DDP, optimizer, scheduler, per-step loss fn) of llama with Megatron-Core's distributed Adam."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    cpu_optimizer_patches()
+    model = build("llama", tp).train()
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+    o = OPTIM
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=o["lr"], min_lr=o["min_lr"], weight_decay=o["weight_decay"], adam_beta1=o["adam_beta1"],
+        adam_beta2=o["adam_beta2"], adam_eps=o["adam_eps"], clip_grad=o["clip_grad"], use_distributed_optimizer=True,
+        bf16=False, fp16=False, params_dtype=torch.float32), [ddp])
+    # Megatron-LM's iteration-based schedule counts samples: lengths x global batch, step(+batch).
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=o["lr"], min_lr=o["min_lr"], lr_warmup_steps=o["lr_warmup_iters"] * RESUME_GBS,
+        lr_decay_steps=o["lr_decay_iters"] * RESUME_GBS, lr_decay_style=o["lr_decay_style"],
+        start_wd=o["weight_decay"], end_wd=o["weight_decay"], wd_incr_steps=o["train_iters"] * RESUME_GBS,
+        wd_incr_style="constant")
+    text = torch.tensor(TRAIN_IDS)
+    ids, labels = text[:, :-1], text[:, 1:]
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    masked = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]
+
+    def step() -> tuple[float, float]:
+        """One training iteration as Megatron-LM's train_step: (loss, the lr it used). The loss
+        is over the true vocab's columns (mlm_jax masks the padding columns; Megatron's own
+        cross entropy would include them)."""
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        out = ddp(ids, pos, attention_mask=masked)[..., :VOCAB]
+        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
+        ddp.finish_grad_sync()
+        lr = opt.param_groups[0]["lr"]
+        ok, _, _ = opt.step()
+        assert ok
+        sched.step(increment=RESUME_GBS)
+        return float(loss), float(lr)
+    return model, opt, sched, step
+
+
+def save_resumable(root: str, tp: int = 1) -> dict:
+    """The resumable fixture's folder and manifest record (see RESUME_STEPS)."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    model, opt, sched, step = train_steps(tp)
+    losses = [step()[0] for _ in range(RESUME_STEPS)]
+    dist_root = os.path.join(root, "llama", f"resume_tp{tp}")
+    folder = os.path.join(dist_root, f"iter_{RESUME_STEPS:07d}")
+    os.makedirs(folder, exist_ok=True)
+    torch.distributed.barrier()
+    o = OPTIM
+    args = make_args("llama", tp)
+    samples = RESUME_STEPS * RESUME_GBS
+    vars(args).update(iteration=RESUME_STEPS, consumed_train_samples=samples, global_batch_size=RESUME_GBS,
+                      micro_batch_size=RESUME_GBS, seq_length=len(TRAIN_IDS[0]) - 1, optimizer="adam",
+                      use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True,
+                      distrib_optim_fully_reshardable_mem_efficient=False, no_save_optim=None, no_save_rng=True,
+                      lr_warmup_init=0.0, lr_warmup_fraction=None, lr_warmup_samples=0, lr_decay_samples=None,
+                      train_samples=None, **o)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": RESUME_STEPS, "model": model.sharded_state_dict(),
+             "opt_param_scheduler": sched.state_dict()}
+    state["optimizer"] = opt.sharded_state_dict(state, metadata=dict(FULLY_RESHARDABLE))
+    dist_checkpointing.save(state, folder, content_metadata=dict(FULLY_RESHARDABLE))
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(dist_root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(RESUME_STEPS))
+    # What the test compares: Adam's moments per key (sums, layout-free: mlm_jax's QKV and
+    # gate/up orders permute within a tensor), the final norm's exactly, and the next step.
+    inner = (opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt).optimizer
+    adam_steps = sorted({int(s["step"]) for s in inner.state.values()})
+    stats = {}
+    sharded = dist_checkpointing.load_plain_tensors(folder)
+    for key, t in sharded.items():
+        if key.startswith("optimizer.state."):
+            t = t.double()
+            stats[key] = {"sum": float(t.sum()), "abs_sum": float(t.abs().sum())}
+    final = "decoder.final_layernorm.weight"
+    exact = {k: sharded[f"optimizer.state.{k}.{final}"].tolist() for k in ("exp_avg", "exp_avg_sq")}
+    next_loss, next_lr = step()
+    with torch.no_grad():
+        after = logits(model.eval())
+    return {"folders": [os.path.relpath(dist_root, root)], "iteration": RESUME_STEPS, "consumed_samples": samples,
+            "adam_step": adam_steps, "train_ids": TRAIN_IDS, "optim": OPTIM, "losses": losses,
+            "next_loss": next_loss, "next_lr": next_lr, "moment_stats": stats,
+            "final_norm_moments": exact, "logits_after_next_step": after[0].tolist(),
+            "content_metadata": FULLY_RESHARDABLE}
+
+
 def load_into(model, path: str):
     """A torch_dist or legacy checkpoint (save root or iteration folder) into `model`."""
     from megatron.core import dist_checkpointing
@@ -230,6 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(SPECS), default="llama")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel writers: run under torchrun --nproc-per-node TP; "
                                                      "adds <model>_tp<TP> entries to an existing manifest")
+    p.add_argument("--resume", action="store_true", help="write the resumable llama fixture (model, "
+                   "distributed optimizer, scheduler) only, into the manifest's 'resume' entries")
     p.add_argument("--only", nargs="+", choices=sorted(SPECS), default=None,
                    help="write these models only; the manifest's other entries are kept as they are")
     a = p.parse_args(argv)
@@ -250,8 +393,16 @@ def main(argv=None) -> int:
     manifest = {"megatron_core": megatron.core.__version__, "torch": torch.__version__, "ids": IDS,
                 "vocab_size": VOCAB - 1, "padded_vocab_size": padded(VOCAB), "iteration": ITERATION,
                 "consumed_samples": ITERATION * GBS, "models": {}}
-    if a.tp > 1 or a.only:
+    if a.tp > 1 or a.only or a.resume:
         manifest = json.load(open(path))
+    if a.resume:
+        rec = save_resumable(a.out, a.tp)
+        if torch.distributed.get_rank() == 0:
+            manifest.setdefault("resume", {})["llama" if a.tp == 1 else f"llama_tp{a.tp}"] = rec
+            with open(path, "w") as f:
+                json.dump(manifest, f)
+        print(f"resume: {rec['folders']}, losses {rec['losses']}, next {rec['next_loss']}")
+        return 0
     for kind in a.only or SPECS:
         model = build(kind, a.tp)
         out = logits(model)

@@ -25,3 +25,89 @@ def test_logits_equal_megatron_cores(kind, folder):
     got = loaded.logits(np.asarray(MANIFEST["ids"], np.int32))[0]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- resuming Megatron's Adam
+
+RESUME = MANIFEST["resume"]["llama"]
+RESUME_ROOT = os.path.join(HERE, RESUME["folders"][0])
+TRAIN = np.asarray(RESUME["train_ids"], np.int32)  # [global batch, seq + 1]
+
+
+def _resume_config(parallel, devices: int):
+    from mlm_jax.config import Config, OptimConfig, ParallelConfig, TrainConfig
+    from mlm_jax.checkpoint.find import megatron_found
+    from mlm_jax.validation import finalize
+
+    o = RESUME["optim"]
+    found = megatron_found(RESUME_ROOT, None, parallel.get("tensor_model_parallel_size", 1), optimizer=True)
+    cfg = Config(model=found.config.model, parallel=ParallelConfig(**parallel),
+                 optim=OptimConfig(lr=o["lr"], min_lr=o["min_lr"], weight_decay=o["weight_decay"],
+                                   adam_beta1=o["adam_beta1"], adam_beta2=o["adam_beta2"], adam_eps=o["adam_eps"],
+                                   clip_grad=o["clip_grad"], lr_warmup_iters=o["lr_warmup_iters"],
+                                   lr_decay_iters=o["lr_decay_iters"], lr_decay_style=o["lr_decay_style"]),
+                 train=TrainConfig(micro_batch_size=1, global_batch_size=TRAIN.shape[0], seq_length=TRAIN.shape[1] - 1,
+                                   train_iters=o["train_iters"]))
+    return finalize(cfg, devices), found
+
+
+LAYOUTS = {"1 device": ({}, 1),
+           "tp2 x dp4 ZeRO": ({"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}, 8)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_megatron_adam_state_resumes_and_steps_as_megatron_core(layout):
+    """The fully reshardable distributed-optimizer checkpoint Megatron-Core wrote after 3 Adam steps:
+    restored onto one device and onto tp2 x dp4 with ZeRO, Adam's moments are Megatron's (per-key
+    sums and the final norm's values; fp32), its count is Megatron's step, the iteration, samples
+    and LR schedule continue; the next step's loss and the logits after it are Megatron-Core's."""
+    import jax
+    import optax
+
+    from mlm_jax.checkpoint.restore import restore_train_state
+    from mlm_jax.config import ParallelConfig
+    from mlm_jax.optim import lr_for
+    from mlm_jax.parallelize import parallelize
+    from mlm_jax.sharding import make_mesh
+    from tests.parallel_util import place
+
+    parallel, devices = LAYOUTS[layout]
+    cfg, found = _resume_config(parallel, devices)
+    pz = parallelize(cfg, make_mesh(cfg.parallel, jax.devices()[:devices]))
+    state, start = restore_train_state(cfg, pz, found, log=lambda *_: None)
+    assert (start.iteration, start.consumed_samples) == (RESUME["iteration"], RESUME["consumed_samples"])
+    assert RESUME["adam_step"] == [RESUME["iteration"]]
+    assert int(state["step"]) == RESUME["iteration"]
+    assert int(state["schedule_samples"]) == RESUME["consumed_samples"]
+    np.testing.assert_allclose(float(lr_for(cfg, state["schedule_samples"])), RESUME["next_lr"], rtol=1e-6)
+
+    adam = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1 and int(adam[0].count) == RESUME["iteration"]
+    mu, nu = (jax.tree.map(np.asarray, pz.plain(t)) for t in (adam[0].mu, adam[0].nu))
+    stats = RESUME["moment_stats"]
+    for tree, name in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
+        np.testing.assert_allclose(tree["final_norm"]["scale"], RESUME["final_norm_moments"][name], rtol=0, atol=0)
+        for leaf, key in ((tree["embed"], "embedding.word_embeddings.weight"), (tree["lm_head"], "output_layer.weight"),
+                          (tree["layers"]["mlp"]["w1"], "decoder.layers.mlp.linear_fc1.weight"),
+                          (tree["layers"]["attention"]["wqkv"], "decoder.layers.self_attention.linear_qkv.weight")):
+            want = stats[f"optimizer.state.{name}.{key}"]
+            np.testing.assert_allclose(np.asarray(leaf, np.float64).sum(), want["sum"], rtol=1e-6, atol=1e-12)
+            np.testing.assert_allclose(np.abs(np.asarray(leaf, np.float64)).sum(), want["abs_sum"], rtol=1e-6)
+        total = sum(v["abs_sum"] for k, v in stats.items() if k.startswith(f"optimizer.state.{name}."))
+        got = sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(tree))
+        np.testing.assert_allclose(got, total, rtol=1e-6)
+
+    batch = {"tokens": TRAIN[:, :-1], "labels": TRAIN[:, 1:], "loss_mask": np.ones(TRAIN[:, 1:].shape, np.float32),
+             "position_ids": np.broadcast_to(np.arange(TRAIN.shape[1] - 1, dtype=np.int32), TRAIN[:, 1:].shape).copy()}
+    state, metrics = pz.train_step(state, place(pz, batch), jax.random.key(0))
+    np.testing.assert_allclose(float(metrics["lm_loss"]), RESUME["next_loss"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(float(metrics["lr"]), RESUME["next_lr"], rtol=1e-6)
+    from mlm_jax.loading import LoadedModel
+
+    params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), pz.plain(state["params"]))
+    after = LoadedModel(cfg.model, params, make_mesh(ParallelConfig(), jax.devices()[:1]), None, RESUME_ROOT, None)
+    got = after.logits(np.asarray(MANIFEST["ids"], np.int32))[0]
+    want = np.asarray(RESUME["logits_after_next_step"], np.float32)
+    print(layout, "max |logits - Megatron-Core's after the next step| =", np.abs(got - want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

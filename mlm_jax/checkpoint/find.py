@@ -24,6 +24,7 @@ class Found:
     iteration: int
     meta: dict
     params: Any = None
+    optimizer: Any = None  # a Megatron-LM checkpoint's Adam state (megatron.optimizer.AdamState)
 
     @property
     def config(self) -> Config:
@@ -140,15 +141,12 @@ def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
     from mlm_jax.checkpoint.megatron import is_megatron_checkpoint
 
     if os.path.isdir(c.load) and is_megatron_checkpoint(c.load) and not own_checkpoint_beside(c.load, c.ckpt_step):
-        if c.load_optim and not c.finetune:
-            raise CheckpointError(
-                f"--load {c.load}: a Megatron-LM checkpoint, whose optimizer state mlm_jax does not read "
-                "(Megatron's optimizer shards are not converted); add --no-load-optim to continue at its "
-                "iteration with a fresh optimizer and LR schedule (as Megatron's --no-load-optim does), or "
-                "--finetune to start from its weights at iteration 0")
-        found = megatron_found(c.load, c.ckpt_step, cfg.parallel.tensor_model_parallel_size)
+        found = megatron_found(c.load, c.ckpt_step, cfg.parallel.tensor_model_parallel_size,
+                               optimizer=c.load_optim and not c.finetune)
         log(f"> --load {c.load}: Megatron-LM {found.meta['megatron']['format']} checkpoint {found.path}, "
-            f"iteration {found.iteration}, read without PyTorch")
+            f"iteration {found.iteration}, read without PyTorch"
+            + (f"; Adam state (step {found.meta['opt_step']}) from its fully reshardable optimizer state"
+               if found.meta["has_optimizer"] else ""))
     else:
         found = find_checkpoint(c.load, c.ckpt_step, log=log)
     if found is None:
@@ -188,21 +186,39 @@ def own_checkpoint_beside(root: str, step: int | None) -> bool:
     return complete[-1] >= (resolve_iteration(root)[1] or 0)
 
 
-def megatron_found(path: str, step: int | None, tensor_parallel: int) -> Found:
+def megatron_found(path: str, step: int | None, tensor_parallel: int, optimizer: bool = False) -> Found:
     """A Megatron-LM checkpoint (save root or iteration folder) read whole, as the `Found` that
     `restore.restore_train_state` continues from: its weights (vocab padded for `tensor_parallel`),
-    config from its args, iteration and consumed samples; no optimizer state."""
-    from mlm_jax.checkpoint.megatron import read_checkpoint
+    config from its args, iteration and consumed samples; with `optimizer`, its Adam state and
+    LR-scheduler position too (a fully reshardable optimizer state; else an error naming why)."""
+    from mlm_jax.checkpoint.megatron import MegatronCheckpointError, read_checkpoint
+    from mlm_jax.checkpoint.megatron import optimizer as megatron_optimizer
 
     ck = read_checkpoint(path, tensor_parallel=tensor_parallel, step=step, flag="--load")
+    adam = None
+    if optimizer:
+        try:
+            adam = megatron_optimizer.read_adam_state(ck)
+        except MegatronCheckpointError as e:
+            raise CheckpointError(
+                f"--load {path}: a Megatron-LM checkpoint whose optimizer state mlm_jax cannot read: {e}; add "
+                "--no-load-optim to continue at its iteration with a fresh optimizer (Megatron's --no-load-optim), "
+                "or --finetune to start from its weights at iteration 0") from e
+        if getattr(ck.args, "bf16", False) or getattr(ck.args, "fp16", False):
+            if adam.master is not None:  # the fp32 masters are the weights the optimizer continues
+                ck.params = adam.master
+        else:
+            megatron_optimizer.check_master(ck, adam.master)
     record, _ = tokenizer_record(ck.tokenizer, in_place=True)
     data = Config().data
     if record is not None:
         data = dataclasses.replace(data, tokenizer_type=record["tokenizer_type"])
     iteration = ck.iteration or 0  # a release checkpoint: weights at iteration 0
     meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": ck.consumed_samples,
-            "opt_step": iteration, "has_optimizer": False, "rng": None, "tokenizer": record, "layout": None,
+            "opt_step": adam.step if adam else iteration, "has_optimizer": adam is not None, "rng": None, "tokenizer": record, "layout": None,
             "config": config_to_dict(Config(model=ck.config, data=data)),
             "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
                          "schedule_samples": ck.schedule_samples}}
-    return Found(os.path.abspath(ck.path), iteration, meta, ck.params)
+    if adam is not None and ck.schedule_samples is not None:
+        meta["schedule_samples"] = ck.schedule_samples  # the scheduler's num_steps: samples
+    return Found(os.path.abspath(ck.path), iteration, meta, ck.params, adam)

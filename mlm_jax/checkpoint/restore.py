@@ -178,6 +178,8 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     version = saved_version(meta)
     if found.params is not None:  # read whole already (a Megatron-LM checkpoint)
         params, opt_state = place_host_params(found, shapes, p_sh), None
+        if load_optim and found.optimizer is not None:
+            opt_state = place_host_adam(found, pz.tx, params, shapes, p_sh, o_sh, pz.mesh)
     else:
         items = {PARAMS: ocp.args.StandardRestore(as_saved(_abstract(shapes, p_sh), version), strict=strict)}
         if load_optim:
@@ -221,9 +223,45 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
 
 
 
-def place_host_params(found: Found, shapes: dict, shardings: dict):
-    """`found.params` (host arrays in the plain layout) onto `shardings`; the vocab's zero padding
-    rows (embedding rows, untied head columns) cut or added to the run's padded size."""
+def place_host_adam(found: Found, tx, params: dict, shapes: dict, p_sh: dict, o_sh, mesh):
+    """`tx`'s state (plain layout, on `o_sh`) holding a Megatron-LM checkpoint's Adam state
+    (`found.optimizer`): Adam's moments placed like their parameters (vocab padding as the
+    weights'), and every update counter (Adam's bias corrections read it) at Adam's step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    adam = found.optimizer
+    mu, nu = place_host_params(found, shapes, p_sh, adam.mu), place_host_params(found, shapes, p_sh, adam.nu)
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    placed = []
+
+    def fill(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            placed.append(node)
+            return node._replace(count=_count(node.count, adam.step), mu=mu, nu=nu)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return node._replace(**{f: (_count(v, adam.step) if f == "count" else fill(v))
+                                    for f, v in zip(node._fields, node)})
+        if isinstance(node, (tuple, list)):
+            return type(node)(fill(v) for v in node)
+        return node
+
+    def _count(old, step):
+        return jax.device_put(jnp.asarray(step, old.dtype), old.sharding)
+
+    state = fill(state)
+    if len(placed) != 1:
+        raise CheckpointError(f"--load {found.path}: this run's optimizer has {len(placed)} Adam states; "
+                              "a Megatron-LM Adam state fills exactly one (add --no-load-optim)")
+    return state
+
+
+def place_host_params(found: Found, shapes: dict, shardings: dict, tree: dict | None = None):
+    """`found.params` (or `tree`, a params-like tree: e.g. Adam's moments; host arrays in the plain
+    layout) onto `shardings`; the vocab's zero padding rows (embedding rows, untied head columns)
+    cut or added to the run's padded size."""
     import jax
     import numpy as np
 
@@ -242,7 +280,7 @@ def place_host_params(found: Found, shapes: dict, shardings: dict):
                                   f"the model's is {shape.shape}")
         return x.astype(shape.dtype)
 
-    host = jax.tree_util.tree_map_with_path(fit, found.params, shapes)
+    host = jax.tree_util.tree_map_with_path(fit, found.params if tree is None else tree, shapes)
     return jax.tree.map(lambda x, s: jax.device_put(x, s), host, shardings)
 
 

@@ -45,6 +45,7 @@ class MegatronCheckpoint:
     path: str  # the iteration folder
     format: str  # "torch_dist" or "torch"
     common: dict = dataclasses.field(default_factory=dict, repr=False)  # the non-sharded state
+    checkpoint_vocab: int | None = None  # the stored embedding's rows (Megatron's padded vocab)
 
     @property
     def consumed_samples(self) -> int:
@@ -100,9 +101,11 @@ def resolve_iteration(path: str, step: int | None = None, flag: str = "") -> tup
     return folder, (int(name[5:]) if name.startswith("iter_") else None)
 
 
-def _dist_tensors(ck: dcp.Distcp, num_layers: int) -> dict:
+def _dist_tensors(ck: dcp.Distcp, num_layers: int, prefix: str = "") -> dict:
     """torch_dist keys -> per-layer names: stacked `decoder.layers.<rest>` [L, ...] split by
-    layer; `mlp.experts.experts.` (the experts' sharded prefix) -> `mlp.experts.`."""
+    layer; `mlp.experts.experts.` (the experts' sharded prefix) -> `mlp.experts.`. With `prefix`
+    (e.g. `optimizer.state.exp_avg.`), the keys under it, named without it: an optimizer state
+    stored in the model's own keys and shapes."""
     out, cache = {}, {}
     where = os.path.join(ck.dir, dcp.DCP_METADATA)
 
@@ -113,9 +116,9 @@ def _dist_tensors(ck: dcp.Distcp, num_layers: int) -> dict:
         return cache[key]
 
     for key in ck.keys():
-        if not key.startswith(_MODEL_PREFIXES):
+        if not key.startswith(prefix) or not key[len(prefix):].startswith(_MODEL_PREFIXES):
             continue  # optimizer states, RNG, ...
-        name = key.replace(".mlp.experts.experts.", ".mlp.experts.")
+        name = key[len(prefix):].replace(".mlp.experts.experts.", ".mlp.experts.")
         rest = name[len("decoder.layers."):] if name.startswith("decoder.layers.") else None
         if rest is not None and not rest.split(".")[0].isdigit():
             shape = ck.shapes[key]
@@ -175,4 +178,4 @@ def read_checkpoint(path: str, tensor_parallel: int = 1, step: int | None = None
                             padded_vocab_size=padded_vocab_size(vocab, divisible, tensor_parallel))
     params = to_params(Tensors(tensors), m, vocab_rows)
     return MegatronCheckpoint(m, params, args, iteration if iteration is not None else common.get("iteration"),
-                              tokenizer, folder, fmt, common)
+                              tokenizer, folder, fmt, common, vocab_rows)
