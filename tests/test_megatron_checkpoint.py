@@ -343,8 +343,9 @@ def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys)
 
     assert train_main(["--load", root, *flags]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint, whose optimizer state mlm_jax "
-                           "does not read") and "--no-load-optim" in last and "--finetune" in last, last
+    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint whose optimizer state mlm_jax "
+                           "cannot read: ") and "holds no optimizer state (saved with --no-save-optim)" in last
+    assert "--no-load-optim" in last and "--finetune" in last, last
 
 
 def test_train_loads_a_megatron_checkpoint_directly(tmp_path, capsys):
@@ -410,3 +411,67 @@ def test_import_megatron_bad_load_names_the_flag_and_the_step(tmp_path, capsys):
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("error: --load ") and want in last, last
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def _resume_copy(tmp_path):
+    dst = tmp_path / "resume"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "llama", "resume_tp1"), dst)
+    return str(dst)
+
+
+RESUME_FLAGS = ["--use-checkpoint-args", "--tensor-model-parallel-size", "2", "--mock-data", "--seq-length", "16", "--micro-batch-size", "1",
+                "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+                "--lr-warmup-iters", "1", "--lr-decay-iters", "10", "--lr-decay-style", "cosine",
+                "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--eval-iters", "0",
+                "--no-progress-bar", "--sample-tokens", "0", "--log-interval", "1"]
+
+
+def test_train_resumes_megatron_cores_optimizer_state(tmp_path, capsys):
+    """`train --load <Megatron root>` (no --no-load-optim) on Megatron-Core's fully reshardable
+    distributed-optimizer checkpoint: Adam's state restored, iteration 3 -> 4 at the LR Megatron's
+    scheduler gives iteration 4."""
+    import json
+
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.train import train
+
+    want = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "manifest.json")))
+    want = want["resume"]["llama"]
+    root = _resume_copy(tmp_path)
+    logs = []
+    summary = train(parse_args(["--load", root, "--save", str(tmp_path / "s"), "--run-dir", str(tmp_path / "run"),
+                                *RESUME_FLAGS]), log=logs.append)
+    lines = [str(line) for line in logs] + capsys.readouterr().out.splitlines()
+    assert any("Adam state (step 3) from its fully reshardable optimizer state" in line for line in lines), lines
+    assert any("resumed from checkpoint" in line and "iteration 3, 12 consumed samples; optimizer state restored"
+               in line for line in lines), lines
+    assert summary["iterations"] == 4 and summary["last_iteration"] == 4
+    lr = [line.split("learning rate: ")[1].split(" ")[0] for line in lines if "learning rate: " in line]
+    assert lr and abs(float(lr[-1]) - want["next_lr"]) <= 1e-6 * want["next_lr"], (lr, want["next_lr"])
+
+
+def test_unreadable_megatron_optimizer_states_are_refused_by_name(tmp_path, capsys):
+    """Without a readable optimizer state `train --load` stops with one error line naming why and
+    --no-load-optim / --finetune: a dp_reshardable distributed optimizer (flat per-bucket
+    buffers), the non-distributed optimizer, a legacy checkpoint."""
+    from mlm_jax.checkpoint.megatron import read_checkpoint
+    from mlm_jax.checkpoint.megatron.optimizer import unreadable_reason
+    from mlm_jax.train import main as train_main
+
+    root = _resume_copy(tmp_path)
+    common_pt = os.path.join(_iter_dir(root), "common.pt")
+    common = _plain_args(root)
+    assert unreadable_reason(read_checkpoint(root)) is None
+    common["content_metadata"]["distrib_optim_sharding_type"] = "dp_reshardable"
+    write_torch_save(common_pt, common)
+    assert train_main(["--load", root, "--save", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r"),
+                       *RESUME_FLAGS]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: --load {root}: a Megatron-LM checkpoint whose optimizer state mlm_jax cannot "
+                           "read: ") and "saved as 'dp_reshardable'" in last and "--dist-ckpt-optim-fully-reshardable" \
+        in last and "--no-load-optim" in last and "--finetune" in last, last
+    common["args"].use_distributed_optimizer = False
+    write_torch_save(common_pt, common)
+    assert "args.use_distributed_optimizer is False" in unreadable_reason(read_checkpoint(root))
+    legacy = read_checkpoint(_copy(tmp_path, "gpt", "legacy_tp1"))
+    assert "legacy ('torch' format) checkpoint" in unreadable_reason(legacy)
