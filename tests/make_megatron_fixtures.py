@@ -22,6 +22,18 @@ args, iteration, checkpoint_version, opt_param_scheduler) and a legacy `torch` o
 parallel rank (world size 1, gloo), local layer specs (no Transformer Engine), fp32; and
 `manifest.json`: per fixture the model kind, format, the input ids and Megatron-Core's logits.
 
+    /work/venv-torch/bin/python tests/make_megatron_fixtures.py --resume
+
+writes the resumable fixture llama/resume_tp1 only (the manifest's `resume` entry; the other
+entries kept as they are): llama trained 3 steps by Megatron-Core's DistributedOptimizer (Adam,
+weight decay 0.1, clip 1.0, cosine LR with 1 warmup iteration; DDP and the optimizer on the CPU,
+gloo, patched in `cpu_optimizer_patches`) on one fixed global batch of 4 rows, saved as Megatron-LM
+saves with --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable (model, optimizer
+`fully_reshardable` sharded state, opt_param_scheduler, content_metadata in common.pt); recorded:
+the losses, Adam's step, per-key sums of every optimizer state, the final norm's moments, and one
+more step's loss, LR and the logits after it. The loss is over the true vocab's columns (mlm_jax
+masks the padding columns; Megatron-LM's cross entropy includes them). TP1 only so far.
+
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check DIR --model llama
 
 loads DIR (torch_dist or legacy) into the same Megatron-Core model and prints the largest
