@@ -255,7 +255,7 @@ def place_host_adam(found: Found, tx, params: dict, shapes: dict, p_sh: dict, o_
     if len(placed) != 1:
         raise CheckpointError(f"--load {found.path}: this run's optimizer has {len(placed)} Adam states; "
                               "a Megatron-LM Adam state fills exactly one (add --no-load-optim)")
-    return state
+    return jax.device_put(state, o_sh)  # the moments as the optimizer state lies (ZeRO: over data)
 
 
 def place_host_params(found: Found, shapes: dict, shardings: dict, tree: dict | None = None):
