@@ -26,18 +26,6 @@ cpu_collective_threads(8)
 # that did not finish). A cold suite took as long without it (19:46 against 20:20 with it).
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
-# The CUDA plugin (installed for the GPU-compile tier, whose compiles run in processes of their own)
-# stays out of the suite's processes: jax loads it into every process where it is installed, JAX_PLATFORMS
-# or not, and with it (its own LLVM, cuDNN and cuBLAS mapped beside XLA:CPU's) workers died now and
-# then in a later XLA:CPU compile (segfaults; none seen without it). Not inherited by the commands the
-# tests start, which load it as users' processes do.
-import logging  # noqa: E402
-import sys  # noqa: E402
-
-for _plugin in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
-    sys.modules[_plugin] = None  # jax's plugin discovery: "does not exist", a warning it logs
-logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"

@@ -281,34 +281,22 @@ def test_plan_cli_bad_flags_exit_2_naming_them(tmp_path, args, message):
     assert "Traceback" not in p.stderr
 
 
-def _in_compile_process(code: str, timeout=600):
-    """Run `code` (asserts) in a process of its own: the suite's processes keep the CUDA plugin out
-    (tests/conftest.py); deviceless GPU compiles load it."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p.stdout
-
-
 def test_compile_only_devices_are_nvidia_for_every_platform_decision():
     """The mesh's devices decide (a deviceless compile runs in a CPU process)."""
-    _in_compile_process("""
-import jax
+    import jax
 
-from mlm_jax import platform
-from mlm_jax.plan.targets import GPUS, devices
-from mlm_jax.sharding import trace
+    from mlm_jax import platform
+    from mlm_jax.plan.targets import GPUS, devices
+    from mlm_jax.sharding import trace
 
-for name, target in GPUS.items():
-    devs = devices(target, 2, 2)
-    assert devs[0].device_kind == target.description, name
-    assert platform.device_platform(devs[0]) == platform.CUDA
-assert platform.device_platform(jax.devices()[0]) == platform.CPU
-assert platform.current() == platform.CPU
-with trace.using(platform=platform.CUDA):
-    assert platform.current() == platform.CUDA
-""")
+    for name, target in GPUS.items():
+        devs = devices(target, 2, 2)
+        assert devs[0].device_kind == target.description, name
+        assert platform.device_platform(devs[0]) == platform.CUDA
+    assert platform.device_platform(jax.devices()[0]) == platform.CPU
+    assert platform.current() == platform.CPU
+    with trace.using(platform=platform.CUDA):
+        assert platform.current() == platform.CUDA
 
 
 def test_no_fp32_copy_of_the_weights_lives_through_the_microbatch_loop():
@@ -316,19 +304,17 @@ def test_no_fp32_copy_of_the_weights_lives_through_the_microbatch_loop():
     gradients accumulated in fp32): the only fp32 array shaped like the stacked QKV weight in any
     loop's state is the gradient accumulator. Before, an fp32 copy of every weight (and its fp32
     gradient) lived through the loop too: 4 such arrays, 51.9 vs 41.3 MiB of temporaries here."""
-    _in_compile_process(f"""
-import re
+    import re
 
-from mlm_jax.arguments import parse_args
-from mlm_jax.plan.compile import compile_step
-from mlm_jax.plan.targets import devices, gpu
-from mlm_jax.validation import finalize
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan.compile import compile_step
+    from mlm_jax.plan.targets import devices, gpu
+    from mlm_jax.validation import finalize
 
-cfg = finalize(parse_args({(BF16 + " --use-distributed-optimizer").split()!r}), 8)
-c = compile_step(cfg, devices(gpu("h100"), 8))
-qkv = "[2,256,8,3,32]"  # [layers, embed, kv groups, r + 2, head dim] (dp8: whole on a device)
-loops = [line for line in c.text.splitlines() if re.match(r"^\\s*%while[.\\d]* = ", line)]
-assert loops
-assert sum(line.count(f"f32{{qkv}}") for line in loops) == 1, [line.count(f"f32{{qkv}}") for line in loops]
-assert sum(line.count(f"bf16{{qkv}}") for line in loops) >= 1
-""")
+    cfg = finalize(parse_args((BF16 + " --use-distributed-optimizer").split()), 8)
+    c = compile_step(cfg, devices(gpu("h100"), 8))
+    qkv = "[2,256,8,3,32]"  # [layers, embed, kv groups, r + 2, head dim] (dp8: whole on a device)
+    loops = [line for line in c.text.splitlines() if re.match(r"^\s*%while[.\d]* = ", line)]
+    assert loops
+    assert sum(line.count(f"f32{qkv}") for line in loops) == 1, [line.count(f"f32{qkv}") for line in loops]
+    assert sum(line.count(f"bf16{qkv}") for line in loops) >= 1
