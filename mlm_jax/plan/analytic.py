@@ -131,7 +131,7 @@ def layer_params(m, moe: bool) -> tuple[int, int, int]:
     bias = m.add_bias_linear
     attn = h * (a + 2 * g) * d + a * d * h + (bias and (a + 2 * g) * d)
     norms = 2 * h * (1 if m.normalization == "RMSNorm" else 2)
-    rep = norms + (bias and h)  # the row-parallel output's bias is whole on every rank
+    rep = norms + (bias and h)  # the attention output's bias (row parallel) is whole on every rank
     gate = 2 if m.swiglu else 1
 
     def mlp(f):
@@ -141,7 +141,7 @@ def layer_params(m, moe: bool) -> tuple[int, int, int]:
         experts = m.num_experts * (mlp(m.moe_ffn_size) + (bias and h))
         shared = mlp(m.moe_shared_expert_intermediate_size) if m.moe_shared_expert_intermediate_size else 0
         return attn + shared, rep + h * m.num_experts, experts
-    return attn + mlp(m.ffn_size), rep + (bias and h), 0
+    return attn + mlp(m.ffn_size), rep + (bias and h), 0  # and fc2's bias
 
 
 def embedding_params(m) -> tuple[int, int]:
