@@ -106,7 +106,7 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert (L.tp, L.pp, L.dp, L.microbatches, L.recompute) == (2, 2, 2, 4, "full")
     assert cfg.model.ffn_size == 2752 and cfg.model.vocab == 32000
     mem = analytic.memory(cfg, L)
-    assert mem["params_per_device"] == 47_784_960
+    assert analytic.param_counts(cfg.model, L) == {"compute": 47_784_960, "stored": 39_592_448, "expert": 0}
     assert mem["parameters"] == 4 * 19_796_224 == 79_184_896
     assert mem["optimizer_state"] == 8 * 19_796_224 == 158_369_792
     assert mem["compute_copy"] == 2 * 47_784_960 and mem["gradients"] == 4 * 47_784_960

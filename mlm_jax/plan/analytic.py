@@ -217,8 +217,9 @@ def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
     attention dropout); fused attention a float per head (the softmax statistics). With a
     GPT's sizes (f = 4h, g = a, no dropout, fused): 32h per token, [K]'s 34 less the two masks.
     Tensor parallelism splits all but the norms' (and masks') terms; sequence parallelism
-    splits those too ([K] eq. 4). A MoE layer's MLP terms count each token top-k times, plus
-    the router's fp32 probabilities (4E) and the dispatched input and output (2h each per copy).
+    splits those too ([K] eq. 4). A MoE layer's MLP terms count each token top-k times (times
+    `expert_padding`), plus the router's fp32 probabilities (4E) and the dispatched input and
+    output (2h each per copy).
     """
     m = cfg.model
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
@@ -234,13 +235,25 @@ def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
         split += (5 if m.attention_dropout > 0 else 2) * a * cfg.train.seq_length
     gate = 2 if m.swiglu else 1
     if moe:
-        f, k = m.moe_ffn_size, m.moe_router_topk
-        split += k * (2 * f * gate + 2 * f)
-        rep += 4 * m.num_experts + k * 2 * 2 * h  # router probabilities; dispatched in and out
+        f, k, pad = m.moe_ffn_size, m.moe_router_topk, expert_padding(cfg, L)
+        split += pad * k * (2 * f * gate + 2 * f)
+        rep += 4 * m.num_experts + pad * k * 2 * 2 * h  # router probabilities; dispatched in and out
     else:
         split += 2 * m.ffn_size * gate + 2 * m.ffn_size
     per_token = (rep + split) / t if L.sp else rep + split / t
     return tokens * per_token
+
+
+def expert_padding(cfg, L: Layout) -> float:
+    """How many rows a device's experts run per (token, choice) of its own: mlm_jax's dispatch has
+    static shapes, so every destination's block is padded to its worst case
+    (mlm_jax/parallel/experts.py): ep rows dropless (all-to-all: [ep, T*K] rows sent and
+    received; all-gather: the group's ep*T tokens); with a capacity factor cf, at most cf (an
+    approximation of min(T*K, experts per rank x capacity) per destination)."""
+    if L.ep == 1:
+        return 1.0
+    cf = cfg.model.moe_expert_capacity_factor
+    return float(L.ep) if cf is None else min(float(L.ep), cf)
 
 
 def f_gate(m) -> int:
@@ -324,12 +337,21 @@ def memory(cfg, L: Layout) -> dict:
         "optimizer_state": 8 * shard,
         "compute_copy": 2 * n["compute"] if low else 0,
         "gradients": 4 * n["compute"],
+        "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
         "activations": act["layers"],
         "logits": act["logits"],
     }
     out["total"] = sum(out.values())
-    out["params_per_device"] = n["compute"]
     return out
+
+
+def _overlap_shares(cfg, L: Layout, compute: float) -> float:
+    """--overlap-grad-reduce: the reduced fp32 shares exist beside the accumulator during the last
+    microbatch's backward, 4*N/dp with ZeRO, 4*N without (benchmarks/RESULTS.md, issue 25); it
+    applies without a pipeline or expert parallelism (`parallel.data.overlaps_grad_reduce`)."""
+    if not cfg.parallel.overlap_grad_reduce or L.pp > 1 or L.ep > 1 or L.dp == 1:
+        return 0.0
+    return 4 * compute / L.dp if L.zero else 4 * compute
 
 
 # --------------------------------------------------------------------------- FLOPs and time
@@ -389,7 +411,8 @@ def communication(cfg, L: Layout) -> dict:
     - pipe: each microbatch's stage output forward and its gradient back, `2*s*b*h` each (v times
       interleaved);
     - data: the fp32 gradient all-reduce (`2*4*N*(d-1)/d`), or ZeRO's reduce-scatter of fp32
-      gradients and all-gather of the bf16 compute copy (`(4+2)*N*(d-1)/d`), [R].
+      gradients and all-gather of the bf16 compute copy (`(4+2)*N*(d-1)/d`), [R]; gradients in
+      2 bytes with --grad-reduce-in-bf16.
     """
     m = cfg.model
     h, d_, g = m.hidden_size, m.head_dim, m.query_groups
@@ -413,7 +436,8 @@ def communication(cfg, L: Layout) -> dict:
         out["pipe"] = 2 * mb * L.vp * act / (L.tp if L.sp else 1)
     if L.dp > 1:
         n = param_counts(m, L)["compute"]
-        out["data"] = (6 if L.zero else 8) * n * (L.dp - 1) / L.dp
+        grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
+        out["data"] = (grad + 2 if L.zero else 2 * grad) * n * (L.dp - 1) / L.dp
     return out
 
 
