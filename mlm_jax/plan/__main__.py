@@ -153,13 +153,18 @@ def _search(cfg, train_argv, own, target) -> int:
     confirmed = {}
     if own.confirm:
         print(search.table(rows, own.top), flush=True)
-        for i in range(min(own.confirm, fitting)):
+        # The best `--confirm` predicted to fit, compiled in order; one that compiles but does not
+        # fit (or fails) is replaced by the next, up to twice as many compiles.
+        for i in range(min(fitting, 2 * own.confirm)):
+            if sum(c.get("fits", False) for c in confirmed.values()) == own.confirm:
+                break
             print(f"> compiling #{i + 1} ({search.describe(rows[i]['layout'])}) for {target.description} ...", flush=True)
-            confirmed[i] = search.confirm(rows[i], train_argv, own.gpu, own.gpus, per_node)
-            got = confirmed[i]
+            confirmed[i] = got = search.confirm(rows[i], train_argv, own.gpu, own.gpus, per_node)
             compiled[i] = got["compiled_bytes"] / GIB if "compiled_bytes" in got else "failed"
             if "error" in got:
                 print(f"  #{i + 1} did not compile: {got['error']}", flush=True)
+            elif not got["fits"]:
+                print(f"  #{i + 1} compiled to {compiled[i]:.2f} GiB: does not fit", flush=True)
     print(search.table(rows, own.top, compiled), flush=True)
     best = next((i for i in range(len(rows)) if rows[i]["fits"]
                  and not (i in confirmed and not confirmed[i].get("fits", False))), None)
@@ -170,7 +175,8 @@ def _search(cfg, train_argv, own, target) -> int:
                "valid_layouts": len(rows), "fitting_layouts": fitting,
                "top": [dict(search.row_json(r, train_argv), **({"compiled": confirmed[i]} if i in confirmed else {}))
                        for i, r in enumerate(rows[:own.top])],
-               "best": None if best is None else search.row_json(rows[best], train_argv)}
+               "best": None if best is None else dict(search.row_json(rows[best], train_argv),
+                                                      **({"compiled": confirmed[best]} if best in confirmed else {}))}
         with open(own.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"> report written to {own.json}")

@@ -379,9 +379,15 @@ def step_flops(cfg, L: Layout) -> float:
 
 def executed_flops(cfg, L: Layout) -> float:
     """FLOPs executed: the model's plus one more forward for full recompute ([N]'s 96 in place of
-    72) and one more for the pipeline's stage recompute (both: two more)."""
+    72) and one more for the pipeline's stage recompute (both: two more); selective recompute
+    runs the attention scores' forward (`4*s*a*d` per token and layer) once more."""
     extra = (L.recompute == "full") + (L.pp > 1)
-    return step_flops(cfg, L) * (3 + extra) / 3
+    flops = step_flops(cfg, L) * (3 + extra) / 3
+    if L.recompute == "selective" and not fused_attention(cfg, L):  # the scores' forward again ([K] 5)
+        m = cfg.model
+        flops += 4 * cfg.train.seq_length * m.num_attention_heads * m.head_dim * m.num_layers * \
+            cfg.train.global_batch_size * cfg.train.seq_length
+    return flops
 
 
 def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:

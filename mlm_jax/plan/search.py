@@ -147,14 +147,10 @@ def train_argv(base: list[str], L: Layout) -> list[str]:
 
 
 def describe(L: Layout) -> str:
-    parts = [f"{k}{v}" for k, v in (("tp", L.tp), ("pp", L.pp), ("cp", L.cp), ("ep", L.ep), ("dp", L.dp)) if v > 1]
-    if L.vp > 1:
-        parts.append(f"v{L.vp}")
-    if L.sp:
-        parts.append("SP")
-    if L.zero:
-        parts.append("ZeRO")
-    return " x ".join(parts[:5]) + (" " + " ".join(parts[5:]) if parts[5:] else "") if parts else "one device"
+    """`tp2 x pp4 x dp8 + v4 SP ZeRO`: the sizes over 1, then the options."""
+    sizes = [f"{k}{v}" for k, v in (("tp", L.tp), ("pp", L.pp), ("cp", L.cp), ("ep", L.ep), ("dp", L.dp)) if v > 1]
+    extras = ([f"v{L.vp}"] if L.vp > 1 else []) + (["SP"] if L.sp else []) + (["ZeRO"] if L.zero else [])
+    return (" x ".join(sizes) or "one device") + (" + " + " ".join(extras) if extras else "")
 
 
 def _comm_text(comm: dict) -> str:
@@ -164,14 +160,14 @@ def _comm_text(comm: dict) -> str:
 def table(rows: list[dict], top: int, compiled: dict | None = None) -> str:
     """The top rows as the table `--search` prints."""
     compiled = compiled or {}
-    head = (f"{'#':>3}  {'layout':<28} {'micro':>5} {'recompute':<9} {'GiB/dev':>7} {'compiled':>8} "
+    head = (f"{'#':>3}  {'layout':<32} {'micro':>5} {'recompute':<9} {'GiB/dev':>7} {'compiled':>8} "
             f"{'tokens/s':>10} {'MFU':>5} {'bubble':>6}  comm GiB/step/device")
     lines = [head]
     for i, r in enumerate(rows[:top]):
         L = r["layout"]
         got = compiled.get(i)
         got_text = f"{got:.2f}" if isinstance(got, float) else (got or "")
-        lines.append(f"{i + 1:>3}  {describe(L):<28} {L.micro:>5} {L.recompute or '-':<9} "
+        lines.append(f"{i + 1:>3}  {describe(L):<32} {L.micro:>5} {L.recompute or '-':<9} "
                      f"{r['memory']['total'] / GIB:>7.2f} {got_text:>8} {r['tokens_per_second']:>10,.0f} "
                      f"{r['mfu']:>5.1%} {r['bubble']:>6.1%}  {_comm_text(r['communication'])}"
                      + ("" if r["fits"] else "  (does not fit)"))
