@@ -200,3 +200,17 @@ def test_search_cli_errors_name_the_flag(tmp_path):
                                                                    "--max-position-embeddings 32768")
     p = _plan(tmp_path, "--search", "--confirm", "0", "--gpus", "1", *big.split())
     assert p.returncode == 1 and "no layout fits" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_fused_loss_chunks_its_logits_for_the_traced_platform():
+    """A deviceless GPU compile runs in a CPU process: the loss must split its logits as the GPU
+    run does (2^27 per chunk), not as a CPU's (2^21), or the plan's memory is not the GPU's."""
+    from mlm_jax.models import gpt
+    from mlm_jax.sharding import trace
+
+    # b 4, s 2048, V 50304: 412M logits; a GPU halves the rows until <= 2^27 (4 chunks), a CPU
+    # until <= 2^21 or 64 rows per chunk (32 chunks).
+    with trace.using(platform="cuda"):
+        assert gpt._row_chunks(4, 2048, 50304) == 4
+    with trace.using(platform="cpu"):
+        assert gpt._row_chunks(4, 2048, 50304) == 32
