@@ -298,7 +298,8 @@ def activation_bytes(cfg, L: Layout) -> dict:
       stage would hold p microbatches (1F1B) of every layer's activations: mlm_jax recomputes
       the stage instead (mlm_jax/pipeline/runtime.py);
     - logits: `4*s*b*V/t` fp32 ([K] section 4.3) and their fp32 gradient beside them, the
-      head's peak.
+      head's peak, of one row chunk of mlm_jax's fused loss (`loss_chunks`: its gradient is
+      computed in the forward, a chunk at a time).
     """
     m = cfg.model
     layers = _layers_per_stage(m, L.pp)
@@ -316,9 +317,19 @@ def activation_bytes(cfg, L: Layout) -> dict:
         slots, layers_bytes = 0, layers * inp + per_layer
     else:
         slots, layers_bytes = 0, layers * per_layer
+    chunks = loss_chunks(L.micro, cfg.train.seq_length // L.cp, m.vocab)
     tokens = L.micro * cfg.train.seq_length / L.cp
-    logits = 8 * tokens * m.vocab / L.tp / (L.pp if m.untie_embeddings_and_output_weights else 1)
+    logits = 8 * tokens * m.vocab / L.tp / (L.pp if m.untie_embeddings_and_output_weights else 1) / chunks
     return {"layers": layers_bytes, "per_layer": per_layer, "stash_slots": slots, "logits": logits}
+
+
+def loss_chunks(b: int, s: int, v: int, budget: int = 1 << 27, min_rows: int = 64) -> int:
+    """Row chunks of mlm_jax's fused linear cross-entropy on a GPU (mlm_jax/models/gpt.py
+    `_row_chunks`): halve the sequence while b*s*v/chunks > 2^27 logits, keeping >= 64 rows."""
+    chunks = 1
+    while b * s * v // chunks > budget and s % (2 * chunks) == 0 and s // (2 * chunks) >= min_rows:
+        chunks *= 2
+    return chunks
 
 
 # --------------------------------------------------------------------------- memory
