@@ -165,9 +165,9 @@ def _layers_per_stage(m, pp: int) -> int:
 
 
 def param_counts(m, L: Layout) -> dict:
-    """Per device: `stored` (fp32 master, what ZeRO shards), `compute` (the stage's weights the step
-    gathers, the gradient accumulator's size), `expert_stored`/`expert_compute` (the share of each
-    that lives on the expert ranks, sharded over data/ep by ZeRO rather than dp)."""
+    """Parameter counts per device: `stored` (the fp32 masters before ZeRO shards them over data),
+    `compute` (the stage's weights the step gathers; the gradient accumulator's size), `expert`
+    (the experts' share of both: ZeRO shards it over data / ep ranks, not data)."""
     per_stage = _layers_per_stage(m, L.pp)
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     moe_stage = math.ceil(moe_layers / L.pp)
@@ -214,7 +214,9 @@ def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
     output (2*a*d, the out-projection's input), the MLP activation's input (2f, 4f with SwiGLU)
     and the fc2 input (2f); a dropout mask (1h) per --hidden-dropout; unfused attention adds the
     scores [K]'s `5*a*s` (softmax output 2, dropout mask 1, dropout output 2; 2 without
-    attention dropout); fused attention a float per head (the softmax statistics). With a
+    attention dropout); fused attention a float per head (the softmax statistics); all of it
+    twice in an fp32 step (4-byte activations, the statistics included: an overestimate of 8
+    bytes a row). With a
     GPT's sizes (f = 4h, g = a, no dropout, fused): 32h per token, [K]'s 34 less the two masks.
     Tensor parallelism splits all but the norms' (and masks') terms; sequence parallelism
     splits those too ([K] eq. 4). A MoE layer's MLP terms count each token top-k times (times
@@ -241,7 +243,8 @@ def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
     else:
         split += 2 * m.ffn_size * gate + 2 * m.ffn_size
     per_token = (rep + split) / t if L.sp else rep + split / t
-    return tokens * per_token
+    wide = 1 if (cfg.model.bf16 or cfg.model.fp16) else 2  # fp32 steps keep 4-byte activations
+    return tokens * per_token * wide
 
 
 def expert_padding(cfg, L: Layout) -> float:
@@ -263,7 +266,8 @@ def f_gate(m) -> int:
 
 def layer_input_bytes(cfg, L: Layout) -> float:
     """One layer's input, one microbatch, per device: `2*s*b*h` ([K] section 5), /t with SP."""
-    return 2 * L.micro * cfg.train.seq_length / L.cp * cfg.model.hidden_size / (L.tp if L.sp else 1)
+    wide = 1 if (cfg.model.bf16 or cfg.model.fp16) else 2
+    return 2 * wide * L.micro * cfg.train.seq_length / L.cp * cfg.model.hidden_size / (L.tp if L.sp else 1)
 
 
 def stash_slots(schedule: str, P: int, m: int, V: int) -> int:
