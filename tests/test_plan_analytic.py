@@ -141,6 +141,15 @@ def test_stash_slots_are_the_runtime_s(schedule, P, m, V, slots):
     assert analytic.stash_slots(schedule, P, m, V) == slots
 
 
+def test_megatron_in_flight_microbatches():
+    assert [analytic.megatron_in_flight("1f1b", 4, 8, 1, s) for s in range(4)] == [4, 3, 2, 1]
+    assert analytic.megatron_in_flight("1f1b", 4, 2, 1, 0) == 2
+    assert analytic.megatron_in_flight("gpipe", 4, 8, 1, 3) == 8
+    # Korthikanti 4.2.3: the first stage holds p*(1 + (p-1)/(p*v)) stages' worth = v*p + p - 1 chunks.
+    for P, V in ((4, 2), (8, 3), (16, 4)):
+        assert analytic.megatron_in_flight("interleaved", P, 64, V, 0) == V * P * (1 + (P - 1) / (P * V))
+
+
 def test_bubble_is_narayanan_s():
     L = analytic.Layout(pp=4, microbatches=8, vp=2)
     assert analytic.bubble(L) == 3 / 19  # (p-1)/(m*v + p-1)

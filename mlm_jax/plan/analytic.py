@@ -290,6 +290,19 @@ def stash_slots(schedule: str, P: int, m: int, V: int) -> int:
     return max(max(peak), 1)
 
 
+def megatron_in_flight(schedule: str, P: int, m: int, V: int, stage: int) -> int:
+    """Microbatches whose activations stage `stage` (0-based) of Megatron's schedules holds at
+    its peak, in units of one chunk (1/V of the stage's layers): GPipe m, 1F1B min(P - s, m),
+    interleaved min(2*(P-s-1) + (V-1)*P + 1, m*V) (its warm-up forwards plus one; on the first
+    stage V*P + P - 1 chunks = P*(1 + (P-1)/(P*V)) stages' worth, [K] 4.2.3). For comparison:
+    mlm_jax's pipeline keeps stage inputs instead (`stash_slots`)."""
+    if schedule == "gpipe":
+        return m * V
+    if schedule == "1f1b":
+        return min(P - stage, m)
+    return min(2 * (P - stage - 1) + (V - 1) * P + 1, m * V)
+
+
 def activation_bytes(cfg, L: Layout) -> dict:
     """Activations per device at the step's peak: the layers' (by recompute and pipeline) and the
     head's logits.
