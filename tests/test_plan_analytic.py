@@ -59,6 +59,7 @@ def test_gpt_1p3b_dp8_zero_by_hand():
     assert mem["optimizer_state"] == 8 * N / 8 == 1_315_819_520  # two fp32 moments
     assert mem["compute_copy"] == 2 * N == 2_631_639_040  # the gathered bf16 weights
     assert mem["gradients"] == 4 * N == 5_263_278_080  # the fp32 accumulator
+    assert mem["microbatch_gradients"] == 2 * N  # one microbatch's, bf16
     # Per token and layer: norms' inputs and outputs 8h + their mean and 1/std 2*8 = 16,400;
     # Q, K, V, output 8h = 16,384; softmax statistics 4a = 64; GELU input 2f + fc2 input 2f = 32,768:
     # 65,616 bytes (Korthikanti's 34h less the two dropout masks, + 80); 16,384 tokens, 24 layers.
@@ -68,7 +69,7 @@ def test_gpt_1p3b_dp8_zero_by_hand():
     # logits halved until <= 2^27 = 134M: 8 chunks.
     assert analytic.loss_chunks(8, 2048, 50_304) == 8
     assert mem["logits"] == 8 * 16_384 * 50_304 / 8 == 824_180_736
-    assert mem["total"] == 36_494_088_192
+    assert mem["total"] == 36_494_088_192 + 2 * N == 39_125_727_232
     comm = analytic.communication(cfg, L)
     assert comm == {"data": 6 * N * 7 / 8}  # fp32 reduce-scatter + bf16 all-gather, ring: 6,908,052,480
     assert analytic.bubble(L) == 0
@@ -113,6 +114,7 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert mem["parameters"] == 4 * 19_796_224 == 79_184_896
     assert mem["optimizer_state"] == 8 * 19_796_224 == 158_369_792
     assert mem["compute_copy"] == 2 * 47_784_960 and mem["gradients"] == 4 * 47_784_960
+    assert mem["microbatch_gradients"] == 2 * 47_784_960
     # Per token and layer (all /2 with SP): norms 8h + 16 = 8,208; Q 2,048, K and V 2,048, output
     # 2,048; statistics 4*8 = 32; SwiGLU input 4f = 11,008 and fc2 input 2f = 5,504: 30,896 / 2 =
     # 15,448, x 1,024 tokens = 15,818,752. A layer input: 2*1024*1024/2 = 1,048,576.
@@ -122,7 +124,7 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert analytic.stash_slots("1f1b", 2, 4, 1) == 1
     assert mem["activations"] == 1_048_576 + 4 * 1_048_576 + 15_818_752 == 21_061_632
     assert mem["logits"] == 8 * 1024 * 32000 / 2 / 2 == 65_536_000  # the head's block: /t /p
-    assert mem["total"] == 610_862_080
+    assert mem["total"] == 610_862_080 + 2 * 47_784_960 == 706_432_000
     comm = analytic.communication(cfg, L)
     act = 2 * 1024 * 1024  # one microbatch's [s, h] in bf16
     # tensor: 4 layers x 4 microbatches x (4 + 2 recompute + 2 stage recompute) collectives x ring

@@ -30,7 +30,11 @@ memory is calibrated against, `benchmarks/RESULTS.md`):
   --use-distributed-optimizer both are sharded over data (mlm_jax/sharding/rules.py); the step
   gathers a bf16 (or fp16) compute copy of the stage's weights (2 bytes each) and accumulates
   fp32 gradients once per step (4 bytes each, whole per device, reduced after the last
-  microbatch): 4/dp + 8/dp + 2 + 4 bytes per parameter with ZeRO, 4 + 8 + 2 + 4 without;
+  microbatch), beside which a microbatch's weight gradients exist in the compute dtype (2 bytes
+  each: the layer scan's backward returns them stacked before they are added): 4/dp + 8/dp + 2
+  + 4 + 2 bytes per parameter with ZeRO, 4 + 8 + 2 + 4 + 2 without (the last term found by
+  calibration: the compiled steps held 2 bytes per parameter more than the rest explained, at
+  every micro batch size);
 - the norms and the MLP activation keep only their inputs (mlm_jax/models/layers.py), so a
   layer without dropout keeps `32*s*b*h` bytes of [K]'s 34 (the two dropout masks go), and
   cuDNN's fused attention (the flags allow it: no attention dropout, bf16/fp16, not the XLA
@@ -365,6 +369,7 @@ def memory(cfg, L: Layout) -> dict:
         "optimizer_state": 8 * shard,
         "compute_copy": 2 * n["compute"] if low else 0,
         "gradients": 4 * n["compute"],
+        "microbatch_gradients": (2 if low else 4) * n["compute"],
         "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
         "activations": act["layers"],
         "logits": act["logits"],
