@@ -360,9 +360,9 @@ def memory(cfg, L: Layout) -> dict:
     """Bytes per device, by term ([R] with mlm_jax's fp32 masters, see the module docstring)."""
     n = param_counts(cfg.model, L)
     low = cfg.model.bf16 or cfg.model.fp16
-    dense_stored = n["stored"] - n["expert"]
-    ep_data = max(L.dp // L.ep, 1)
-    shard = (dense_stored / L.dp + n["expert"] / ep_data) if L.zero else n["stored"]
+    # ZeRO shards over the mesh's `data` axis alone (dp / ep ranks), the dense weights too: the
+    # expert axis holds different experts, not copies (calibrated: Mixtral's pp4 x dp2 x ep8 state).
+    shard = n["stored"] / max(L.dp // L.ep, 1) if L.zero else n["stored"]
     act = activation_bytes(cfg, L)
     out = {
         "parameters": 4 * shard,
