@@ -183,7 +183,13 @@ def _search(cfg, train_argv, own, target) -> int:
     if best is None:
         raise RunFailure(f"no layout fits {target.description} ({usable / GIB:.1f} GiB usable) on --gpus {own.gpus}: "
                          "more GPUs, a smaller --global-batch-size or --seq-length would help")
-    print(f"> best: #{best + 1} {search.describe(rows[best]['layout'])}\n"
+    if best in confirmed:
+        how = f"compiled: {compiled[best]:.2f} GiB per device, fits"
+    elif own.confirm:
+        how = "NOT compiled: the layouts ranked above it compiled but did not fit; check it with python -m mlm_jax.plan"
+    else:
+        how = "predicted only (--confirm 0)"
+    print(f"> best: #{best + 1} {search.describe(rows[best]['layout'])} ({how})\n"
           f"{search.command_line(train_argv, rows[best]['layout'])}")
     return 0
 
