@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, normal, param
@@ -491,7 +492,9 @@ _MIN_CHUNK_ROWS = 64  # of the sequence, per chunk
 def _row_chunks(b: int, s: int, v: int) -> int:
     """How many chunks the fused loss splits the sequence into: a power of two dividing s
     that leaves at least _MIN_CHUNK_ROWS of it per chunk, the fewest with chunks within the budget."""
-    budget = _CHUNK_LOGITS.get(jax.default_backend(), _CHUNK_LOGITS_ELSEWHERE)
+    # The traced step's platform (the mesh's devices), not the process's: a deviceless GPU
+    # compile (mlm_jax.plan) runs in a CPU process and must chunk as the GPU run does.
+    budget = _CHUNK_LOGITS.get(platform.current(), _CHUNK_LOGITS_ELSEWHERE)
     chunks = 1
     while b * s * v // chunks > budget and s % (2 * chunks) == 0 and s // (2 * chunks) >= _MIN_CHUNK_ROWS:
         chunks *= 2

@@ -2,6 +2,11 @@
 <the training flags>`: compile, on this machine and without a GPU, exactly the train step that
 `python -m mlm_jax.train` with the same flags compiles on that cluster, and say whether it fits.
 
+`--search` (pure Python, no compile but the confirmations): every valid layout of the model on the
+cluster ranked by the analytic model (mlm_jax/plan/analytic.py) among those predicted to fit; the
+top ones as a table, the best `--confirm K` compiled (default 2) with compiled GiB beside the
+prediction, and the winner as a training command line. Exit 0: a layout fits; 1: none does.
+
 Exit 0: it compiles and fits; 1: it does not fit (one `error:` line saying by how much and which
 flags would help) or does not compile; 2: bad flags. Needs the compile-only CUDA wheels
 (`pip install -e ".[gpu-compile]"`; no GPU or driver).
@@ -36,6 +41,16 @@ def _own_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--dump-hlo", default=None, help="write the optimised GPU HLO text to this file")
+    p.add_argument("--search", action="store_true",
+                   help="rank every valid layout by predicted step time (tensor, pipeline, context, expert, "
+                        "virtual stages, micro batch, recompute); the training flags give the model and batch")
+    p.add_argument("--top", type=int, default=10, help="--search: rows of the table (default 10)")
+    p.add_argument("--confirm", type=int, default=2,
+                   help="--search: compile the best K for the target (default 2; 0: the analytic ranking only)")
+    p.add_argument("--nvlink-gbps", type=float, default=None, help="--search: GB/s per GPU inside a node")
+    p.add_argument("--network-gbps", type=float, default=None, help="--search: GB/s per GPU between nodes")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="--search: fraction of the bf16 peak the matmuls reach (default 0.6)")
     p.add_argument("-h", "--help", action="store_true")
     return p
 
@@ -86,6 +101,8 @@ def main(argv=None) -> int:
     _writable(own.json, "--json")
     _writable(own.dump_hlo, "--dump-hlo")
     cfg = parse_args(train_argv)
+    if own.search:
+        return _search(cfg, train_argv, own, target)
     why = plugin_missing()
     if why:
         raise UsageError(why)
@@ -99,6 +116,82 @@ def main(argv=None) -> int:
     # CUDA plugin active its version check calls cuInit, which fails without a driver.
     jax.config.update("jax_platforms", "cpu")
     return _plan(cfg, train_argv, own, target)
+
+
+def _positive_search_flags(own) -> None:
+    for flag, value, low in (("--top", own.top, 1), ("--confirm", own.confirm, 0)):
+        if value < low:
+            raise UsageError(f"--{flag[2:]} {value}: must be {low} or more")
+    for flag, value in (("--nvlink-gbps", own.nvlink_gbps), ("--network-gbps", own.network_gbps)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{flag} {value}: must be a positive bandwidth in GB/s")
+    if own.efficiency is not None and not 0 < own.efficiency <= 1:
+        raise UsageError(f"--efficiency {own.efficiency}: must be in (0, 1]")
+
+
+def _search(cfg, train_argv, own, target) -> int:
+    from mlm_jax.plan import analytic, search
+    from mlm_jax.plan.check import GIB, mem_fraction
+    from mlm_jax.plan.targets import check_cluster, plugin_missing
+
+    _positive_search_flags(own)
+    per_node = check_cluster(own.gpus, own.gpus_per_node)
+    if own.confirm and plugin_missing():
+        raise UsageError(f"--confirm {own.confirm}: {plugin_missing()}; --confirm 0 ranks without compiling")
+    hw = analytic.hardware(target, own.nvlink_gbps, own.network_gbps, own.efficiency)
+    usable = int(target.memory_bytes * mem_fraction())
+    cfg = _with_vocab(cfg, train_argv)
+    rows = search.search(cfg, own.gpus, per_node, hw, usable)
+    if not rows:
+        raise UsageError(f"--search: no layout of this model is valid on --gpus {own.gpus} with "
+                         f"--global-batch-size {cfg.train.global_batch_size} (Megatron's divisibility rules)")
+    fitting = sum(r["fits"] for r in rows)
+    print(f"> search: {len(rows)} valid layouts on {own.gpus} x {target.description}, {fitting} predicted to fit "
+          f"in {usable / GIB:.1f} GiB; assumed {hw.efficiency:.0%} of {hw.bf16_flops / 1e12:.0f} TFLOP/s, NVLink "
+          f"{hw.nvlink_bytes / 1e9:.0f} GB/s, network {hw.network_bytes / 1e9:.0f} GB/s per GPU", flush=True)
+    compiled = {}
+    confirmed = {}
+    if own.confirm:
+        print(search.table(rows, own.top), flush=True)
+        # The best `--confirm` predicted to fit, compiled in order; one that compiles but does not
+        # fit (or fails) is replaced by the next, up to twice as many compiles.
+        for i in range(min(fitting, 2 * own.confirm)):
+            if sum(c.get("fits", False) for c in confirmed.values()) == own.confirm:
+                break
+            print(f"> compiling #{i + 1} ({search.describe(rows[i]['layout'])}) for {target.description} ...", flush=True)
+            confirmed[i] = got = search.confirm(rows[i], train_argv, own.gpu, own.gpus, per_node)
+            compiled[i] = got["compiled_bytes"] / GIB if "compiled_bytes" in got else "failed"
+            if "error" in got:
+                print(f"  #{i + 1} did not compile: {got['error']}", flush=True)
+            elif not got["fits"]:
+                print(f"  #{i + 1} compiled to {compiled[i]:.2f} GiB: does not fit", flush=True)
+    print(search.table(rows, own.top, compiled), flush=True)
+    best = next((i for i in range(len(rows)) if rows[i]["fits"]
+                 and not (i in confirmed and not confirmed[i].get("fits", False))), None)
+    if own.json:
+        out = {"gpu": target.name, "gpus": own.gpus, "gpus_per_node": per_node, "usable_bytes": usable,
+               "assumptions": {"efficiency": hw.efficiency, "bf16_flops": hw.bf16_flops,
+                               "nvlink_bytes_per_s": hw.nvlink_bytes, "network_bytes_per_s": hw.network_bytes},
+               "valid_layouts": len(rows), "fitting_layouts": fitting,
+               "top": [dict(search.row_json(r, train_argv), **({"compiled": confirmed[i]} if i in confirmed else {}))
+                       for i, r in enumerate(rows[:own.top])],
+               "best": None if best is None else dict(search.row_json(rows[best], train_argv),
+                                                      **({"compiled": confirmed[best]} if best in confirmed else {}))}
+        with open(own.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"> report written to {own.json}")
+    if best is None:
+        raise RunFailure(f"no layout fits {target.description} ({usable / GIB:.1f} GiB usable) on --gpus {own.gpus}: "
+                         "more GPUs, a smaller --global-batch-size or --seq-length would help")
+    if best in confirmed:
+        how = f"compiled: {compiled[best]:.2f} GiB per device, fits"
+    elif own.confirm:
+        how = "NOT compiled: the layouts ranked above it compiled but did not fit; check it with python -m mlm_jax.plan"
+    else:
+        how = "predicted only (--confirm 0)"
+    print(f"> best: #{best + 1} {search.describe(rows[best]['layout'])} ({how})\n"
+          f"{search.command_line(train_argv, rows[best]['layout'])}")
+    return 0
 
 
 def _plan(cfg, train_argv, own, target) -> int:

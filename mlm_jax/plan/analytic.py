@@ -1,0 +1,508 @@
+"""The analytic model of one training step: bytes per device (parameters, gradients, optimizer
+state, activations, logits), bytes each mesh axis moves, the pipeline bubble and a predicted step
+time. Pure Python (no jax): `python -m mlm_jax.plan --search` ranks thousands of layouts with it
+and compiles only the best few.
+
+Sources (each term's docstring says which it follows):
+
+- [K] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv 2205.05198): activations per layer `s*b*h*(34 + 5*a*s/h)` bytes (section 4.1, eq. 1),
+  `s*b*h*(10 + 24/t + 5*a*s/(h*t))` with tensor parallelism (eq. 2), divided by t with sequence
+  parallelism (eq. 4); selective recompute keeps `34*s*b*h/t` (eq. 5 without the s^2 term);
+  full recompute keeps `2*s*b*h` per layer (section 5); the logits `4*s*b*v/t` (section 4.3);
+  the first pipeline stage holds p microbatches (1F1B) and `p*(1 + (p-1)/(p*v))` interleaved
+  (section 4.2.3).
+- [N] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM" (arXiv 2104.04473): the bubble `(p-1)/(m*v + p-1)` of the step (sections
+  2.2.1-2.2.2: `(p-1)/m` of ideal time, `/v` interleaved); training FLOPs
+  `72*B*s*L*h^2*(1 + s/(6h) + V/(12hL))` (appendix, eq. 3; 96 instead of 72 with recompute);
+  tensor parallelism's two all-reduces per layer in forward and two in backward (section 2.3).
+- [R] Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054): mixed-precision Adam keeps `2 + 2 + 12`
+  bytes per parameter (bf16 weights, bf16 gradients, fp32 master + two moments); stage 1 divides
+  the 12 by the data-parallel size (section 3 and 5.1).
+- [C] ring collectives: an all-reduce of n bytes over g devices sends `2*n*(g-1)/g` per device,
+  an all-gather or reduce-scatter `n*(g-1)/g` (Thakur et al. 2005; NCCL's ring algorithm).
+
+Where mlm_jax differs from Megatron, the mlm_jax program is modelled (these are what compiled
+memory is calibrated against, `benchmarks/RESULTS.md`):
+
+- parameters are fp32 masters (4 bytes), optimizer state two fp32 moments (8 bytes); with
+  --use-distributed-optimizer both are sharded over data (mlm_jax/sharding/rules.py); the step
+  gathers a bf16 (or fp16) compute copy of the stage's weights (2 bytes each) and accumulates
+  fp32 gradients once per step (4 bytes each, whole per device, reduced after the last
+  microbatch), beside which a microbatch's weight gradients exist in the compute dtype (2 bytes
+  each: the layer scan's backward returns them stacked before they are added): 4/dp + 8/dp + 2
+  + 4 + 2 bytes per parameter with ZeRO, 4 + 8 + 2 + 4 + 2 without (the last term found by
+  calibration: the compiled steps held 2 bytes per parameter more than the rest explained, at
+  every micro batch size);
+- the norms and the MLP activation keep only their inputs (mlm_jax/models/layers.py), so a
+  layer without dropout keeps `32*s*b*h` bytes of [K]'s 34 (the two dropout masks go), and
+  cuDNN's fused attention (the flags allow it: no attention dropout, bf16/fp16, not the XLA
+  context-parallel rings) keeps Q, K, V, the output and a float per head and row instead of
+  [K]'s `5*a*s^2*b`;
+- the pipeline stashes only each in-flight unit's stage input and recomputes the stage's forward
+  for its backward (mlm_jax/pipeline/runtime.py): `slots * 2*s*b*h` plus one unit's activations;
+  its slots are counted from the schedule table itself (GPipe m, 1F1B 2*(P-1)+1, interleaved).
+
+Assumptions of the time model, stated because they are assumptions: matmuls reach
+`efficiency` (default 0.6) of the datasheet's dense bf16 peak; each layer costs a fixed 30 us
+per microbatch beyond its FLOPs (kernel launches and small kernels, forward and backward: what
+makes fewer, larger microbatches faster at equal FLOPs); tensor-, context- and
+expert-parallel and pipeline transfers are exposed (not overlapped); the data-parallel gradient
+reduction and ZeRO's gather overlap compute except where they take longer than it; a mesh axis
+whose device groups stay inside a node moves at NVLink's bandwidth, otherwise at the node's
+network bandwidth per GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the time model needs of a GPU and its links (bytes/s per GPU, one direction)."""
+
+    name: str
+    memory_bytes: int
+    bf16_flops: float  # dense peak, FLOP/s
+    nvlink_bytes: float  # per GPU inside a node
+    network_bytes: float  # per GPU between nodes
+    efficiency: float = 0.6  # fraction of peak the matmuls reach (an assumption)
+    layer_overhead: float = 30e-6  # seconds per layer and microbatch, forward and backward (launches)
+
+
+# NVLink: NVIDIA's datasheets' total bandwidth per GPU, halved for one direction (H100/H200 900
+# GB/s, A100 600 GB/s, B200 1.8 TB/s). Network: one 400 Gb/s NDR InfiniBand port per GPU (DGX
+# H100/H200/B200), 200 Gb/s HDR (DGX A100).
+LINKS = {"h100": (450e9, 50e9), "h200": (450e9, 50e9), "a100": (300e9, 25e9), "b200": (900e9, 50e9)}
+
+
+def hardware(gpu, nvlink_gbps: float | None = None, network_gbps: float | None = None,
+             efficiency: float | None = None) -> Hardware:
+    """`gpu` (a `targets.Gpu`) with its link bandwidths (GB/s overrides) and matmul efficiency."""
+    nv, net = LINKS[gpu.name]
+    return Hardware(gpu.name, gpu.memory_bytes, gpu.bf16_tflops * 1e12,
+                    nvlink_gbps * 1e9 if nvlink_gbps else nv, network_gbps * 1e9 if network_gbps else net,
+                    efficiency if efficiency else 0.6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to lay the step out on the cluster (the flags `--search` varies)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1  # data-parallel size, expert ranks included (Megatron's)
+    vp: int = 1  # virtual pipeline stages per rank
+    sp: bool = False
+    zero: bool = False
+    micro: int = 1
+    microbatches: int = 1
+    recompute: str | None = None  # None, "selective", "full" (uniform, 1 layer)
+    schedule: str | None = None  # pipeline schedule; None: 1f1b (v=1) / interleaved
+
+
+def layout_of(cfg, world: int) -> Layout:
+    """The `Layout` of a finalized `Config` on `world` devices."""
+    from mlm_jax.config import data_parallel_size, num_microbatches
+
+    p, m = cfg.parallel, cfg.model
+    rec = m.recompute_granularity if m.recompute_granularity in ("full", "selective") else None
+    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+                  ep=p.expert_model_parallel_size, dp=data_parallel_size(p, world),
+                  vp=p.virtual_pipeline_model_parallel_size or 1, sp=p.sequence_parallel,
+                  zero=p.use_distributed_optimizer, micro=cfg.train.micro_batch_size,
+                  microbatches=num_microbatches(cfg, world) or 1, recompute=rec, schedule=p.pipeline_schedule)
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def layer_params(m, moe: bool) -> tuple[int, int, int]:
+    """(split over tensor, replicated, split over experts x tensor) parameter counts of one layer.
+
+    Attention: Q `h x a*d`, K and V `h x g*d` each, the output `a*d x h` (g: query groups, d:
+    head dim); MLP `h x f` (`h x 2f` with SwiGLU) and `f x h`; biases where --add-bias-linear;
+    two norms (scale, and bias for LayerNorm). A MoE layer's experts hold E MLPs and a router `h x E`.
+    """
+    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
+    bias = m.add_bias_linear
+    attn = h * (a + 2 * g) * d + a * d * h + (bias and (a + 2 * g) * d)
+    norms = 2 * h * (1 if m.normalization == "RMSNorm" else 2)
+    rep = norms + (bias and h)  # the attention output's bias (row parallel) is whole on every rank
+    gate = 2 if m.swiglu else 1
+
+    def mlp(f):
+        return h * f * gate + f * h + (bias and f * gate)
+
+    if moe:
+        experts = m.num_experts * (mlp(m.moe_ffn_size) + (bias and h))
+        shared = mlp(m.moe_shared_expert_intermediate_size) if m.moe_shared_expert_intermediate_size else 0
+        return attn + shared, rep + h * m.num_experts, experts
+    return attn + mlp(m.ffn_size), rep + (bias and h), 0  # and fc2's bias
+
+
+def embedding_params(m) -> tuple[int, int]:
+    """(split over tensor, replicated): the vocab-parallel word embedding `V x h` (and the untied
+    head `h x V`), learned positions `max_pos x h`, the final norm."""
+    tied = 1 if not m.untie_embeddings_and_output_weights else 2
+    pos = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    return tied * m.vocab * m.hidden_size, pos + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+
+
+def total_params(m) -> int:
+    """Parameters of the whole model (what Megatron prints as the model's size)."""
+    n = sum(embedding_params(m))
+    for i in range(m.num_layers):
+        n += sum(layer_params(m, m.is_moe_layer(i)))
+    return n
+
+
+def _layers_per_stage(m, pp: int) -> int:
+    return math.ceil(m.num_layers / pp)
+
+
+def param_counts(m, L: Layout) -> dict:
+    """Parameter counts per device: `stored` (the fp32 masters before ZeRO shards them over data),
+    `compute` (the stage's weights the step gathers; the gradient accumulator's size), `expert`
+    (the experts' share of both: ZeRO shards it over data / ep ranks, not data)."""
+    per_stage = _layers_per_stage(m, L.pp)
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    moe_stage = math.ceil(moe_layers / L.pp)
+    t_dense, rep = 0, 0
+    for moe, count in ((False, per_stage - moe_stage), (True, moe_stage)):
+        if count:
+            a, b, _ = layer_params(m, moe)
+            t_dense, rep = t_dense + count * a, rep + count * b
+    experts = moe_stage * layer_params(m, True)[2] if moe_stage else 0
+    emb_t, emb_rep = embedding_params(m)
+    # Embeddings: stored split over pipe (and tensor); a tied table gathered whole on every stage,
+    # an untied head computed in vocab blocks over pipe (mlm_jax/pipeline/runtime.py).
+    if m.untie_embeddings_and_output_weights:
+        emb_compute = emb_t / 2 / L.tp + emb_t / 2 / L.tp / L.pp
+    else:
+        emb_compute = emb_t / L.tp
+    layers_compute = t_dense / L.tp + rep
+    expert_compute = experts / (L.tp * L.ep)
+    compute = layers_compute + expert_compute + emb_compute + emb_rep
+    stored = layers_compute + expert_compute + (emb_t / L.tp + emb_rep) / L.pp
+    return {"stored": stored, "compute": compute, "expert": expert_compute}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def fused_attention(cfg, L: Layout) -> bool:
+    """Whether the step runs cuDNN's fused attention (no s^2 scores kept): what the compiled GPU
+    programs show (benchmarks/RESULTS.md, issue 25): not with attention dropout, fp32, the
+    unfused backend, document masks, or context parallelism's p2p / all-gather rings."""
+    m = cfg.model
+    dtype_ok = cfg.model.bf16 or cfg.model.fp16
+    cp_ok = L.cp == 1 or cfg.parallel.cp_comm_type == "a2a"
+    return (m.attention_dropout == 0 and dtype_ok and m.attention_backend != "unfused" and cp_ok
+            and not cfg.data.reset_attention_mask)
+
+
+def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
+    """Bytes one layer keeps for its backward, one microbatch, per device, without recompute.
+
+    [K] eq. 1-4 term by term, per token (s/cp tokens of b rows per device), in 2-byte
+    activations: the two norms' inputs (2h each, plus a float mean and 1/std per row) and
+    outputs (2h each: the QKV and fc1 inputs), Q, K and V (2*a*d, 2*g*d twice), the attention
+    output (2*a*d, the out-projection's input), the MLP activation's input (2f, 4f with SwiGLU)
+    and the fc2 input (2f); a dropout mask (1h) per --hidden-dropout; unfused attention adds the
+    scores [K]'s `5*a*s` (softmax output 2, dropout mask 1, dropout output 2; 2 without
+    attention dropout); fused attention a float per head (the softmax statistics); all of it
+    twice in an fp32 step (4-byte activations, the statistics included: an overestimate of 8
+    bytes a row). With a
+    GPT's sizes (f = 4h, g = a, no dropout, fused): 32h per token, [K]'s 34 less the two masks.
+    Tensor parallelism splits all but the norms' (and masks') terms; sequence parallelism
+    splits those too ([K] eq. 4). A MoE layer's MLP terms count each token top-k times (times
+    `expert_padding`), plus the router's fp32 probabilities (4E) and the dispatched input and
+    output (2h each per copy).
+    """
+    m = cfg.model
+    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
+    t = L.tp
+    tokens = L.micro * cfg.train.seq_length / L.cp
+    rep = 2 * (2 * h + 2 * h + 8 / h * h)  # two norms: input, output, mean and 1/std
+    if m.hidden_dropout > 0:
+        rep += 2 * h
+    split = 2 * a * d + 2 * 2 * g * d + 2 * a * d  # Q, K, V, attention output
+    if fused_attention(cfg, L):
+        split += 4 * a
+    elif L.recompute != "selective":  # selective recompute drops exactly this term ([K] 5)
+        split += (5 if m.attention_dropout > 0 else 2) * a * cfg.train.seq_length
+    gate = 2 if m.swiglu else 1
+    if moe:
+        f, k, pad = m.moe_ffn_size, m.moe_router_topk, expert_padding(cfg, L)
+        split += pad * k * (2 * f * gate + 2 * f)
+        rep += 4 * m.num_experts + pad * k * 2 * 2 * h  # router probabilities; dispatched in and out
+    else:
+        split += 2 * m.ffn_size * gate + 2 * m.ffn_size
+    per_token = (rep + split) / t if L.sp else rep + split / t
+    wide = 1 if (cfg.model.bf16 or cfg.model.fp16) else 2  # fp32 steps keep 4-byte activations
+    return tokens * per_token * wide
+
+
+def expert_padding(cfg, L: Layout) -> float:
+    """How many rows a device's experts run per (token, choice) of its own: mlm_jax's dispatch has
+    static shapes, so every destination's block is padded to its worst case
+    (mlm_jax/parallel/experts.py): ep rows dropless (all-to-all: [ep, T*K] rows sent and
+    received; all-gather: the group's ep*T tokens); with a capacity factor cf, at most cf (an
+    approximation of min(T*K, experts per rank x capacity) per destination)."""
+    if L.ep == 1:
+        return 1.0
+    cf = cfg.model.moe_expert_capacity_factor
+    return float(L.ep) if cf is None else min(float(L.ep), cf)
+
+
+def f_gate(m) -> int:
+    """The MLP activation's input width: f, or 2f (gate and up) with SwiGLU."""
+    return m.ffn_size * (2 if m.swiglu else 1)
+
+
+def layer_input_bytes(cfg, L: Layout) -> float:
+    """One layer's input, one microbatch, per device: `2*s*b*h` ([K] section 5), /t with SP."""
+    wide = 1 if (cfg.model.bf16 or cfg.model.fp16) else 2
+    return 2 * wide * L.micro * cfg.train.seq_length / L.cp * cfg.model.hidden_size / (L.tp if L.sp else 1)
+
+
+def stash_slots(schedule: str, P: int, m: int, V: int) -> int:
+    """Stage inputs the pipeline keeps at its peak (the busiest stage), counted from the two-slot
+    schedule table the runtime executes (mlm_jax/pipeline/lockstep.py), as `build_program` does:
+    GPipe m, 1F1B 2*(P-1)+1 (at most m), interleaved from its table (chunk units)."""
+    from mlm_jax.pipeline import lockstep
+
+    table = lockstep.two_slot(schedule, P, m, V)
+    live = [0] * P
+    peak = [0] * P
+    for fwd, bwd in table:
+        for s, act in enumerate(fwd):
+            if not act.is_idle and act.chunk * P + s:
+                live[s] += 1
+                peak[s] = max(peak[s], live[s])
+        for s, act in enumerate(bwd):
+            if not act.is_idle and act.chunk * P + s:
+                live[s] -= 1
+    return max(max(peak), 1)
+
+
+def megatron_in_flight(schedule: str, P: int, m: int, V: int, stage: int) -> int:
+    """Microbatches whose activations stage `stage` (0-based) of Megatron's schedules holds at
+    its peak, in units of one chunk (1/V of the stage's layers): GPipe m, 1F1B min(P - s, m),
+    interleaved min(2*(P-s-1) + (V-1)*P + 1, m*V) (its warm-up forwards plus one; on the first
+    stage V*P + P - 1 chunks = P*(1 + (P-1)/(P*V)) stages' worth, [K] 4.2.3). For comparison:
+    mlm_jax's pipeline keeps stage inputs instead (`stash_slots`)."""
+    if schedule == "gpipe":
+        return m * V
+    if schedule == "1f1b":
+        return min(P - stage, m)
+    return min(2 * (P - stage - 1) + (V - 1) * P + 1, m * V)
+
+
+def activation_bytes(cfg, L: Layout) -> dict:
+    """Activations per device at the step's peak: the layers' (by recompute and pipeline) and the
+    head's logits.
+
+    - no pipeline: every layer of the microbatch keeps `layer_activation_bytes` (selective: the
+      same without unfused attention's scores); full recompute keeps each layer's input
+      (`2*s*b*h`, [K] section 5) and one layer's activations while it is recomputed;
+    - pipeline: `stash_slots` stage inputs, plus one unit's (L/(p*v) layers) activations for the
+      vjp alive at a time (full recompute inside it: their inputs plus one layer). [K]'s first
+      stage would hold p microbatches (1F1B) of every layer's activations: mlm_jax recomputes
+      the stage instead (mlm_jax/pipeline/runtime.py);
+    - logits: `4*s*b*V/t` fp32 ([K] section 4.3) and their fp32 gradient beside them, the
+      head's peak, of one row chunk of mlm_jax's fused loss (`loss_chunks`: its gradient is
+      computed in the forward, a chunk at a time).
+    """
+    m = cfg.model
+    layers = _layers_per_stage(m, L.pp)
+    moe = bool(m.num_experts)
+    per_layer = layer_activation_bytes(cfg, L, moe)
+    inp = layer_input_bytes(cfg, L)
+    if L.pp > 1:
+        unit_layers = math.ceil(layers / L.vp)
+        schedule = L.schedule or ("interleaved" if L.vp > 1 else "1f1b")
+        slots = stash_slots(schedule, L.pp, L.microbatches, L.vp)
+        stash = slots * inp
+        unit = unit_layers * inp + per_layer if L.recompute == "full" else unit_layers * per_layer
+        layers_bytes = stash + unit
+    elif L.recompute == "full":
+        slots, layers_bytes = 0, layers * inp + per_layer
+    else:
+        slots, layers_bytes = 0, layers * per_layer
+    chunks = loss_chunks(L.micro, cfg.train.seq_length // L.cp, m.vocab)
+    tokens = L.micro * cfg.train.seq_length / L.cp
+    logits = 8 * tokens * m.vocab / L.tp / (L.pp if m.untie_embeddings_and_output_weights else 1) / chunks
+    return {"layers": layers_bytes, "per_layer": per_layer, "stash_slots": slots, "logits": logits}
+
+
+def loss_chunks(b: int, s: int, v: int, budget: int = 1 << 27, min_rows: int = 64) -> int:
+    """Row chunks of mlm_jax's fused linear cross-entropy on a GPU (mlm_jax/models/gpt.py
+    `_row_chunks`): halve the sequence while b*s*v/chunks > 2^27 logits, keeping >= 64 rows."""
+    chunks = 1
+    while b * s * v // chunks > budget and s % (2 * chunks) == 0 and s // (2 * chunks) >= min_rows:
+        chunks *= 2
+    return chunks
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def memory(cfg, L: Layout) -> dict:
+    """Bytes per device, by term ([R] with mlm_jax's fp32 masters, see the module docstring)."""
+    n = param_counts(cfg.model, L)
+    low = cfg.model.bf16 or cfg.model.fp16
+    # ZeRO shards over the mesh's `data` axis alone (dp / ep ranks), the dense weights too: the
+    # expert axis holds different experts, not copies (calibrated: Mixtral's pp4 x dp2 x ep8 state).
+    shard = n["stored"] / max(L.dp // L.ep, 1) if L.zero else n["stored"]
+    act = activation_bytes(cfg, L)
+    out = {
+        "parameters": 4 * shard,
+        "optimizer_state": 8 * shard,
+        "compute_copy": 2 * n["compute"] if low else 0,
+        "gradients": 4 * n["compute"],
+        "microbatch_gradients": (2 if low else 4) * n["compute"],
+        "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
+        "activations": act["layers"],
+        "logits": act["logits"],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _overlap_shares(cfg, L: Layout, compute: float) -> float:
+    """--overlap-grad-reduce: the reduced fp32 shares exist beside the accumulator during the last
+    microbatch's backward, 4*N/dp with ZeRO, 4*N without (benchmarks/RESULTS.md, issue 25); it
+    applies without a pipeline or expert parallelism (`parallel.data.overlaps_grad_reduce`)."""
+    if not cfg.parallel.overlap_grad_reduce or L.pp > 1 or L.ep > 1 or L.dp == 1:
+        return 0.0
+    return 4 * compute / L.dp if L.zero else 4 * compute
+
+
+# --------------------------------------------------------------------------- FLOPs and time
+
+
+def step_flops(cfg, L: Layout) -> float:
+    """Model FLOPs of one step, the whole cluster ([N] appendix eq. 3 generalized term by term:
+    2 FLOPs per multiply-add, the backward twice the forward; attention scores and values
+    `4*s*a*d` per token (full, not causal, as Megatron counts); the experts' MLP top-k times)."""
+    m = cfg.model
+    h, d, a, g, s = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, cfg.train.seq_length
+    fwd_token = 0.0
+    for i in range(m.num_layers):
+        qkvo = 2 * (h * (a + 2 * g) * d + a * d * h)
+        scores = 4 * s * a * d
+        if m.is_moe_layer(i):
+            f, k = m.moe_ffn_size, m.moe_router_topk
+            mlp = k * 2 * (h * f * (2 if m.swiglu else 1) + f * h) + 2 * h * m.num_experts
+        else:
+            mlp = 2 * (h * f_gate(m) + m.ffn_size * h)
+        fwd_token += qkvo + scores + mlp
+    fwd_token += 2 * h * m.vocab
+    return 3 * fwd_token * cfg.train.global_batch_size * s
+
+
+def executed_flops(cfg, L: Layout) -> float:
+    """FLOPs executed: the model's plus one more forward for full recompute ([N]'s 96 in place of
+    72) and one more for the pipeline's stage recompute (both: two more); selective recompute
+    runs the attention scores' forward (`4*s*a*d` per token and layer) once more."""
+    extra = (L.recompute == "full") + (L.pp > 1)
+    flops = step_flops(cfg, L) * (3 + extra) / 3
+    if L.recompute == "selective" and not fused_attention(cfg, L):  # the scores' forward again ([K] 5)
+        m = cfg.model
+        flops += 4 * cfg.train.seq_length * m.num_attention_heads * m.head_dim * m.num_layers * \
+            cfg.train.global_batch_size * cfg.train.seq_length
+    return flops
+
+
+def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
+    """Whether `axis`'s device groups leave a node: mesh axes outer to inner pipe, data, expert,
+    context, tensor (mlm_jax/sharding/mesh.py); an axis stays inside a node when it and every
+    axis inside it fit one."""
+    sizes = {"tensor": L.tp, "context": L.cp, "expert": L.ep, "data": L.dp // L.ep, "pipe": L.pp}
+    inner = 1
+    for name in ("tensor", "context", "expert", "data", "pipe"):
+        inner *= sizes[name]
+        if name == axis:
+            return inner > per_node and sizes[name] > 1
+    raise ValueError(axis)
+
+
+def communication(cfg, L: Layout) -> dict:
+    """Bytes each device sends per step, per mesh axis ([C] ring costs; 2-byte activations).
+
+    - tensor: per layer and microbatch two all-reduces of `2*s*b*h` in forward and two in
+      backward ([N] 2.3), two more per recomputed forward (full recompute; the pipeline's stage
+      recompute); sequence parallelism turns
+      each into an all-gather and a reduce-scatter, the same bytes ([K] 4.2.2);
+    - context: the ring passes K and V (`2*2*s/cp*b*g*d`) cp-1 times per layer in forward,
+      and K, V and their gradients in backward (mlm_jax/parallel ring attention); all-to-all
+      (a2a) moves Q, K, V and the output once each way;
+    - expert: the token all-to-all, dispatch and combine, `2*k*s*b*h` each, in forward and backward;
+    - pipe: each microbatch's stage output forward and its gradient back, `2*s*b*h` each (v times
+      interleaved);
+    - data: the fp32 gradient all-reduce (`2*4*N*(d-1)/d`), or ZeRO's reduce-scatter of fp32
+      gradients and all-gather of the bf16 compute copy (`(4+2)*N*(d-1)/d`), [R]; gradients in
+      2 bytes with --grad-reduce-in-bf16.
+    """
+    m = cfg.model
+    h, d_, g = m.hidden_size, m.head_dim, m.query_groups
+    tokens = L.micro * cfg.train.seq_length / L.cp
+    mb = L.microbatches
+    act = 2 * tokens * h
+    out = {}
+    if L.tp > 1:
+        passes = 4 + 2 * ((L.recompute == "full") + (L.pp > 1))  # each recomputed forward: two more
+        out["tensor"] = m.num_layers / L.pp * mb * passes * 2 * act * (L.tp - 1) / L.tp
+    if L.cp > 1:
+        kv = 2 * 2 * tokens * g * d_ / L.tp
+        if cfg.parallel.cp_comm_type == "a2a":
+            out["context"] = m.num_layers / L.pp * mb * 2 * 4 * act / L.tp * (L.cp - 1) / L.cp
+        else:
+            out["context"] = m.num_layers / L.pp * mb * 3 * kv * (L.cp - 1)
+    if L.ep > 1:
+        moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
+        out["expert"] = moe_layers * mb * 4 * m.moe_router_topk * act / (L.tp if L.sp else 1) * (L.ep - 1) / L.ep
+    if L.pp > 1:
+        out["pipe"] = 2 * mb * L.vp * act / (L.tp if L.sp else 1)
+    if L.dp > 1:
+        n = param_counts(m, L)["compute"]
+        grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
+        out["data"] = (grad + 2 if L.zero else 2 * grad) * n * (L.dp - 1) / L.dp
+    return out
+
+
+def bubble(L: Layout) -> float:
+    """The pipeline's idle fraction of the step, `(p-1)/(m*v + p-1)` ([N] 2.2)."""
+    return (L.pp - 1) / (L.microbatches * L.vp + L.pp - 1)
+
+
+def predict(cfg, L: Layout, hw: Hardware, gpus: int, per_node: int) -> dict:
+    """Memory, communication and the predicted step time, tokens/s and MFU of `L` (the
+    assumptions are the module docstring's)."""
+    mem = memory(cfg, L)
+    comm = communication(cfg, L)
+    compute = executed_flops(cfg, L) / gpus / (hw.bf16_flops * hw.efficiency)
+    compute += L.microbatches * math.ceil(cfg.model.num_layers / L.pp) * hw.layer_overhead
+    compute /= 1 - bubble(L)
+    exposed = 0.0
+    seconds = {}
+    for axis, nbytes in comm.items():
+        bw = hw.network_bytes if axis_spans_nodes(L, axis, per_node) else hw.nvlink_bytes
+        seconds[axis] = nbytes / bw
+        if axis != "data":
+            exposed += seconds[axis]
+    step = compute + exposed
+    step = max(step, seconds.get("data", 0.0))  # the reduction overlaps compute, not beyond it
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    return {"memory": mem, "communication": comm, "comm_seconds": seconds, "bubble": bubble(L),
+            "compute_seconds": compute, "step_seconds": step, "tokens_per_second": tokens / step,
+            "mfu": step_flops(cfg, L) / step / gpus / hw.bf16_flops}

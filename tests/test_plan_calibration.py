@@ -1,0 +1,66 @@
+"""The GPU-compile tier for the analytic model: its memory per device within 10% of the compiled
+program's (`python -m mlm_jax.plan --json`, deviceless for 8 H100s, one process per compile) on
+a few layouts of a mid-size GPT, where activations, state and logits all weigh; and `--search`
+compiling its best layout (`--confirm 1`) with compiled GiB beside the prediction. Skipped, with
+the reason, without the CUDA plugin. The full grid: `python benchmarks/plan_calibration.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlm_jax.plan.targets import plugin_missing
+
+pytestmark = pytest.mark.skipif(plugin_missing() is not None, reason=str(plugin_missing()))
+
+ROOT = Path(__file__).resolve().parent.parent
+# 350M-ish GPT: 8 layers, h 1024, seq 2048, vocab 50304: a few seconds a compile.
+GPT = ("--bf16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+       "--max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 64 --hidden-dropout 0 "
+       "--attention-dropout 0 --vocab-size 50257 --mock-data --train-iters 10")
+LAYOUTS = {
+    "dp8_zero": " --use-distributed-optimizer",
+    "tp2_sp_dp4_zero_recompute": " --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
+                                 " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+}
+
+
+def _plan(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "mlm_jax.plan", *args], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_analytic_memory_within_10_percent_of_compiled(tmp_path, name):
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    argv = (GPT + LAYOUTS[name]).split()
+    p = _plan(tmp_path, "--gpus", "8", "--json", "plan.json", *argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    compiled = json.loads((tmp_path / "plan.json").read_text())["per_device_bytes"]
+    cfg = finalize(parse_args(argv), 8)
+    predicted = analytic.memory(cfg, analytic.layout_of(cfg, 8))
+    # The state is exact: fp32 parameters and Adam moments, ZeRO-sharded.
+    assert predicted["parameters"] + predicted["optimizer_state"] == pytest.approx(
+        compiled["parameters"] + compiled["optimizer_state"], rel=0.01)
+    assert predicted["total"] == pytest.approx(compiled["total"], rel=0.10), (predicted, compiled)
+
+
+def test_search_compiles_its_best_layout(tmp_path):
+    p = _plan(tmp_path, "--search", "--gpus", "8", "--confirm", "1", "--top", "3", "--json", "search.json",
+              *GPT.split())
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "search.json").read_text())
+    best = r["best"]
+    assert best == r["top"][0] and best["compiled"]["fits"] is True
+    assert best["compiled"]["compiled_bytes"] == pytest.approx(best["predicted_bytes"]["total"], rel=0.10)
+    assert "compiled" in p.stdout and "python -m mlm_jax.train" in p.stdout
