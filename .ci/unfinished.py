@@ -13,7 +13,7 @@ import sys
 def main(path: str, run: list[str]) -> int:
     done, crashed = set(), []
     for line in open(path):
-        outcome, nodeid = line.rstrip("\n").split("\t", 1)
+        outcome, nodeid = line.rstrip("\n").split("\t")[:2]
         if outcome == "failed":
             print(f"a test failed ({nodeid}): not run again", file=sys.stderr)
             return 1

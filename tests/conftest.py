@@ -55,5 +55,6 @@ def pytest_runtest_logreport(report):
         outcome = "skipped" if report.skipped else "passed"
     else:
         return
+    node = getattr(getattr(report, "node", None), "gateway", None)  # which worker ran it (xdist)
     with open(OUTCOMES, "a") as f:
-        f.write(f"{outcome}\t{report.nodeid}\n")
+        f.write(f"{outcome}\t{report.nodeid}\t{getattr(node, 'id', '')}\n")
