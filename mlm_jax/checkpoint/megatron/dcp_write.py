@@ -45,7 +45,7 @@ import numpy as np
 
 from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
 from mlm_jax.checkpoint.megatron.layout_write import global_tensors
-from mlm_jax.checkpoint.megatron.torch_write import TRACKER, ArchiveWriter, _Global, _Pickler, megatron_args
+from mlm_jax.checkpoint.megatron.torch_write import ArchiveWriter, _Global, _Pickler, megatron_args, publish
 from mlm_jax.config import ModelConfig, padded_vocab_size
 
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -218,14 +218,7 @@ def write_torch_dist(save: str, params: dict, m: ModelConfig, iteration: int, co
              "num_floating_point_operations_so_far": 0})
         with open(os.path.join(it, "metadata.json"), "w") as f:
             json.dump(METADATA_JSON, f)
-        for name, data in (tokenizer_files or {}).items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
-        with open(os.path.join(tmp, TRACKER), "w") as f:
-            f.write(str(iteration))
-        if os.path.isdir(save):
-            os.rmdir(save)  # empty (checked above)
-        os.rename(tmp, save)
+        publish(tmp, save, iteration, tokenizer_files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

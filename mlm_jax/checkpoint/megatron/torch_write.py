@@ -210,15 +210,21 @@ def write_legacy(save: str, params: dict, m: ModelConfig, iteration: int, tp: in
                     del x
                 w.close({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                          "num_floating_point_operations_so_far": 0, "model": model})
-        for name, data in (tokenizer_files or {}).items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
-        with open(os.path.join(tmp, TRACKER), "w") as f:
-            f.write(str(iteration))
-        if os.path.isdir(save):
-            os.rmdir(save)  # empty (checked above)
-        os.rename(tmp, save)
+        publish(tmp, save, iteration, tokenizer_files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return os.path.join(save, f"iter_{iteration:07d}")
+
+
+def publish(tmp: str, save: str, iteration: int, tokenizer_files: dict | None) -> None:
+    """The last steps of a Megatron save written in `tmp`: the tokenizer's files and the tracker
+    file beside the iteration folder, then `tmp` renamed to `save` (empty or absent, checked before)."""
+    for name, data in (tokenizer_files or {}).items():
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(data)
+    with open(os.path.join(tmp, TRACKER), "w") as f:
+        f.write(str(iteration))
+    if os.path.isdir(save):
+        os.rmdir(save)
+    os.rename(tmp, save)
