@@ -306,11 +306,6 @@ def validate_context_parallel(cfg: Config) -> None:
                     f"--cp-comm-type a2a needs {flag} {n} divisible by --context-parallel-size {cp}"
                     + (f" x --tensor-model-parallel-size {tp} = {tp * cp}" if tp > 1 else "")
                     + "; use --cp-comm-type p2p or allgather")
-    if m.attention_backend in ("flash", "fused") and p.cp_comm_type != "a2a":
-        raise ConfigError(
-            f"--attention-backend {m.attention_backend} with --context-parallel-size {cp} --cp-comm-type "
-            f"{p.cp_comm_type}: its blocks run XLA attention; use --cp-comm-type a2a (cuDNN on each "
-            "device's whole-sequence heads), or --attention-backend auto or unfused")
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

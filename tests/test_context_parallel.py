@@ -154,11 +154,15 @@ def test_inspect_shows_each_context_ranks_chunks(capsys):
     assert "--seq-length 8 is not divisible by 2 x --context-parallel-size 3 = 6" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_a2a_whole_sequence_in_natural_order_equals_the_stored_order(size):
-    """a2a's cuDNN path (`_a2a(whole=...)`) puts each device's whole sequence in the natural order
-    and runs plain causal attention; here XLA attention stands in for cuDNN's kernel (CPU): output
-    and every input gradient equal the stored-order path's (fp32, 1e-5), GQA, cp2 x tp2 and cp4."""
+@pytest.mark.parametrize("comm_type,size", [("a2a", 2), ("a2a", 4), ("p2p", 2), ("p2p", 4),
+                                            ("allgather", 2), ("allgather", 4)])
+def test_fused_kernel_paths_equal_the_xla_blocks(comm_type, size):
+    """The paths each comm type takes with a fused kernel (`context_attention(fused=...)`, cuDNN's
+    on NVIDIA GPUs): a2a puts each device's whole sequence in the natural order and runs plain
+    causal attention; p2p runs the ring with each block's output and log-sum-exp, its backward
+    fed the merged ones (`_fused_ring`); allgather runs jax's dot_product_attention with the
+    causal order as a mask. Here XLA's kernels stand in for cuDNN's (CPU): output and every input
+    gradient equal the XLA block path's (fp32, 1e-5), GQA, cp2 x tp2 and cp4."""
     import jax
     import jax.numpy as jnp
 
@@ -177,22 +181,20 @@ def test_a2a_whole_sequence_in_natural_order_equals_the_stored_order(size):
     v = jax.random.normal(kv, (b, s, 4, 16), jnp.float32)
     w = jax.random.normal(kw, q.shape, jnp.float32)
 
-    def grads(whole):
+    def grads(fused):
         def loss(q, k, v):
-            return jnp.sum(context_attention(q, k, v, comm_type="a2a", whole=whole) * w)
+            return jnp.sum(context_attention(q, k, v, comm_type=comm_type, fused=fused) * w)
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-    with tracing(mesh, activation_rules(False), "a2a"):
+    with tracing(mesh, activation_rules(False), comm_type):
         (ref_loss, ref), (loss, got) = grads(None), grads(XLA)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for a, r in zip(got, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-5)
 
 
-def test_flash_with_context_parallelism_needs_a2a():
-    base = tiny_config(cp(2, "p2p"), 2, bf16=True, attention_backend="flash")
-    with pytest.raises(ConfigError, match=r"--cp-comm-type p2p: its blocks run XLA attention; use --cp-comm-type a2a"):
-        finalize(base, 8)
-    ok = tiny_config(cp(2, "a2a"), 2, bf16=True, attention_backend="flash")
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather", "a2a"])
+def test_flash_with_context_parallelism_is_accepted_with_every_comm_type(comm_type):
+    ok = tiny_config(cp(2, comm_type), 2, bf16=True, attention_backend="flash")
     assert finalize(ok, 8).model.attention_backend == "flash"

@@ -229,6 +229,87 @@ _cudnn_attention = per_device(
     ("batch", "context_seq", "heads", "head_dim"))
 
 
+# --------------------------------------------------------------------------- blocks
+# One block of blockwise (ring) attention: queries against one block of keys, returning the
+# output normalised over this block and the softmax's log-normaliser, and the block's backward
+# given the *merged* output and log-normaliser of all blocks (flash attention's blockwise
+# backward: P = exp(scores - lse), D = rowsum(dO * O)). Shapes per device: q [b, s, h, k],
+# k/v [b, t, g, k], output [b, s, h, k] in q's dtype, lse [b, h, s] fp32 (h in the grouped
+# order: head i*r + j is query head j of group i). `causal`: the plain causal mask (s == t, the
+# same tokens); else no mask. XLA: the core above; CUDNN: cuDNN's fused kernels, the backward
+# fed the given statistics (what Transformer Engine's ring attention does with them).
+
+
+def block_forward(q_bshk, k_btgk, v_btgk, causal: bool, backend: str = XLA):
+    """(output [b, s, h, k], lse [b, h, s] fp32) of q against this block only."""
+    if backend == CUDNN:
+        return _cudnn_block_forward(q_bshk, k_btgk, v_btgk, causal)
+    q, k, v, mask = _heads_major(q_bshk, k_btgk, v_btgk, causal)
+    out, residuals = _attend_forward(q, k, v, mask, None, 0, 0.0)
+    return _tokens_major(out, q_bshk.shape), _lse_bhs(residuals[6], q_bshk.shape)
+
+
+def block_backward(q_bshk, k_btgk, v_btgk, causal: bool, o_bshk, lse_bhs, do_bshk, backend: str = XLA):
+    """(dq, dk, dv) of this block for the merged output `o` and log-normaliser `lse`."""
+    if backend == CUDNN:
+        return _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bshk)
+    b, s, h, kd = q_bshk.shape
+    g = k_btgk.shape[2]
+    q, k, v, mask = _heads_major(q_bshk, k_btgk, v_btgk, causal)
+    rows = lambda x: x.reshape(b, s, g, h // g, kd).transpose(0, 2, 3, 1, 4).reshape(b, g, -1, kd)  # noqa: E731
+    lse = lse_bhs.reshape(b, g, -1, 1)  # [b, g, r*s, 1]: row r_i*s + j as in `rows`
+    dq, dk, dv, *_ = _attend_backward(0.0, (q, k, v, mask, None, 0, lse, rows(o_bshk)), rows(do_bshk))
+    return _tokens_major(dq, q_bshk.shape), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+def _heads_major(q_bshk, k_btgk, v_btgk, causal):
+    """The XLA core's operands: q [b, g, r*s, k], k/v [b, g, t, k], mask [1, 1, r*s, t]."""
+    b, s, h, kd = q_bshk.shape
+    t, g = k_btgk.shape[1], k_btgk.shape[2]
+    q = q_bshk.reshape(b, s, g, h // g, kd).transpose(0, 2, 3, 1, 4).reshape(b, g, -1, kd)
+    keep = causal_mask(jnp.arange(s)[None], jnp.arange(t)[None]) if causal else jnp.ones((1, s, t), bool)
+    mask = jnp.tile(keep, (1, h // g, 1))[:, None]
+    return q, k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3), mask
+
+
+def _tokens_major(x_bgrk, shape):
+    """[b, g, r*s, k] rows back to [b, s, h, k]."""
+    b, s, h, kd = shape
+    g = x_bgrk.shape[1]
+    return x_bgrk.reshape(b, g, h // g, s, kd).transpose(0, 3, 1, 2, 4).reshape(shape)
+
+
+def _lse_bhs(lse_bgq1, shape):
+    b, s, h, _ = shape
+    return lse_bgq1.reshape(b, h, s)
+
+
+def _cudnn_call_args(q_bshk, causal):
+    """The internal cuDNN fused-attention rules' static arguments (jax._src: checked against
+    jax 0.10; `benchmarks/gpu.py` checks the kernels' numbers against `block_forward`'s XLA
+    path on a real GPU)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    unused = jnp.zeros(0, q_bshk.dtype)
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    static = (1.0 / math.sqrt(q_bshk.shape[-1]), 0, 0.0, (False, False), mask, fa.AttentionLayout.BTNH.value,
+              None, fa.check_cudnn_version(), True)
+    return fa, (unused,) * 7, static
+
+
+def _cudnn_block_forward(q_bshk, k_btgk, v_btgk, causal):
+    fa, unused, static = _cudnn_call_args(q_bshk, causal)
+    (out, stats), _ = fa._dot_product_attention_fwd_rule(q_bshk, k_btgk, v_btgk, *unused, *static)
+    return out, stats.astype(jnp.float32)  # stats: [b, h, s], the log-sum-exp of the scaled scores
+
+
+def _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bshk):
+    fa, unused, static = _cudnn_call_args(q_bshk, causal)
+    residuals = (q_bshk, k_btgk, v_btgk, *unused, lse_bhs, o_bshk)
+    grads = fa._dot_product_attention_bwd_rule(*static, residuals, (do_bshk, None))
+    return grads[0], grads[1], grads[2]
+
+
 class Attention(nnx.Module):
     """Fused QKV projection (column parallel), rotary, `attention`, output projection (row
     parallel). Inside, the sequence is whole and heads are split: [batch, seq, heads/tensor, k]."""
@@ -299,7 +380,7 @@ class Attention(nnx.Module):
         if context_attention is None:
             return None
         return context_attention(q, k, v, segment_ids_bs, dropout_rate=self.cfg.attention_dropout,
-                                 dropout_key=key, whole=CUDNN if backend == CUDNN else None)
+                                 dropout_key=key, fused=CUDNN if backend == CUDNN else None)
 
     def cached(self, y_bsd, positions_bs, cache_k_btgk, cache_v_btgk):
         """Attention of s new tokens against a KV cache; returns (out [b, s, d], k cache, v cache).

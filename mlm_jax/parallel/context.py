@@ -21,6 +21,11 @@ already manual (the pipeline's `pipe` is), with one of Megatron's `--cp-comm-typ
     whole-sequence attention on H/C heads, all-to-all back. Needs heads and KV groups (per
     tensor rank) divisible by C.
 
+On NVIDIA GPUs (`fused` CUDNN) each comm type runs cuDNN's fused kernels where there are no
+documents and no dropout: p2p's blocks with their log-sum-exps (`_fused_ring`, Transformer
+Engine's scheme), allgather's attention with the causal order as a mask, a2a's whole-sequence
+causal attention.
+
 The backward (`_attend`'s custom VJP) keeps only q, k, v and the segment ids and recomputes the
 forward inside its own shard_map (the ring runs again: backward traffic is twice the forward's).
 
@@ -40,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
-from mlm_jax.models.attention import attention, causal_mask
+from mlm_jax.models.attention import XLA, attention, block_backward, block_forward, causal_mask
 from mlm_jax.models.layers import dropout, fp32_einsum
 from mlm_jax.parallel.chunks import local_order, seq_order
 from mlm_jax.sharding.mesh import CONTEXT, PIPE
@@ -113,8 +118,15 @@ def _key(key, *ids):
 # --------------------------------------------------------------------------- comm types
 
 
-def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
-    """p2p: per device q [b, s/c, h, k], k/v [b, s/c, g, k], seg [b, s/c] or None."""
+def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, fused: str | None = None):
+    """p2p: per device q [b, s/c, h, k], k/v [b, s/c, g, k], seg [b, s/c] or None. `fused` (a
+    backend, CUDNN on NVIDIA GPUs): its fused kernels on each block (`_fused_ring`; inside a
+    pipeline stage the gathered form, `_allgather`'s), where there are no documents and no
+    dropout."""
+    if fused is not None and seg is None and key is None:
+        if in_pipeline:
+            return _allgather(q, k, v, seg, key, c=c, rate=rate, fused=fused)
+        return _fused_ring(fused, c, q, k, v)
     rank = jax.lax.axis_index(CONTEXT)
     b, s, h, hd = q.shape
     g = k.shape[2]
@@ -185,6 +197,106 @@ def _late_block(q_bsgrk, q_idx, seg, block, k_idx, rate, key):
     return o, lse
 
 
+# --------------------------------------------------------------------------- fused kernels
+# The ring with a fused attention kernel per block (cuDNN's on NVIDIA GPUs), as Transformer
+# Engine runs Megatron's p2p: each block's kernel returns its output and log-sum-exp, merged as
+# above; the backward runs the ring once more, each block's backward kernel given the merged
+# output and log-sum-exp (so it sees the global softmax), dQ accumulating at home and each
+# block's dK/dV travelling the ring with it until it is back at its owner. The same causal skip:
+# the diagonal block is plain causal in the local order, the off-diagonal halves unmasked.
+
+
+def _fused_halves(q, n: int, backend: str):
+    """The three kinds of step as (forward, backward) branches for `lax.switch`; `n` = s/(2c),
+    one chunk. Each forward returns ([b, s/c, h, k] fp32, [b, h, s/c]); each backward
+    (dq, dk, dv) in fp32 for the whole local q and the whole block."""
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+
+    def diagonal(kb, vb):
+        return f32(*block_forward(q, kb, vb, True, backend))
+
+    def early(kb, vb):  # every query, the block's first chunk
+        return f32(*block_forward(q, kb[:, :n], vb[:, :n], False, backend))
+
+    def late(kb, vb):  # the second query chunk, the whole block
+        o2, lse2 = f32(*block_forward(q[:, n:], kb, vb, False, backend))
+        return (jnp.concatenate([jnp.zeros_like(o2), o2], axis=1),
+                jnp.concatenate([jnp.full_like(lse2, NEG), lse2], axis=2))
+
+    def diagonal_bwd(kb, vb, o, lse, do):
+        return f32(*block_backward(q, kb, vb, True, o, lse, do, backend))
+
+    def early_bwd(kb, vb, o, lse, do):
+        dq, dk, dv = f32(*block_backward(q, kb[:, :n], vb[:, :n], False, o, lse, do, backend))
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
+        return dq, pad(dk), pad(dv)
+
+    def late_bwd(kb, vb, o, lse, do):
+        dq2, dk, dv = f32(*block_backward(q[:, n:], kb, vb, False, o[:, n:], lse[:, :, n:], do[:, n:], backend))
+        return jnp.concatenate([jnp.zeros_like(dq2), dq2], axis=1), dk, dv
+
+    return (diagonal, early, late), (diagonal_bwd, early_bwd, late_bwd)
+
+
+def _step_kind(rank, step, c: int):
+    src = (rank - step) % c  # the rank this step's block came from
+    return jnp.where(step == 0, 0, jnp.where(src < rank, 1, 2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_ring(backend: str, c: int, q, k, v):
+    """Per device q [b, s/c, h, k], k/v [b, s/c, g, k] -> [b, s/c, h, k]."""
+    return _fused_ring_fwd(backend, c, q, k, v)[0]
+
+
+def _fused_ring_fwd(backend, c, q, k, v):
+    rank = jax.lax.axis_index(CONTEXT)
+    perm = [(i, (i + 1) % c) for i in range(c)]
+    forwards, _ = _fused_halves(q, q.shape[1] // 2, backend)
+
+    def ring_step(carry, step):
+        block, acc = carry
+        nxt = jax.lax.ppermute(block, CONTEXT, perm)  # issued first: independent of this step
+        o, lse = jax.lax.switch(_step_kind(rank, step, c), forwards, *block)
+        return (nxt, _merge_bshk(acc, (o, lse))), None
+
+    # (zeros_like: the carry varies over the manual axes as q does)
+    acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(jnp.einsum("bshk->bhs", q[..., :1]), NEG, jnp.float32))
+    (_, (o, lse)), _ = jax.lax.scan(ring_step, ((k, v), acc), jnp.arange(c))
+    out = o.astype(q.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _fused_ring_bwd(backend, c, residuals, do):
+    q, k, v, out, lse = residuals
+    rank = jax.lax.axis_index(CONTEXT)
+    perm = [(i, (i + 1) % c) for i in range(c)]
+    _, backwards = _fused_halves(q, q.shape[1] // 2, backend)
+
+    def ring_step(carry, step):
+        block, grads, dq = carry
+        nxt = jax.lax.ppermute(block, CONTEXT, perm)
+        dq_i, dk_i, dv_i = jax.lax.switch(_step_kind(rank, step, c), backwards, *block, out, lse, do)
+        # This block's dK/dV go on with it; after C steps they are back at their owner.
+        grads = jax.lax.ppermute((grads[0] + dk_i, grads[1] + dv_i), CONTEXT, perm)
+        return (nxt, grads, dq + dq_i), None
+
+    zeros = lambda x: jnp.zeros_like(x, jnp.float32)  # noqa: E731
+    (_, (dk, dv), dq), _ = jax.lax.scan(ring_step, ((k, v), (zeros(k), zeros(v)), zeros(q)), jnp.arange(c))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_fused_ring.defvjp(_fused_ring_fwd, _fused_ring_bwd)
+
+
+def _merge_bshk(acc, new):
+    """`_merge` for outputs [b, s, h, k] and log-sum-exps [b, h, s]."""
+    (o_a, lse_a), (o_b, lse_b) = acc, new
+    lse = jnp.logaddexp(lse_a, lse_b)
+    weight = lambda x: jnp.einsum("bhs->bsh", jnp.exp(x - lse))[..., None]  # noqa: E731
+    return o_a * weight(lse_a) + o_b * weight(lse_b), lse
+
+
 def _blocks_gathered(q, q_bsgrk, q_idx, k, v, seg, key, rank, *, c: int, rate: float):
     """The ring's blockwise merge with the C blocks all-gathered once: the p2p path inside a
     pipeline stage, where the ring itself does not lower (its `lax.switch` on the source rank
@@ -211,8 +323,11 @@ def _finish(acc, q):
     return jnp.einsum("bgrsk->bsgrk", o).reshape(b, s, h, hd).astype(q.dtype)
 
 
-def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False):
-    """allgather: K/V [b, s/c, g, k] -> [b, s, g, k] (stored order); queries stay local."""
+def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, fused: str | None = None):
+    """allgather: K/V [b, s/c, g, k] -> [b, s, g, k] (stored order); queries stay local.
+    `fused` (CUDNN on NVIDIA GPUs): jax's dot_product_attention with that implementation, the
+    causal order as a mask, where there
+    are no documents and no dropout."""
     rank = jax.lax.axis_index(CONTEXT)
     s = q.shape[1]
     k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)  # [b, s, g, k]
@@ -220,15 +335,18 @@ def _allgather(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = Fa
     seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
     q_idx = local_order(rank, c, s, jnp)[None]  # [1, s/c]
     k_idx = jnp.asarray(seq_order(s * c, c))[None]  # [1, s]
+    if fused is not None and seg is None and key is None:
+        mask = causal_mask(q_idx, k_idx)[:, None]  # [1, 1, s/c, s]
+        return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation=fused)
     return attention(q, k_all, v_all, q_idx, k_idx, seg, seg_all, dropout_rate=rate,
                      dropout_key=_key(key, rank), inputs_only=True)
 
 
-def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, whole: str | None = None):
+def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, fused: str | None = None):
     """a2a (Ulysses): [b, s/c, n, k] -> [b, s, n/c, k] for q (n = h) and k, v (n = g).
 
     After the all-to-all each device holds the whole sequence (in the stored chunk order) for its
-    heads. `whole` (a backend, e.g. CUDNN on NVIDIA GPUs): put it in the natural order and run
+    heads. `fused` (a backend, e.g. CUDNN on NVIDIA GPUs): put it in the natural order and run
     plain causal attention with that backend, then back; None: XLA attention on the stored order
     with explicit positions (documents and dropout need it)."""
     rank = jax.lax.axis_index(CONTEXT)
@@ -238,9 +356,9 @@ def _a2a(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, w
         return jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
 
     order = seq_order(s * c, c)  # stored slot j holds position order[j]
-    if whole is not None and seg is None and key is None:
+    if fused is not None and seg is None and key is None:
         natural = np.argsort(order)  # position p sits in stored slot natural[p]
-        o = attention(*(to_heads(x)[:, natural] for x in (q, k, v)), backend=whole)[:, order]  # [b, s, h/c, k]
+        o = attention(*(to_heads(x)[:, natural] for x in (q, k, v)), backend=fused)[:, order]  # [b, s, h/c, k]
     else:
         seg_all = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)  # [b, s]
         idx = jnp.asarray(order)[None]  # [1, s]
@@ -290,12 +408,14 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_rate: float = 0.0,
-                      dropout_key=None, comm_type: str | None = None, whole: str | None = None) -> jax.Array:
+                      dropout_key=None, comm_type: str | None = None, fused: str | None = None) -> jax.Array:
     """Causal attention over the context-parallel sequence: [b, s, h, k] sharded [batch,
     s/context, heads, k], keys/values [b, s, g, k]; the stored sequence is in the load-balanced
-    order of `chunks.seq_order`. Called inside the mesh and activation rules. `whole`: the
-    backend of a2a's whole-sequence attention (CUDNN on NVIDIA GPUs, see `_a2a`); p2p and
-    allgather attend block by block with XLA's."""
+    order of `chunks.seq_order`. Called inside the mesh and activation rules. `fused`: a
+    backend (CUDNN on NVIDIA GPUs) whose fused kernels run each comm type's attention where
+    there are no documents and no dropout: p2p's blocks (`_fused_ring`), allgather's masked
+    attention, a2a's whole-sequence attention; None: the XLA blocks below (any mask, dropout).
+    XLA given here runs the fused paths with XLA's kernels (the tests' check of them on a CPU)."""
     comm_type = check_comm_type(comm_type or "p2p")
     mesh = jax.sharding.get_abstract_mesh()
     c = dict(mesh.shape)[CONTEXT]
@@ -308,9 +428,7 @@ def context_attention(q_bshk, k_bsgk, v_bsgk, segment_ids_bs=None, *, dropout_ra
              spec_on_axes(("batch", "context_seq", "kv_heads", "head_dim"), axes),
              spec_on_axes(("batch", "context_seq"), axes))
     use_key = dropout_key is not None and dropout_rate > 0
-    impl = functools.partial(_IMPLS[comm_type], in_pipeline=in_pipeline)
-    if comm_type == "a2a":
-        impl = functools.partial(impl, whole=whole)
+    impl = functools.partial(_IMPLS[comm_type], in_pipeline=in_pipeline, fused=fused)
     body = functools.partial(_body, impl, c, dropout_rate if use_key else 0.0)
     key = dropout_key if use_key else jax.random.key(0)
     return _attend((body, specs, axes), q_bshk, k_bsgk, v_bsgk, segment_ids_bs, key)

@@ -201,11 +201,10 @@ def param_counts(m, L: Layout) -> dict:
 def fused_attention(cfg, L: Layout) -> bool:
     """Whether the step runs cuDNN's fused attention (no s^2 scores kept): what the compiled GPU
     programs show (benchmarks/RESULTS.md, issue 25): not with attention dropout, fp32, the
-    unfused backend, document masks, or context parallelism's p2p / all-gather rings."""
+    unfused or local backend, or document masks; with every context-parallel comm type."""
     m = cfg.model
     dtype_ok = cfg.model.bf16 or cfg.model.fp16
-    cp_ok = L.cp == 1 or cfg.parallel.cp_comm_type == "a2a"
-    return (m.attention_dropout == 0 and dtype_ok and m.attention_backend != "unfused" and cp_ok
+    return (m.attention_dropout == 0 and dtype_ok and m.attention_backend not in ("unfused", "local")
             and not cfg.data.reset_attention_mask)
 
 
