@@ -4,6 +4,7 @@ attention backend and its time, recompute off and on. One command, no installs:
     python benchmarks/gpu.py                       # all three, recompute off and full (< 10 min, one H200)
     python benchmarks/gpu.py --models 1.3b --recompute off,dots --steps 20
     python benchmarks/gpu.py --smoke               # tiny sizes on any backend (CPU): checks the script
+    python benchmarks/gpu.py --check-blocks        # only cuDNN's ring-attention blocks against XLA's
 
 Each configuration runs in its own process (a clean peak-memory counter, and one that runs out of
 memory does not end the rest), the step exactly as `python -m mlm_jax.train` compiles it
@@ -116,6 +117,47 @@ def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> d
     }
 
 
+def check_fused_blocks(fused: str | None = None) -> dict:
+    """cuDNN's block kernels as context parallelism's p2p ring uses them (`block_forward`'s
+    output and log-sum-exp, `block_backward` fed the merged ones), against XLA's blocks, bf16:
+    the largest difference of each block's output and lse, and of a two-block merge's output and
+    gradients against whole attention. Not checkable without an NVIDIA GPU (skipped there).
+    `fused`: the backend checked (default cuDNN; XLA against itself checks this function)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlm_jax.models.attention import CUDNN, XLA, block_backward, block_forward
+
+    fused = fused or CUDNN
+    if fused == CUDNN and jax.devices()[0].platform != "gpu":
+        return {"skipped": f"no NVIDIA GPU ({jax.devices()[0].platform})"}
+    b, s, h, g, kd = 2, 256, 8, 4, 64
+    q, k, v, do = (jax.random.normal(jax.random.key(i), (b, s, n, kd), jnp.bfloat16)
+                   for i, n in enumerate((h, g, g, h)))
+    err = lambda a, r: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))  # noqa: E731
+    out = {}
+    for causal in (True, False):
+        (o_c, l_c), (o_x, l_x) = (jax.jit(block_forward, static_argnums=(3, 4))(q, k, v, causal, be)
+                                  for be in (fused, XLA))
+        out[f"{'causal' if causal else 'full'}_out"], out[f"{'causal' if causal else 'full'}_lse"] = err(o_c, o_x), err(l_c, l_x)
+
+    def merged(backend):  # two unmasked key blocks, merged as the ring merges them, and the ring's backward
+        halves = [(k[:, :s // 2], v[:, :s // 2]), (k[:, s // 2:], v[:, s // 2:])]
+        parts = [block_forward(q, kb, vb, False, backend) for kb, vb in halves]
+        lse = jnp.logaddexp(parts[0][1], parts[1][1])
+        o = sum(p[0].astype(jnp.float32) * jnp.einsum("bhs->bsh", jnp.exp(p[1] - lse))[..., None] for p in parts)
+        o = o.astype(q.dtype)
+        grads = [block_backward(q, kb, vb, False, o, lse, do, backend) for kb, vb in halves]
+        dq = sum(gr[0].astype(jnp.float32) for gr in grads)
+        dk = jnp.concatenate([gr[1] for gr in grads], axis=1)
+        return o, dq, dk
+
+    (o_c, dq_c, dk_c), (o_x, dq_x, dk_x) = (jax.jit(merged, static_argnums=0)(be) for be in (fused, XLA))
+    out.update(merged_out=err(o_c, o_x), merged_dq=err(dq_c, dq_x), merged_dk=err(dk_c, dk_x))
+    out["ok"] = all(val < 0.1 for val in out.values())  # bf16 inputs of unit scale
+    return out
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | recompute | params | step ms | tokens/s | MFU | MFU (Megatron) | peak GiB | attention | attn ms/step | compile s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -140,6 +182,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=240, help="per configuration")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, any backend: checks the script")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--check-blocks", action="store_true",
+                    help="only the cuDNN ring-block check (context parallelism's p2p kernels)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "RECOMPUTE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     micro = 2 if args.smoke else args.micro_batch_size
@@ -147,8 +191,16 @@ def main() -> int:
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one[0], args.one[1], args.smoke, micro, steps)), flush=True)
         return 0
+    if args.check_blocks:
+        print("RESULT " + json.dumps(check_fused_blocks()), flush=True)
+        return 0
     models = (args.models or ("tiny" if args.smoke else ",".join(MODELS))).split(",")
     start, rows = time.time(), []
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-blocks"], capture_output=True,
+                          text=True, timeout=args.timeout_s)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    blocks = json.loads(found[-1][len("RESULT "):]) if found else {"error": (proc.stderr.strip() or "no output")[-300:]}
+    print(f"cuDNN ring blocks against XLA's: {blocks}", flush=True)
     for name in models:
         for recompute in args.recompute.split(","):
             if time.time() - start > args.budget_s:
@@ -171,7 +223,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{'-smoke' if args.smoke else ''}.json")
     with open(path, "w") as f:
-        json.dump({"rows": rows, "wall_s": time.time() - start}, f, indent=2)
+        json.dump({"rows": rows, "cudnn_ring_blocks": blocks, "wall_s": time.time() - start}, f, indent=2)
     print(table(rows))
     print(f"wrote {path} ({time.time() - start:.0f} s)")
     return 0 if all("error" not in r for r in rows) else 1
