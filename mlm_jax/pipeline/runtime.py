@@ -74,6 +74,7 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax import loss_scale as ls
+from mlm_jax import platform
 from mlm_jax.config import Config, ConfigError
 from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype
@@ -363,7 +364,7 @@ class Pipeline:
         (the in-process pool, see `_Stage.tick`): each waits for the one before through an
         optimization barrier, which moves no data; elsewhere XLA may combine or overlap them."""
         sizes = dict(self.mesh.shape)
-        chain = jax.default_backend() == "cpu"
+        chain = platform.mesh_platform(self.mesh) == platform.CPU  # the mesh's devices, not this process's
         stack = (PIPE, *ranks)
         splits = jax.tree.map(lambda c, st: pipe_scatter_dim(c, st, sizes), compute, storage)
         held = jax.tree.map(lambda c: holds(c, PIPE), compute)

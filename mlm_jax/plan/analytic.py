@@ -312,7 +312,8 @@ def activation_bytes(cfg, L: Layout) -> dict:
 
     - no pipeline: every layer of the microbatch keeps `layer_activation_bytes` (selective: the
       same without unfused attention's scores); full recompute keeps each layer's input
-      (`2*s*b*h`, [K] section 5) and one layer's activations while it is recomputed;
+      (`2*s*b*h`, [K] section 5) and one layer's activations while it is recomputed, which
+      exist only after the head's logits are freed (the peak holds the larger of the two);
     - pipeline: `stash_slots` stage inputs, plus one unit's (L/(p*v) layers) activations for the
       vjp alive at a time (full recompute inside it: their inputs plus one layer). [K]'s first
       stage would hold p microbatches (1F1B) of every layer's activations: mlm_jax recomputes
@@ -340,6 +341,10 @@ def activation_bytes(cfg, L: Layout) -> dict:
     chunks = loss_chunks(L.micro, cfg.train.seq_length // L.cp, m.vocab)
     tokens = L.micro * cfg.train.seq_length / L.cp
     logits = 8 * tokens * m.vocab / L.tp / (L.pp if m.untie_embeddings_and_output_weights else 1) / chunks
+    if L.pp == 1 and L.recompute == "full":
+        # The one layer's recomputed activations exist only in the backward, after the head's
+        # chunks (their gradient computed in the forward) are freed: the peak holds the larger.
+        layers_bytes -= min(per_layer, logits)
     return {"layers": layers_bytes, "per_layer": per_layer, "stash_slots": slots, "logits": logits}
 
 
