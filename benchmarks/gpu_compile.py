@@ -90,18 +90,33 @@ CASES = {
 }
 
 
+def run_plan(args: list[str], json_path: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`python -m mlm_jax.plan ARGS --json JSON_PATH` from the repository root: the process and
+    its JSON report (None when it wrote none). The benchmarks' one way of running a plan."""
+    json_path.unlink(missing_ok=True)
+    p = subprocess.run([sys.executable, "-m", "mlm_jax.plan", *args, "--json", str(json_path)],
+                       capture_output=True, text=True, cwd=ROOT)
+    return p, (json.loads(json_path.read_text()) if json_path.exists() else None)
+
+
+def plan_config(argv: list[str], gpus: int):
+    """The finalized config `python -m mlm_jax.plan` builds from these training flags."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan.__main__ import _with_vocab
+    from mlm_jax.validation import finalize
+
+    return finalize(_with_vocab(parse_args(argv), argv), gpus)
+
+
 def run_case(name: str, gpu: str, out: Path) -> dict:
     what, gpus, per_node, argv = CASES[name]
-    json_path = out / f"plan_{name}_{gpu}.json"
-    cmd = [sys.executable, "-m", "mlm_jax.plan", "--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node",
-           str(per_node), "--json", str(json_path), *argv]
+    args = ["--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node", str(per_node), *argv]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    p, r = run_plan(args, out / f"plan_{name}_{gpu}.json")
     wall = time.perf_counter() - t0
     row = {"case": name, "what": what, "gpus": gpus, "exit": p.returncode, "wall_seconds": round(wall, 1),
-           "command": " ".join(["python -m mlm_jax.plan", *cmd[3:]])}
-    if json_path.exists() and p.returncode in (0, 1):
-        r = json.loads(json_path.read_text())
+           "command": " ".join(["python -m mlm_jax.plan", *args])}
+    if r is not None and p.returncode in (0, 1):
         row.update(layout=" x ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1),
                    gib=r["per_device_bytes"]["total"] / 2**30, usable_gib=r["usable_bytes"] / 2**30,
                    fits=r["fits"], compile_seconds=r["compile_seconds"], attention=r["attention_backend"])
@@ -114,14 +129,24 @@ def run_case(name: str, gpu: str, out: Path) -> dict:
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES))
+def bench_parser(doc: str, cases) -> argparse.ArgumentParser:
+    """The plan benchmarks' common flags: --cases, --gpu, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(cases))
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--out", default="runs/benchmarks")
-    a = ap.parse_args()
+    return ap
+
+
+def out_dir(a: argparse.Namespace) -> Path:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def main() -> int:
+    a = bench_parser(__doc__, CASES).parse_args()
+    out = out_dir(a)
     rows = []
     print(f"{'case':<24} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9} "
           f"{'dp grads overlapped':>19}  attention")

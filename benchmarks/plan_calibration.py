@@ -11,9 +11,7 @@ off and full, and the full-size cases of benchmarks/gpu_compile.py.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
-from gpu_compile import CASES as FULL_SIZE, README_GPT_1P3B, RECOMPUTE  # noqa: E402
+from gpu_compile import CASES as FULL_SIZE, README_GPT_1P3B, RECOMPUTE, bench_parser, out_dir, plan_config, run_plan  # noqa: E402
 
 GPT = README_GPT_1P3B.format(micro=4).split()
 GRID = {
@@ -39,31 +37,20 @@ CASES.update({name: (what, gpus, per_node, argv) for name, (what, gpus, per_node
 
 
 def predicted(argv: list[str], gpus: int) -> dict:
-    from mlm_jax.arguments import parse_args
     from mlm_jax.plan import analytic
-    from mlm_jax.plan.__main__ import _with_vocab
-    from mlm_jax.validation import finalize
 
-    cfg = finalize(_with_vocab(parse_args(argv), argv), gpus)
+    cfg = plan_config(argv, gpus)
     return analytic.memory(cfg, analytic.layout_of(cfg, gpus))
 
 
 def compiled(name: str, gpus: int, per_node: int, argv: list[str], gpu: str, out: Path) -> dict | None:
-    path = out / f"calibration_{name}_{gpu}.json"
-    cmd = [sys.executable, "-m", "mlm_jax.plan", "--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node", str(per_node),
-           "--json", str(path), *argv]
-    subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT.parent)
-    return json.loads(path.read_text()) if path.exists() else None
+    args = ["--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node", str(per_node), *argv]
+    return run_plan(args, out / f"calibration_{name}_{gpu}.json")[1]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--out", default="runs/benchmarks")
-    a = ap.parse_args()
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    a = bench_parser(__doc__, CASES).parse_args()
+    out = out_dir(a)
     gib = 2**30
     rows = []
     print(f"{'case':<26} {'pred GiB':>8} {'compiled':>8} {'diff':>7}  {'state pred/comp':>15}  {'rest pred/comp':>15}")

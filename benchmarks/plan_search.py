@@ -10,9 +10,7 @@ One `--search` process per case (it compiles its best `--confirm` layouts itself
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
-from gpu_compile import script_args  # noqa: E402
+from gpu_compile import bench_parser, out_dir, plan_config, run_plan, script_args  # noqa: E402
 
 LLAMA3_8B = script_args("llama3_8b_bf16")
 # Llama-3 70B: the 8B script's flags at the 70B sizes (Meta's config: 80 layers, h 8192, f 28672,
@@ -64,37 +62,26 @@ def _replace_layout(argv: list[str], flags: list[str]) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap = bench_parser(__doc__, CASES)
     ap.add_argument("--confirm", type=int, default=1)
-    ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--out", default="runs/benchmarks")
     a = ap.parse_args()
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    from mlm_jax.arguments import parse_args
+    out = out_dir(a)
     from mlm_jax.plan import analytic
-    from mlm_jax.plan.__main__ import _with_vocab
     from mlm_jax.plan.search import describe
     from mlm_jax.plan.targets import gpu
-    from mlm_jax.validation import finalize
 
     rows = []
     for name in a.cases.split(","):
         what, gpus, argv, (ref_what, ref_flags) = CASES[name]
-        path = out / f"search_{name}_{a.gpu}.json"
-        cmd = [sys.executable, "-m", "mlm_jax.plan", "--search", "--gpu", a.gpu, "--gpus", str(gpus),
-               "--confirm", str(a.confirm), "--json", str(path), *argv]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT.parent)
+        p, r = run_plan(["--search", "--gpu", a.gpu, "--gpus", str(gpus), "--confirm", str(a.confirm), *argv],
+                        out / f"search_{name}_{a.gpu}.json")
         print(p.stdout, flush=True)
-        r = json.loads(path.read_text()) if path.exists() else {}
+        r = r or {}
         ref_argv = _replace_layout(argv, ref_flags)
-        cfg = finalize(_with_vocab(parse_args(ref_argv), ref_argv), gpus)
+        cfg = plan_config(ref_argv, gpus)
         ref = analytic.layout_of(cfg, gpus)
-        ref_path = out / f"search_{name}_reference_{a.gpu}.json"
-        subprocess.run([sys.executable, "-m", "mlm_jax.plan", "--gpu", a.gpu, "--gpus", str(gpus), "--json",
-                        str(ref_path), *ref_argv], capture_output=True, text=True, cwd=ROOT.parent)
-        ref_compiled = json.loads(ref_path.read_text())["per_device_bytes"]["total"] if ref_path.exists() else None
+        _, ref_r = run_plan(["--gpu", a.gpu, "--gpus", str(gpus), *ref_argv], out / f"search_{name}_reference_{a.gpu}.json")
+        ref_compiled = ref_r["per_device_bytes"]["total"] if ref_r else None
         hw = analytic.hardware(gpu(a.gpu))
         ref_pred = analytic.predict(cfg, ref, hw, gpus, 8)
         row = {"case": name, "what": what, "gpus": gpus, "search": r,
