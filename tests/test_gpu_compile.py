@@ -70,6 +70,8 @@ LAYOUTS = {
     "recompute_full_block": (BF16 + " --recompute-granularity full --recompute-method block "
                              "--recompute-num-layers 1", True),
     "recompute_selective": (BF16 + " --recompute-granularity selective", True),
+    "recompute_dots": (BF16 + " --recompute-granularity dots", True),
+    "recompute_offload": (BF16 + " --recompute-granularity offload", True),  # host memory spaces: GPUs only
     "documents": (BF16 + " --reset-attention-mask --reset-position-ids --eod-mask-loss", False),
     "llama_tp2_zero": (BF16 + LLAMA + " --tensor-model-parallel-size 2 --sequence-parallel "
                        "--use-distributed-optimizer", True),
