@@ -208,6 +208,8 @@ def test_search_cli_errors_name_the_flag(tmp_path):
     assert p.returncode == 2 and "error: --top 0: must be 1 or more" in p.stderr, p.stderr[-2000:]
     p = _plan(tmp_path, "--search", "--confirm", "0", "--gpus", "8", "--efficiency", "1.5", *SMALL_LLAMA.split())
     assert p.returncode == 2 and "--efficiency 1.5" in p.stderr, p.stderr[-2000:]
+    p = _plan(tmp_path, "--search", "--confirm", "0", "--confirm-timeout", "0", *SMALL_LLAMA.split())
+    assert p.returncode == 2 and "error: --confirm-timeout 0.0: must be a positive number of seconds" in p.stderr
     # Nothing fits: a 4096-wide, 64-layer model with sequences of 32k on one GPU.
     big = SMALL_LLAMA.replace("--hidden-size 1024", "--hidden-size 4096").replace("--num-layers 8", "--num-layers 64") \
         .replace("--seq-length 1024", "--seq-length 32768").replace("--max-position-embeddings 1024",

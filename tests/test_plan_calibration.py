@@ -67,3 +67,12 @@ def test_search_compiles_its_best_layout(tmp_path):
     assert best == r["top"][0] and best["compiled"]["fits"] is True
     assert best["compiled"]["compiled_bytes"] == pytest.approx(best["predicted_bytes"]["total"], rel=0.10)
     assert "compiled" in p.stdout and "python -m mlm_jax.train" in p.stdout
+
+
+def test_search_stops_a_confirming_compile_past_its_timeout(tmp_path):
+    """--confirm-timeout: a compile that takes longer is stopped and named, the next one tried."""
+    p = _plan(tmp_path, "--search", "--gpus", "8", "--confirm", "1", "--confirm-timeout", "0.5", "--top", "3",
+              *GPT.split())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("the compile took over 0.5 s (--confirm-timeout) and was stopped") == 2, p.stdout
+    assert "did not compile (see above)" in p.stdout

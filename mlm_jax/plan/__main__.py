@@ -47,6 +47,8 @@ def _own_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="--search: rows of the table (default 10)")
     p.add_argument("--confirm", type=int, default=2,
                    help="--search: compile the best K for the target (default 2; 0: the analytic ranking only)")
+    p.add_argument("--confirm-timeout", type=float, default=1800,
+                   help="--search: seconds one confirming compile may take before the next is tried (default 1800)")
     p.add_argument("--nvlink-gbps", type=float, default=None, help="--search: GB/s per GPU inside a node")
     p.add_argument("--network-gbps", type=float, default=None, help="--search: GB/s per GPU between nodes")
     p.add_argument("--efficiency", type=float, default=None,
@@ -125,6 +127,8 @@ def _positive_search_flags(own) -> None:
     for flag, value in (("--nvlink-gbps", own.nvlink_gbps), ("--network-gbps", own.network_gbps)):
         if value is not None and not value > 0:
             raise UsageError(f"{flag} {value}: must be a positive bandwidth in GB/s")
+    if not own.confirm_timeout > 0:
+        raise UsageError(f"--confirm-timeout {own.confirm_timeout}: must be a positive number of seconds")
     if own.efficiency is not None and not 0 < own.efficiency <= 1:
         raise UsageError(f"--efficiency {own.efficiency}: must be in (0, 1]")
 
@@ -159,7 +163,8 @@ def _search(cfg, train_argv, own, target) -> int:
             if sum(c.get("fits", False) for c in confirmed.values()) == own.confirm:
                 break
             print(f"> compiling #{i + 1} ({search.describe(rows[i]['layout'])}) for {target.description} ...", flush=True)
-            confirmed[i] = got = search.confirm(rows[i], train_argv, own.gpu, own.gpus, per_node)
+            confirmed[i] = got = search.confirm(rows[i], train_argv, own.gpu, own.gpus, per_node,
+                                                timeout=own.confirm_timeout)
             compiled[i] = got["compiled_bytes"] / GIB if "compiled_bytes" in got else "failed"
             if "error" in got:
                 print(f"  #{i + 1} did not compile: {got['error']}", flush=True)
@@ -186,7 +191,10 @@ def _search(cfg, train_argv, own, target) -> int:
     if best in confirmed:
         how = f"compiled: {compiled[best]:.2f} GiB per device, fits"
     elif own.confirm:
-        how = "NOT compiled: the layouts ranked above it compiled but did not fit; check it with python -m mlm_jax.plan"
+        failed = any("error" in c for c in confirmed.values())
+        how = ("NOT compiled: the layouts ranked above it did not compile (see above) or did not fit; check it "
+               "with python -m mlm_jax.plan" if failed else
+               "NOT compiled: the layouts ranked above it compiled but did not fit; check it with python -m mlm_jax.plan")
     else:
         how = "predicted only (--confirm 0)"
     print(f"> best: #{best + 1} {search.describe(rows[best]['layout'])} ({how})\n"

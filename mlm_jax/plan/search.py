@@ -183,14 +183,18 @@ def row_json(r: dict, base_argv: list[str]) -> dict:
             "mfu": r["mfu"], "train_argv": train_argv(base_argv, L)}
 
 
-def confirm(row: dict, base_argv: list[str], gpu: str, gpus: int, per_node: int) -> dict:
+def confirm(row: dict, base_argv: list[str], gpu: str, gpus: int, per_node: int, timeout: float | None = None) -> dict:
     """Compile `row`'s layout for the target in a subprocess (`python -m mlm_jax.plan`, which sets
-    the GPU run's XLA flags for its own layout before jax starts); its report's memory, or why not."""
+    the GPU run's XLA flags for its own layout before jax starts); its report's memory, or why not
+    (also when it takes over `timeout` seconds: the compile is stopped)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "plan.json")
         cmd = [sys.executable, "-m", "mlm_jax.plan", "--gpu", gpu, "--gpus", str(gpus), "--gpus-per-node",
                str(per_node), "--json", path, *train_argv(base_argv, row["layout"])]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the compile took over {timeout:g} s (--confirm-timeout) and was stopped"}
         if os.path.exists(path):
             with open(path) as f:
                 r = json.load(f)
