@@ -11,6 +11,7 @@ plain step measure what XLA allows beyond it (layers unrolled instead of scanned
     python benchmarks/workload_w.py [--steps 20] [--variants plain,unrolled] [--no-cli]
         [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
     python benchmarks/workload_w.py --profile [--torch-python ...]   # where one step's time goes
+    python benchmarks/workload_w.py --ab causal-blocks --steps 12    # a change's A/B in one process
 
 Prints a table (tokens/s, ratio CLI / plain) and writes JSON under benchmarks/results/.
 Run it with nothing else on the machine; the load average is printed beside the figures.
@@ -137,6 +138,72 @@ def profile_plain_step(steps: int) -> dict:
     return prof
 
 
+def _no_causal_blocks():
+    from mlm_jax.models import attention
+
+    saved = attention._CAUSAL_BLOCKS
+    attention._CAUSAL_BLOCKS = {}
+    return lambda: setattr(attention, "_CAUSAL_BLOCKS", saved)
+
+
+def _malloc_default(default: bool) -> None:
+    """glibc's mmap of large blocks and trimming of the heap as by default (or as
+    `keep_host_memory` sets them); the one-arena setting stays (it is fixed at start)."""
+    import ctypes
+
+    from mlm_jax import xla_flags
+
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+    mallopt(xla_flags._M_MMAP_MAX, 65536 if default else 0)
+    mallopt(xla_flags._M_TRIM_THRESHOLD, 128 * 1024 if default else 2**31 - 1)
+
+
+# --ab NAME: the plain step without the change NAME against with it. A model change: a function
+# that undoes it (before compiling) and returns the function that puts it back. The allocator
+# (`keep_host_memory`) is switched before each round instead, on one compiled step.
+WITHOUT = {"causal-blocks": _no_causal_blocks, "keep-host-memory": None}
+
+
+def ab_plain_step(name: str, rounds: int) -> dict:
+    """Both arms in this process, `rounds` alternating rounds of 2 steps each (before, after,
+    after, before, ...): the median ms per step of each, its page faults and kernel time per
+    step, and the load."""
+    import resource
+
+    if WITHOUT[name] is None:
+        after, _ = plain_step()
+        before = after
+    else:
+        undo = WITHOUT[name]()
+        try:
+            before, _ = plain_step()
+        finally:
+            undo()
+        after, _ = plain_step()
+    times = {"before": [], "after": []}
+    faults = {"before": 0, "after": 0}
+    kernel = {"before": 0.0, "after": 0.0}
+    load = [os.getloadavg()[0]]
+    for r in range(rounds):
+        for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            if WITHOUT[name] is None:
+                _malloc_default(arm == "before")
+            run = before if arm == "before" else after
+            run()  # the arm's first step after a switch is not counted
+            u0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            run()
+            run()
+            times[arm].append((time.perf_counter() - t) / 2)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            faults[arm] += (u1.ru_minflt - u0.ru_minflt) / 2 / rounds
+            kernel[arm] += (u1.ru_stime - u0.ru_stime) / 2 / rounds * 1e3
+    if WITHOUT[name] is None:
+        _malloc_default(False)
+    load.append(os.getloadavg()[0])
+    return {arm: 1e3 * statistics.median(ts) for arm, ts in times.items()} | {
+        "min": {arm: 1e3 * min(ts) for arm, ts in times.items()}, "faults": faults, "kernel_ms": kernel, "load": load}
+
+
 def print_profile(prof: dict, top: int = 15) -> None:
     print(f"plain step: {prof['step_ms']:.0f} ms median; traced {prof['traced_ms']:.0f} ms/step, of which "
           f"{prof['op_ms']:.0f} ms with an HLO instruction running (the rest: untraced async thunks, runtime, host)")
@@ -189,10 +256,21 @@ def main() -> None:
                     "(torch.compile and eager) for the ratio")
     ap.add_argument("--profile", action="store_true", help="instead: where the plain step's time goes "
                     "(and torch.compile's, with --torch-python)")
+    ap.add_argument("--ab", choices=sorted(WITHOUT), help="instead: the plain step without this change "
+                    "against with it, alternating in one process (--steps rounds)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.profile:
         profile_main(args)
+        return
+    if args.ab:
+        r = ab_plain_step(args.ab, args.steps)
+        print(f"{args.ab}: plain step {r['before']:.1f} ms without -> {r['after']:.1f} ms with "
+              f"({100 * (r['after'] / r['before'] - 1):+.1f} %; fastest round {r['min']['before']:.1f} -> "
+              f"{r['min']['after']:.1f} ms), {args.steps} alternating rounds, "
+              f"load average {min(r['load']):.1f}-{max(r['load']):.1f}; page faults per step "
+              f"{r['faults']['before']:,.0f} -> {r['faults']['after']:,.0f}, kernel time per step "
+              f"{r['kernel_ms']['before']:.0f} -> {r['kernel_ms']['after']:.0f} ms")
         return
     rows = {}
     load = [os.getloadavg()[0]]
