@@ -140,8 +140,8 @@ def keep_host_memory(environ=os.environ) -> bool:
 
     XLA:CPU allocates each execution's temporaries in one block (W's step: 229 MiB), which glibc
     serves with a fresh mmap and unmaps after the step, so every step first-touches all of it
-    again: 58,900 page faults and ~110 ms of kernel time per W step on this 2-core machine
-    (benchmarks/RESULTS.md, issue 29), 0 faults with these settings. The arena limit matters
+    again: 58,900 page faults and 110-170 ms of kernel time per W step on the 2-core development
+    machine (benchmarks/RESULTS.md, issue 29), 0-12,000 with these settings. The arena limit matters
     because XLA's executing thread is not the main thread, and a thread arena serves a block
     that large with mmap whatever M_MMAP_MAX says. The cost: the process keeps its peak heap
     (a training run does anyway). Not on GPUs (device memory is XLA's own allocator's), nor when
