@@ -68,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--no-compile", action="store_true", help="eager PyTorch instead of torch.compile")
+    ap.add_argument("--profile", action="store_true", help="also 3 steps under torch.profiler: self CPU "
+                    "time per op, ms per step, in the JSON line's \"profile\"")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = GPT()
@@ -97,10 +99,20 @@ def main() -> None:
         last = step()
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        profile = [(e.key, e.self_cpu_time_total / 3e3) for e in ops[:40]]
     print(json.dumps({"impl": "torch eager" if args.no_compile else "torch.compile", "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "tokens_per_s": BATCH * SEQ / step_s,
                       "step_ms": 1000 * step_s, "warmup_s": warm_s, "loss_first": first, "loss_last": last,
-                      "finite": math.isfinite(last)}))
+                      "finite": math.isfinite(last),
+                      **({"profile": profile} if profile else {})}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ plain step measure what XLA allows beyond it (layers unrolled instead of scanned
 
     python benchmarks/workload_w.py [--steps 20] [--variants plain,unrolled] [--no-cli]
         [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
+    python benchmarks/workload_w.py --profile [--torch-python ...]   # where one step's time goes
+    python benchmarks/workload_w.py --ab causal-blocks --steps 12    # a change's A/B in one process
 
 Prints a table (tokens/s, ratio CLI / plain) and writes JSON under benchmarks/results/.
 Run it with nothing else on the machine; the load average is printed beside the figures.
@@ -27,6 +29,12 @@ import tempfile
 import time
 
 os.environ.setdefault("MLM_JAX_CPU_DEVICES", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mlm_jax.xla_flags import keep_host_memory  # noqa: E402  (imports no jax)
+
+keep_host_memory()  # the plain step's process keeps freed memory as every mlm_jax command does
+if "--profile" in sys.argv:  # XLA:CPU's per-instruction trace events, read before jax starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
 
 W_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
            "--ffn-hidden-size", "1024", "--vocab-size", "8192", "--seq-length", "256",
@@ -34,8 +42,9 @@ W_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
            "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--lr-warmup-iters", "0"]
 
 
-def plain_step_tps(steps: int, unrolled: bool) -> float:
-    """Tokens/s of a plain jitted step of W: the median of `steps` timed steps after warm-up."""
+def plain_step(unrolled: bool = False):
+    """W's plain jitted step, compiled, with its state: (run one step and wait for it, the
+    compiled program's HLO text)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -47,7 +56,7 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
     from mlm_jax.optim import apply_lr, lr_for, make_optimizer
     from mlm_jax.validation import finalize
 
-    cfg = finalize(parse_args(W_FLAGS + ["--train-iters", str(steps + 2)]), 1)
+    cfg = finalize(parse_args(W_FLAGS + ["--train-iters", "1000"]), 1)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg.model, nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
@@ -57,9 +66,6 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
     batch = {"tokens": jnp.asarray(toks[:, :-1]), "labels": jnp.asarray(toks[:, 1:]),
              "loss_mask": jnp.ones((8, 256), jnp.float32),
              "position_ids": jnp.broadcast_to(jnp.arange(256, dtype=jnp.int32), (8, 256))}
-    scan = jax.lax.scan
-    if unrolled:  # the layer scan fully unrolled: one straight-line program of 4 layers
-        recompute.jax.lax.scan = lambda f, init, xs, **kw: scan(f, init, xs, unroll=True, **kw)
 
     def loss_fn(p, b):
         loss_sum, _ = nnx.merge(graphdef, p).loss(b, None)
@@ -71,20 +77,147 @@ def plain_step_tps(steps: int, unrolled: bool) -> float:
         updates = apply_lr(updates, lr_for(cfg, n))
         return jax.tree.map(jnp.add, p, updates), o, n + 8, loss
 
+    scan = jax.lax.scan
+    if unrolled:  # the layer scan fully unrolled: one straight-line program of 4 layers
+        recompute.jax.lax.scan = lambda f, init, xs, **kw: scan(f, init, xs, unroll=True, **kw)
     try:
-        step = jax.jit(step, donate_argnums=(0, 1))
-        opt, n = tx.init(params), jnp.zeros((), jnp.int32)
-        params, opt, n, loss = step(params, opt, n, batch)
-        jax.block_until_ready(loss)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            params, opt, n, loss = step(params, opt, n, batch)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - t)
+        state = [params, tx.init(params), jnp.zeros((), jnp.int32)]
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batch).compile()
     finally:
         recompute.jax.lax.scan = scan
+
+    def run_one():
+        *state[:], loss = compiled(*state, batch)
+        jax.block_until_ready(loss)
+        return loss
+
+    run_one()
+    return run_one, compiled.as_text()
+
+
+def plain_step_tps(steps: int, unrolled: bool) -> float:
+    """Tokens/s of a plain jitted step of W: the median of `steps` timed steps after warm-up."""
+    run_one, _ = plain_step(unrolled)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        run_one()
+        times.append(time.perf_counter() - t)
     return 8 * 256 / statistics.median(times)
+
+
+def profile_plain_step(steps: int) -> dict:
+    """Where the plain step's time goes (benchmarks/step_profile.py), beside the step's own
+    median time and the time W's matmul FLOPs would take at the rate XLA:CPU reaches on W's
+    largest matmul shape in this process."""
+    import jax
+    import jax.numpy as jnp
+
+    import step_profile
+
+    run_one, text = plain_step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        run_one()
+        times.append(time.perf_counter() - t)
+    prof = step_profile.profile(run_one, text, steps=3)
+    a = jnp.ones((2048, 256), jnp.float32)
+    w = jnp.ones((256, 1024), jnp.float32)
+    mm = jax.jit(lambda a, w: a @ w)
+    jax.block_until_ready(mm(a, w))
+    reps = []
+    for _ in range(30):
+        t = time.perf_counter()
+        jax.block_until_ready(mm(a, w))
+        reps.append(time.perf_counter() - t)
+    rate = 2 * 2048 * 256 * 1024 / statistics.median(reps)  # FLOP/s
+    flops = step_profile.dot_flops(text)
+    prof.update(step_ms=1e3 * statistics.median(times), matmul_gflop=flops / 1e9, matmul_gflops_rate=rate / 1e9,
+                matmul_bound_ms=1e3 * flops / rate)
+    return prof
+
+
+def _no_causal_blocks():
+    from mlm_jax.models import attention
+
+    saved = attention._CAUSAL_BLOCKS
+    attention._CAUSAL_BLOCKS = {}
+    return lambda: setattr(attention, "_CAUSAL_BLOCKS", saved)
+
+
+def _malloc_default(default: bool) -> None:
+    """glibc's mmap of large blocks and trimming of the heap as by default (or as
+    `keep_host_memory` sets them); the one-arena setting stays (it is fixed at start)."""
+    import ctypes
+
+    from mlm_jax import xla_flags
+
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+    mallopt(xla_flags._M_MMAP_MAX, 65536 if default else 0)
+    mallopt(xla_flags._M_TRIM_THRESHOLD, 128 * 1024 if default else 2**31 - 1)
+
+
+# --ab NAME: the plain step without the change NAME against with it. A model change: a function
+# that undoes it (before compiling) and returns the function that puts it back. The allocator
+# (`keep_host_memory`) is switched before each round instead, on one compiled step.
+WITHOUT = {"causal-blocks": _no_causal_blocks, "keep-host-memory": None}
+
+
+def ab_plain_step(name: str, rounds: int) -> dict:
+    """Both arms in this process, `rounds` alternating rounds of 2 steps each (before, after,
+    after, before, ...): the median ms per step of each, its page faults and kernel time per
+    step, and the load."""
+    import resource
+
+    if WITHOUT[name] is None:
+        after, _ = plain_step()
+        before = after
+    else:
+        undo = WITHOUT[name]()
+        try:
+            before, _ = plain_step()
+        finally:
+            undo()
+        after, _ = plain_step()
+    times = {"before": [], "after": []}
+    faults = {"before": 0, "after": 0}
+    kernel = {"before": 0.0, "after": 0.0}
+    load = [os.getloadavg()[0]]
+    for r in range(rounds):
+        for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            if WITHOUT[name] is None:
+                _malloc_default(arm == "before")
+            run = before if arm == "before" else after
+            run()  # the arm's first step after a switch is not counted
+            u0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            run()
+            run()
+            times[arm].append((time.perf_counter() - t) / 2)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            faults[arm] += (u1.ru_minflt - u0.ru_minflt) / 2 / rounds
+            kernel[arm] += (u1.ru_stime - u0.ru_stime) / 2 / rounds * 1e3
+    if WITHOUT[name] is None:
+        _malloc_default(False)
+    load.append(os.getloadavg()[0])
+    return {arm: 1e3 * statistics.median(ts) for arm, ts in times.items()} | {
+        "min": {arm: 1e3 * min(ts) for arm, ts in times.items()}, "faults": faults, "kernel_ms": kernel, "load": load}
+
+
+def print_profile(prof: dict, top: int = 15) -> None:
+    print(f"plain step: {prof['step_ms']:.0f} ms median; traced {prof['traced_ms']:.0f} ms/step, of which "
+          f"{prof['op_ms']:.0f} ms with an HLO instruction running (the rest: untraced async thunks, runtime, host)")
+    print(f"matmul bound: {prof['matmul_gflop']:.2f} GFLOP of matmuls at {prof['matmul_gflops_rate']:.0f} GFLOP/s "
+          f"([2048,256]@[256,1024], this process) = {prof['matmul_bound_ms']:.0f} ms")
+    for key, title in (("area", "where (source)"), ("kind", "what (HLO)")):
+        print(f"| {title} | ms/step | % of traced |\n|---|---|---|")
+        for name, ms in sorted(prof[key].items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {ms:.1f} | {100 * ms / prof['traced_ms']:.0f} |")
+        gap = prof["traced_ms"] - prof["op_ms"]
+        print(f"| (no instruction traced) | {gap:.1f} | {100 * gap / prof['traced_ms']:.0f} |")
+    print(f"| top {top} instructions | ms/step | kind | area | source |\n|---|---|---|---|---|")
+    for name, ms, kind, area, where in prof["ops"][:top]:
+        print(f"| {name} | {ms:.1f} | {kind} | {area} | {where} |")
 
 
 def cli_tps(steps: int) -> tuple[float, list[float]]:
@@ -101,12 +234,17 @@ def cli_tps(steps: int) -> tuple[float, list[float]]:
     return statistics.median(tps), tps
 
 
-def torch_tps(python: str, steps: int, compiled: bool) -> float:
-    """Tokens/s of `benchmarks/torch_reference.py` (nanoGPT-style W step) under `python`."""
+def torch_run(python: str, steps: int, compiled: bool, profile: bool = False) -> dict:
+    """`benchmarks/torch_reference.py`'s JSON line (nanoGPT-style W step) under `python`."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_reference.py")
-    argv = [python, script, "--steps", str(steps)] + ([] if compiled else ["--no-compile"])
+    argv = [python, script, "--steps", str(steps)] + ([] if compiled else ["--no-compile"]) + \
+        (["--profile"] if profile else [])
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def torch_tps(python: str, steps: int, compiled: bool) -> float:
+    return torch_run(python, steps, compiled)["tokens_per_s"]
 
 
 def main() -> None:
@@ -116,8 +254,24 @@ def main() -> None:
     ap.add_argument("--no-cli", action="store_true")
     ap.add_argument("--torch-python", help="a Python with torch: also run benchmarks/torch_reference.py "
                     "(torch.compile and eager) for the ratio")
+    ap.add_argument("--profile", action="store_true", help="instead: where the plain step's time goes "
+                    "(and torch.compile's, with --torch-python)")
+    ap.add_argument("--ab", choices=sorted(WITHOUT), help="instead: the plain step without this change "
+                    "against with it, alternating in one process (--steps rounds)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.profile:
+        profile_main(args)
+        return
+    if args.ab:
+        r = ab_plain_step(args.ab, args.steps)
+        print(f"{args.ab}: plain step {r['before']:.1f} ms without -> {r['after']:.1f} ms with "
+              f"({100 * (r['after'] / r['before'] - 1):+.1f} %; fastest round {r['min']['before']:.1f} -> "
+              f"{r['min']['after']:.1f} ms), {args.steps} alternating rounds, "
+              f"load average {min(r['load']):.1f}-{max(r['load']):.1f}; page faults per step "
+              f"{r['faults']['before']:,.0f} -> {r['faults']['after']:,.0f}, kernel time per step "
+              f"{r['kernel_ms']['before']:.0f} -> {r['kernel_ms']['after']:.0f} ms")
+        return
     rows = {}
     load = [os.getloadavg()[0]]
     for v in args.variants.split(","):
@@ -141,6 +295,27 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "workload_w.json"), "w") as f:
         json.dump({"tokens_per_sec": rows, "load_average": load, "steps": args.steps}, f, indent=2)
+
+
+def profile_main(args) -> None:
+    load = [os.getloadavg()[0]]
+    prof = profile_plain_step(args.steps)
+    load.append(os.getloadavg()[0])
+    print(f"workload W, one CPU device; load average {min(load):.1f}-{max(load):.1f}")
+    print_profile(prof)
+    result = {"jax": {k: v for k, v in prof.items() if k != "ops"} | {"top_ops": prof["ops"][:40]}, "load_average": load}
+    if args.torch_python:
+        torch = torch_run(args.torch_python, args.steps, True, profile=True)
+        load.append(os.getloadavg()[0])
+        print(f"torch.compile step: {torch['step_ms']:.0f} ms median; profiled step, self CPU time by op "
+              f"(both threads summed, so it can exceed the step):")
+        print("| op | ms/step |\n|---|---|")
+        for name, ms in torch["profile"][:15]:
+            print(f"| {name} | {ms:.1f} |")
+        result["torch"] = torch
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "workload_w_profile.json"), "w") as f:
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -36,15 +36,18 @@ XLA reads XLA_FLAGS once, when its backend starts, so `apply` runs before any JA
 the user already set in XLA_FLAGS, to any value, is left alone; an unknown flag would abort
 XLA, so every flag here is checked against the installed XLA by a test.
 
-The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`), and the number
-of CPU devices every command runs on (`use_cpu_devices`, MLM_JAX_CPU_DEVICES).
+The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`), the number
+of CPU devices every command runs on (`use_cpu_devices`, MLM_JAX_CPU_DEVICES), and the C
+allocator's settings that let a CPU step reuse its memory (`keep_host_memory`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
+import sys
 
 from mlm_jax.config import ParallelConfig
 from mlm_jax.errors import UsageError
@@ -137,6 +140,38 @@ def cpu_collective_threads(devices: int, environ=os.environ) -> int | None:
     return size
 
 
+# glibc's mallopt parameters (malloc.h) and the environment variables that set them; a user who
+# set any of these (or glibc's malloc tunables) chose the allocator's behaviour: left alone.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+
+
+def keep_host_memory(environ=os.environ) -> bool:
+    """On a Linux CPU run, make glibc's malloc keep and reuse the memory a step frees: one
+    arena, no mmap-backed blocks, no trimming. Returns whether it did.
+
+    XLA:CPU allocates each execution's temporaries in one block (W's step: 229 MiB), which glibc
+    serves with a fresh mmap and unmaps after the step, so every step first-touches all of it
+    again: 58,900 page faults and 110-170 ms of kernel time per W step on the 2-core development
+    machine (benchmarks/RESULTS.md, issue 29), 0-12,000 with these settings. The arena limit matters
+    because XLA's executing thread is not the main thread, and a thread arena serves a block
+    that large with mmap whatever M_MMAP_MAX says. The cost: the process keeps its peak heap
+    (a training run does anyway). Not on GPUs (device memory is XLA's own allocator's), nor when
+    the user set the allocator (`_MALLOC_ENV`, GLIBC_TUNABLES' glibc.malloc); runs before JAX
+    starts its threads, so that they share the one arena."""
+    if not sys.platform.startswith("linux") or gpu_run(environ):
+        return False
+    if any(name in environ for name in _MALLOC_ENV) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in
+               ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+
+
 CPU_DEVICES_ENV = "MLM_JAX_CPU_DEVICES"
 
 
@@ -148,7 +183,9 @@ def use_cpu_devices(every_core: bool = False) -> int | None:
     for one per core (train: a single CPU device runs on about one core, so the default run
     would otherwise leave the rest idle) and otherwise JAX's default (one) is kept. With
     several, XLA:CPU's thread pool is sized for their collectives (`cpu_collective_threads`).
-    GPUs are unaffected. Returns the count set (None: JAX's default)."""
+    On CPUs the allocator keeps freed memory for the next step (`keep_host_memory`). GPUs are
+    unaffected. Returns the count set (None: JAX's default)."""
+    keep_host_memory()
     import jax
 
     forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
