@@ -364,6 +364,8 @@ def main(argv=None, command: bool = False) -> int:
         silence_orbax()
 
     xla_flags.apply(cfg.parallel)  # --overlap-grad-reduce / --overlap-param-gather: before JAX starts
+    if command:  # this process's own allocator: keep a CPU step's freed memory for the next
+        xla_flags.keep_host_memory()
     use_every_cpu_core()
     train(cfg)
     return 0

@@ -158,7 +158,9 @@ def keep_host_memory(environ=os.environ) -> bool:
     that large with mmap whatever M_MMAP_MAX says. The cost: the process keeps its peak heap
     (a training run does anyway). Not on GPUs (device memory is XLA's own allocator's), nor when
     the user set the allocator (`_MALLOC_ENV`, GLIBC_TUNABLES' glibc.malloc); runs before JAX
-    starts its threads, so that they share the one arena."""
+    starts its threads, so that they share the one arena: `python -m mlm_jax.train` calls it at
+    the start of its process (not when `train.main` is called inside another program, whose
+    allocator is its own)."""
     if not sys.platform.startswith("linux") or gpu_run(environ):
         return False
     if any(name in environ for name in _MALLOC_ENV) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
@@ -183,9 +185,7 @@ def use_cpu_devices(every_core: bool = False) -> int | None:
     for one per core (train: a single CPU device runs on about one core, so the default run
     would otherwise leave the rest idle) and otherwise JAX's default (one) is kept. With
     several, XLA:CPU's thread pool is sized for their collectives (`cpu_collective_threads`).
-    On CPUs the allocator keeps freed memory for the next step (`keep_host_memory`). GPUs are
-    unaffected. Returns the count set (None: JAX's default)."""
-    keep_host_memory()
+    GPUs are unaffected. Returns the count set (None: JAX's default)."""
     import jax
 
     forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
