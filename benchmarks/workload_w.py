@@ -11,7 +11,7 @@ plain step measure what XLA allows beyond it (layers unrolled instead of scanned
     python benchmarks/workload_w.py [--steps 20] [--variants plain,unrolled] [--no-cli]
         [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
     python benchmarks/workload_w.py --profile [--torch-python ...]   # where one step's time goes
-    python benchmarks/workload_w.py --ab causal-blocks --steps 12    # a change's A/B in one process
+    python benchmarks/workload_w.py --ab keep-host-memory --steps 12    # a change's A/B in one process
 
 Prints a table (tokens/s, ratio CLI / plain) and writes JSON under benchmarks/results/.
 Run it with nothing else on the machine; the load average is printed beside the figures.
@@ -138,14 +138,6 @@ def profile_plain_step(steps: int) -> dict:
     return prof
 
 
-def _no_causal_blocks():
-    from mlm_jax.models import attention
-
-    saved = attention._CAUSAL_BLOCKS
-    attention._CAUSAL_BLOCKS = {}
-    return lambda: setattr(attention, "_CAUSAL_BLOCKS", saved)
-
-
 def _malloc_default(default: bool) -> None:
     """glibc's mmap of large blocks and trimming of the heap as by default (or as
     `keep_host_memory` sets them); the one-arena setting stays (it is fixed at start)."""
@@ -161,7 +153,7 @@ def _malloc_default(default: bool) -> None:
 # --ab NAME: the plain step without the change NAME against with it. A model change: a function
 # that undoes it (before compiling) and returns the function that puts it back. The allocator
 # (`keep_host_memory`) is switched before each round instead, on one compiled step.
-WITHOUT = {"causal-blocks": _no_causal_blocks, "keep-host-memory": None}
+WITHOUT = {"keep-host-memory": None}
 
 
 def ab_plain_step(name: str, rounds: int) -> dict:

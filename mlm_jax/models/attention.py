@@ -208,46 +208,11 @@ def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=Non
     if q_pos_bs is None:
         k_pos_bt = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
         q_pos_bs = k_pos_bt[:, t - s:]  # [1, s]
-        blocks = _causal_blocks(s) if dropout_key is None or dropout_rate == 0.0 else 1
-    else:
-        blocks = 1
     mask_bst = causal_mask(q_pos_bs, k_pos_bt, q_seg_bs, k_seg_bt)
     if inputs_only:
         return jax.checkpoint(_xla_attention, static_argnums=(4, 6))(
             q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key, True)
-    if blocks > 1:
-        return _causal_in_blocks(q_bshk, k_btgk, v_btgk, mask_bst, blocks)
     return _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
-
-
-# Query blocks of the plain causal order on a CPU (`_causal_blocks`): each block is attended
-# against the keys up to its last query only, so the products and the softmax skip the blocks
-# above the diagonal, which the mask would zero: (n + 1) / 2n of the work for n blocks (workload
-# W, n = 4, seq 256: one layer's attention forward and backward 50 -> 34 ms). On accelerators
-# the whole square stays (one kernel each; cuDNN's flash kernel skips those blocks itself).
-_CAUSAL_BLOCKS = {"cpu": 4}
-_MIN_BLOCK_ROWS = 64
-
-
-def _causal_blocks(s: int) -> int:
-    """How many query blocks the plain causal order of `s` queries runs in (1: one square)."""
-    blocks = _CAUSAL_BLOCKS.get(platform.current(), 1)
-    while blocks > 1 and (s % blocks or s // blocks < _MIN_BLOCK_ROWS):
-        blocks //= 2
-    return blocks
-
-
-def _causal_in_blocks(q_bshk, k_btgk, v_btgk, mask_bst, blocks: int) -> jax.Array:
-    """`_xla_attention` of the plain causal order (queries the last s of the t keys, no
-    dropout) in `blocks` query blocks, block i against keys [0, t - s + its end)."""
-    s, t = q_bshk.shape[1], k_btgk.shape[1]
-    rows = s // blocks
-    out = []
-    for i in range(blocks):
-        lo, hi, seen = i * rows, (i + 1) * rows, t - s + (i + 1) * rows
-        out.append(_xla_attention(q_bshk[:, lo:hi], k_btgk[:, :seen], v_btgk[:, :seen], mask_bst[:, lo:hi, :seen],
-                                  0.0, None))  # [b, rows, h, k]
-    return jnp.concatenate(out, axis=1)  # [b, s, h, k]
 
 
 def _cudnn_causal(q_bshk, k_btgk, v_btgk):
