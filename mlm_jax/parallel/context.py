@@ -139,10 +139,9 @@ def _ring(q, k, v, seg, key, *, c: int, rate: float, in_pipeline: bool = False, 
     def attend(acc, block, step):
         src = (rank - step) % c  # the rank this block came from
         k_idx = local_order(src, c, s, jnp)  # [s/c]
-        which = jnp.where(step == 0, 0, jnp.where(src < rank, 1, 2))
         branches = [functools.partial(f, q_bsgrk, q_idx, seg, block, k_idx, rate, _key(key, rank, src))
                     for f in (_diagonal, _early_block, _late_block)]
-        return _merge(acc, jax.lax.switch(which, branches))
+        return _merge(acc, jax.lax.switch(_step_kind(rank, step, c), branches))
 
     def ring_step(carry, step):
         block, acc = carry
@@ -239,6 +238,7 @@ def _fused_halves(q, n: int, backend: str):
 
 
 def _step_kind(rank, step, c: int):
+    """0: the own block (diagonal), 1: from an earlier rank, 2: from a later one."""
     src = (rank - step) % c  # the rank this step's block came from
     return jnp.where(step == 0, 0, jnp.where(src < rank, 1, 2))
 
