@@ -10,10 +10,41 @@ import signal
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+# Tests check correctness, not speed: cheaper CPU codegen shortens every compile (LLVM at -O0).
+# XLA:CPU's older fusion emitters compile the tiny test programs 1.5-3x faster than its MLIR
+# fusion emitters (backend compile of a tp2 x dp4 ZeRO step, quiet machine: 1.27 -> 0.52 s;
+# one device: 0.82 -> 0.27 s). They contract a multiply-add into an FMA in some loops and not in
+# others, so a sharded program's random init then differs from one device's by an ulp here and
+# there (tests/test_fp16.py found it); without FMA instructions (AVX's instruction set, x86 only)
+# the layouts start from the same init again (and the pp2 x tp2 step's loss was the default
+# emitters' to the last digit).
+FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+OLD_EMITTERS = ["--xla_cpu_use_fusion_emitters=false", "--xla_cpu_max_isa=AVX"]
+
+
+def _xla_accepts(flags: list[str]) -> bool:
+    """Whether the installed XLA starts with `flags` (it aborts on a flag it does not know): asked
+    once, by the first process (pytest's controller); its workers inherit the answer."""
+    import platform
+    import subprocess
+    import sys
+
+    known = os.environ.get("MLM_JAX_TEST_OLD_EMITTERS")
+    if known is None:
+        known = "0"
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                                   env=dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu"))
+            known = "1" if probe.returncode == 0 else "0"
+        os.environ["MLM_JAX_TEST_OLD_EMITTERS"] = known
+    return known == "1"
+
+
+if _xla_accepts(OLD_EMITTERS):
+    FAST_COMPILE += OLD_EMITTERS
 os.environ["XLA_FLAGS"] = (
-    # Tests check correctness, not speed: cheaper CPU codegen shortens every compile.
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " +
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " ".join(FAST_COMPILE) + " " + os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU's thread pool sized for 8 devices' collectives (a too-small pool deadlocks, see there).
