@@ -23,9 +23,9 @@ FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expens
 OLD_EMITTERS = ["--xla_cpu_use_fusion_emitters=false", "--xla_cpu_max_isa=AVX"]
 
 
-def _xla_accepts(flags: list[str]) -> bool:
-    """Whether the installed XLA starts with `flags` (it aborts on a flag it does not know): asked
-    once, by the first process (pytest's controller); its workers inherit the answer."""
+def _old_emitters_accepted() -> bool:
+    """Whether the installed XLA starts with OLD_EMITTERS (it aborts on a flag it does not know):
+    asked once, by the first process (pytest's controller); its workers inherit the answer."""
     import platform
     import subprocess
     import sys
@@ -35,13 +35,13 @@ def _xla_accepts(flags: list[str]) -> bool:
         known = "0"
         if platform.machine().lower() in ("x86_64", "amd64"):
             probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
-                                   env=dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu"))
+                                   env=dict(os.environ, XLA_FLAGS=" ".join(OLD_EMITTERS), JAX_PLATFORMS="cpu"))
             known = "1" if probe.returncode == 0 else "0"
         os.environ["MLM_JAX_TEST_OLD_EMITTERS"] = known
     return known == "1"
 
 
-if _xla_accepts(OLD_EMITTERS):
+if _old_emitters_accepted():
     FAST_COMPILE += OLD_EMITTERS
 os.environ["XLA_FLAGS"] = (
     " ".join(FAST_COMPILE) + " " + os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -54,7 +54,8 @@ cpu_collective_threads(8)
 # No persistent compilation cache (this process and the runs it starts inherit it): with it, XLA:CPU
 # crashed a worker now and then, in an executable's serialisation for the cache (abort) or in a
 # later compile (segfault), and a crashed worker leaves pytest-xdist waiting forever (the CI run
-# that did not finish). A cold suite took as long without it (19:46 against 20:20 with it).
+# that did not finish). A cold suite took as long without it (19:46 against 20:20 with it); inside
+# the workers it later cost more in retrievals than it saved (17.3 s against 8.7 s, benchmarks/RESULTS.md).
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 import jax  # noqa: E402
