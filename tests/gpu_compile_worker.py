@@ -1,8 +1,10 @@
 """Worker of the GPU-compile tier (tests/test_gpu_compile.py): compiles each named layout's train
-step for 8 H100s, deviceless, in one process started with the XLA flags a GPU run sets, and
-writes each plan report (or the failure) as JSON.
+step for 8 H100s, deviceless, in one process started with the XLA flags a GPU run of them sets
+(the same for every layout given: XLA reads its flags once per process), and writes each plan
+report (or the failure) as JSON.
 
-    python -m tests.gpu_compile_worker OUT.json NAME=FLAGS...  (FLAGS: the training flags, one string)
+    python -m tests.gpu_compile_worker OUT.json [--kernel-cache=FILE] NAME=FLAGS...
+    (FLAGS: the training flags, one string; FILE: XLA's GPU kernel cache, kept between processes)
 """
 
 import json
@@ -15,11 +17,16 @@ def main(out: str, cases: list[str]) -> int:
     from mlm_jax import xla_flags
     from mlm_jax.arguments import parse_args
 
+    if cases and cases[0].startswith("--kernel-cache="):
+        os.environ["XLA_FLAGS"] = "--xla_gpu_kernel_cache_file=" + cases.pop(0).split("=", 1)[1]
     configs = {}
     for case in cases:
         name, flags = case.split("=", 1)
         configs[name] = parse_args(shlex.split(flags))
-    xla_flags.apply(next(iter(configs.values())).parallel, gpu=True)  # the overlap flags are in the set
+    flag_sets = {name: xla_flags.gpu_flags(cfg.parallel) for name, cfg in configs.items()}
+    if len({tuple(f) for f in flag_sets.values()}) > 1:
+        sys.exit(f"these layouts' GPU runs set different XLA flags; give each set its own process: {flag_sets}")
+    xla_flags.apply(next(iter(configs.values())).parallel, gpu=True)
     import jax
 
     jax.config.update("jax_platforms", "cpu")
