@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import shutil
 
 from mlm_jax.errors import UsageError
 
@@ -43,7 +44,24 @@ def plugin_missing() -> str | None:
     if importlib.util.find_spec("jax_cuda12_plugin") is None and importlib.util.find_spec("jax_cuda13_plugin") is None:
         return ("the CUDA plugin for jax is not installed: pip install -e \".[gpu-compile]\" "
                 "(compile-only, no GPU or driver needed)")
+    if not _ptxas_found():
+        return ("no ptxas (XLA assembles every GPU kernel with it): pip install -e \".[gpu-compile]\" "
+                "installs it (nvidia-cuda-nvcc-cu12), or put a CUDA toolkit's bin on PATH")
     return None
+
+
+def _ptxas_found() -> bool:
+    """Whether XLA will find ptxas: on PATH, in a CUDA toolkit where XLA looks (CUDA_DIR,
+    /usr/local/cuda, /opt/cuda) or in the nvidia-cuda-nvcc wheel."""
+    if shutil.which("ptxas"):
+        return True
+    dirs = [os.environ.get("CUDA_DIR", ""), "/usr/local/cuda", "/opt/cuda"]
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:  # no nvidia namespace at all
+        spec = None
+    dirs += list(spec.submodule_search_locations or []) if spec else []
+    return any(d and os.access(os.path.join(d, "bin", "ptxas"), os.X_OK) for d in dirs)
 
 
 def gpu(name: str) -> Gpu:
