@@ -175,7 +175,7 @@ def read_indexed(prefix: str, vocab_size: int, load: str) -> list[int]:
         raise UsageError(f"--valid-data {prefix}: no {prefix}.bin/.idx indexed dataset")
     ds = IndexedDataset(prefix)
     check_token_ids(ds, vocab_size, index_cache_dir(prefix, None), f"the vocab of --load {load}")
-    return [int(t) for i in range(len(ds)) for t in ds[i]]
+    return np.concatenate([np.asarray(ds[i], np.int64) for i in range(len(ds))] or [np.zeros(0, np.int64)]).tolist()
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -206,26 +206,39 @@ class Scorer:
         self._fn = jax.jit(score)
 
     def __call__(self, rows: np.ndarray, micro_batch: int):
-        """(losses [n, seq], hits [n, seq] bool) for all rows, micro_batch rows at a time."""
+        """(losses [n, seq], hits [n, seq] bool) for all rows, micro_batch rows at a time: each
+        micro batch is dispatched before the previous one's results are read back, so the host's
+        work overlaps the device's; a progress bar on stderr when there are many."""
         import jax
-        import jax.numpy as jnp
         from jax.sharding import NamedSharding
+        from tqdm import tqdm
 
         from mlm_jax.parallel import tracing
         from mlm_jax.sharding.rules import activation_rules
         from mlm_jax.sharding.specs import tokens_spec
 
         m = self.model
-        losses, hits = [], []
-        for start in range(0, len(rows), micro_batch):
-            chunk = np.zeros((micro_batch, rows.shape[1]), np.int32)
-            part = rows[start: start + micro_batch]
-            chunk[: len(part)] = part
-            x = jax.device_put(jnp.asarray(chunk), NamedSharding(m.mesh, tokens_spec(micro_batch, dict(m.mesh.shape))))
-            with tracing(m.mesh, activation_rules(False)):
-                loss, hit = self._fn(m.params, x)
-            losses.append(np.asarray(loss, np.float64)[: len(part)])
-            hits.append(np.asarray(hit)[: len(part)])
+        sharding = NamedSharding(m.mesh, tokens_spec(micro_batch, dict(m.mesh.shape)))
+        losses, hits, in_flight = [], [], []
+
+        def read_back():
+            (loss, hit), n = in_flight.pop(0)
+            losses.append(np.asarray(loss, np.float64)[:n])
+            hits.append(np.asarray(hit)[:n])
+
+        with tqdm(total=len(rows), unit=" windows", desc="evaluate", file=sys.stderr, mininterval=2.0,
+                  disable=len(rows) < 64 * micro_batch, dynamic_ncols=True) as bar:
+            for start in range(0, len(rows), micro_batch):
+                chunk = np.zeros((micro_batch, rows.shape[1]), np.int32)
+                part = rows[start: start + micro_batch]
+                chunk[: len(part)] = part
+                with tracing(m.mesh, activation_rules(False)):
+                    in_flight.append((self._fn(m.params, jax.device_put(chunk, sharding)), len(part)))
+                if len(in_flight) > 2:
+                    read_back()
+                bar.update(len(part))
+            while in_flight:
+                read_back()
         return np.concatenate(losses), np.concatenate(hits)
 
 
@@ -315,4 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from mlm_jax.xla_flags import keep_host_memory
+
+    keep_host_memory()  # this process's own allocator: keep a batch's freed memory for the next
     sys.exit(main())
