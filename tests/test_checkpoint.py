@@ -20,7 +20,7 @@ from mlm_jax.config import ConfigError
 from mlm_jax.parallelize import parallelize
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.train import main, train
-from tests.tiny_flags import tiny, train_run
+from tests.tiny_flags import tiny, train_run, xla_flags_for
 from mlm_jax.validation import finalize
 
 # Dropout on, so resuming must restore the dropout stream too. --make-vocab-size-divisible-by 100
@@ -339,7 +339,7 @@ def test_load_errors_name_the_problem(straight, tmp, capsys):
 def test_export_a_trained_checkpoint_from_a_one_device_process(straight, tmp):
     """A checkpoint saved sharded over 8 devices converts in a process with 1 device (the CLI),
     and the exported GPT-2 computes the same logits as the checkpoint."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_for(1)}
     out = tmp / "exported"
     proc = subprocess.run([sys.executable, "-m", "mlm_jax.tools.checkpoint", "export-hf", "--load", str(tmp / "S"),
                            "--ckpt-step", "6", "--hf-dir", str(out)], env=env, capture_output=True, text=True,

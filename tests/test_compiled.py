@@ -19,6 +19,7 @@ from mlm_jax.config import ParallelConfig
 from mlm_jax.sharding.hlo import collectives, count
 from mlm_jax.sharding.mesh import DATA, EXPERT
 from tests.parallel_util import SEQ, build, fixed_batch, place
+from tests.tiny_flags import xla_flags_for
 
 MICRO = 2
 ACT = (MICRO, SEQ, 64)  # one microbatch's [batch, seq, embed] on a data-parallel rank (dp = 2)
@@ -306,7 +307,7 @@ def test_zero_gathers_bf16_parameters_under_bf16(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 --xla_dump_to={tmp_path} "
+               XLA_FLAGS=f"{xla_flags_for(8)} --xla_dump_to={tmp_path} "
                          "--xla_dump_hlo_pass_re=float-normalization-bf16 --xla_dump_hlo_module_re=.*train_step.*")
     proc = subprocess.run([sys.executable, "-c", _GATHER_WORKER], env=env, cwd=root, capture_output=True,
                           text=True, timeout=600)

@@ -13,6 +13,7 @@ from mlm_jax.arguments import ACCEPTED, REFUSED, parse_args
 from mlm_jax.config import ConfigError
 from mlm_jax.distributed import resolve
 from mlm_jax.validation import finalize
+from tests.tiny_flags import xla_flags_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,7 +113,7 @@ def test_eval_iters_must_not_be_negative():
 def cli(args, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MLM_JAX_DEBUG", "XLA_FLAGS")}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MLM_JAX_CPU_DEVICES="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", MLM_JAX_CACHE=str(tmp_path / "cache"))
+               XLA_FLAGS=xla_flags_for(1), MLM_JAX_CACHE=str(tmp_path / "cache"))
     return subprocess.run([sys.executable, "-m", "mlm_jax.train", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
 

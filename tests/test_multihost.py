@@ -32,7 +32,7 @@ from mlm_jax.config import ConfigError, DistributedConfig, InstrumentsConfig
 from mlm_jax.distributed import resolve, slurm_first_node
 from mlm_jax.instruments import Instruments, RunLogger, Wandb, slow_iteration_line
 from mlm_jax.train import main, train
-from tests.tiny_flags import NO_DROPOUT, tiny
+from tests.tiny_flags import NO_DROPOUT, tiny, xla_flags_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_SH = os.path.join(ROOT, "launch", "local.sh")
@@ -116,11 +116,10 @@ def runs(tmp_path_factory):
                               stdout=out_a, stderr=subprocess.STDOUT, start_new_session=True)
 
     # B: srun's variables (2 tasks on one node: one process per GPU), tensor=8 across processes.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     port = free_port()
     procs_b = []
     for i in range(2):
-        env = child_env(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+        env = child_env(XLA_FLAGS=xla_flags_for(4), JAX_PLATFORMS="cpu",
                         SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                         SLURM_PROCID=str(i), SLURM_LOCALID=str(i), SLURM_NODEID="0",
                         SLURM_STEP_TASKS_PER_NODE="2", JAX_COORDINATOR_PORT=str(port))

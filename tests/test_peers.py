@@ -17,6 +17,7 @@ import time
 
 from mlm_jax.peers import DONE, FAILED, PREFIX, PeerWatch, config_differences
 from tests.test_multihost import child_env, free_port
+from tests.tiny_flags import xla_flags_for
 
 PEER_TIMEOUT = 6.0
 RUN = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -33,7 +34,7 @@ def start(tmp, extra=(None, None)):
     for i in range(2):
         env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", MLM_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                         MLM_JAX_NUM_PROCESSES="2", MLM_JAX_PROCESS_ID=str(i),
-                        XLA_FLAGS="--xla_force_host_platform_device_count=1")
+                        XLA_FLAGS=xla_flags_for(1))
         argv = RUN + ["--run-dir", str(tmp / "run")] + list(extra[i] or [])
         log = open(tmp / f"p{i}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "mlm_jax.train", *argv], env=env, stdout=log,

@@ -7,6 +7,8 @@ persistent compilation cache, and within a process jax's own)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 # The model of tests/parallel_util.py (2 layers, d64, 8 heads, vocab 500, seq 32) on mock data,
 # with the console quiet: every run adds only its batch, optimizer and layout flags.
@@ -14,6 +16,13 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
         "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "500",
         "--no-progress-bar", "--sample-tokens", "0"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def xla_flags_for(devices: int) -> str:
+    """The suite's XLA_FLAGS (conftest: cheap CPU code generation) for a child process with
+    `devices` CPU devices; a child given only the device count compiles at full optimisation."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def tiny(*flags: str) -> list[str]:
