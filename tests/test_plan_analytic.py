@@ -114,7 +114,7 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert mem["parameters"] == 4 * 19_796_224 == 79_184_896
     assert mem["optimizer_state"] == 8 * 19_796_224 == 158_369_792
     assert mem["compute_copy"] == 2 * 47_784_960 and mem["gradients"] == 4 * 47_784_960
-    assert mem["microbatch_gradients"] == 2 * 47_784_960
+    assert mem["microbatch_gradients"] == 4 * 47_784_960  # the pipeline's per-tick gradients: fp32
     # Per token and layer (all /2 with SP): norms 8h + 16 = 8,208; Q 2,048, K and V 2,048, output
     # 2,048; statistics 4*8 = 32; SwiGLU input 4f = 11,008 and fc2 input 2f = 5,504: 30,896 / 2 =
     # 15,448, x 1,024 tokens = 15,818,752. A layer input: 2*1024*1024/2 = 1,048,576.
@@ -124,7 +124,7 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert analytic.stash_slots("1f1b", 2, 4, 1) == 1
     assert mem["activations"] == 1_048_576 + 4 * 1_048_576 + 15_818_752 == 21_061_632
     assert mem["logits"] == 8 * 1024 * 32000 / 2 / 2 == 65_536_000  # the head's block: /t /p
-    assert mem["total"] == 610_862_080 + 2 * 47_784_960 == 706_432_000
+    assert mem["total"] == 610_862_080 + 4 * 47_784_960 == 802_001_920
     comm = analytic.communication(cfg, L)
     act = 2 * 1024 * 1024  # one microbatch's [s, h] in bf16
     # tensor: 4 layers x 4 microbatches x (4 + 2 recompute + 2 stage recompute) collectives x ring

@@ -286,16 +286,20 @@ def test_two_slot_tables_are_valid_and_cost_the_asynchronous_bound(name, P, m, V
     """Every unit once per stage, each input produced exactly one tick before its use (the
     last virtual stage's backward: after its forward, same tick), and the SPMD program's cost
     (every tick of a phase runs the phase's slots on every stage) equals the asynchronous
-    executor's (m*V + P - 1)(F + B)/V, for F=1, B=3 and for F=1, B=2."""
+    executor's (m*V + P - 1)(F + B)/V, for F=1, B=3 and for F=1, B=2; 1F1B at P=2 one forward
+    more (its one-tick cooldown runs in the steady scan, forward slot masked)."""
     table = lockstep.two_slot(name, P, m, V)
     lockstep.validate(table, P, m, V)
     lockstep.validate(lockstep.two_slot(name, P, m, V, forward_only=True), P, m, V, forward_only=True)
+    joined = name != "gpipe" and V * P == 2  # a one-tick cooldown
     for backward in (3.0, 2.0):
         assert lockstep.lockstep_cost(table, V, 1.0, backward) == pytest.approx(
-            lockstep.async_cost(P, m, V, 1.0, backward))
+            lockstep.async_cost(P, m, V, 1.0, backward) + (1.0 / V if joined else 0.0))
     phases = [(p.ticks, p.forward, p.backward) for p in lockstep.phases(table)]
     if name == "gpipe":
         assert phases == ([(m + P - 1, True, False), (m + P - 1, False, True)])
+    elif joined:  # warmup 1, then steady m and the cooldown's one tick in one scan
+        assert phases == [(1, True, False), (m + 1, True, True)]
     else:  # warmup V*P-1, steady m*V - V*P + P, cooldown V*P-1 (no warmup/cooldown when P*V = 1)
         edge = [(V * P - 1, True, False)] if P * V > 1 else []
         assert phases == edge + [(m * V - V * P + P, True, True)] + [
@@ -341,9 +345,10 @@ def test_two_slot_validator_rejects_broken_tables():
 
 
 def test_two_slot_render():
+    # (P=2: the one-tick cooldown runs in the steady scan, `lockstep.phases`)
     assert lockstep.render(lockstep.two_slot("1f1b", 2, 2)) == (
-        "stage 0 F: F0 | F1 .. | ..\n"
-        "stage 0 B: .. | .. B0 | B1\n"
-        "stage 1 F: .. | F0 F1 | ..\n"
-        "stage 1 B: .. | B0 B1 | .."
+        "stage 0 F: F0 | F1 .. ..\n"
+        "stage 0 B: .. | .. B0 B1\n"
+        "stage 1 F: .. | F0 F1 ..\n"
+        "stage 1 B: .. | B0 B1 .."
     )

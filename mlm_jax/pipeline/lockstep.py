@@ -29,7 +29,8 @@ masked), so the lockstep cost is sum over phases of ticks * (F_c if forward + B_
 with chunk costs F_c = F/V, B_c = B/V:
   1F1B / interleaved: (V*P-1) F_c + (m*V-V*P+P)(F_c+B_c) + (V*P-1) B_c = (m*V+P-1)(F+B)/V,
   GPipe: (m+P-1)(F+B),
-exactly the asynchronous executor's time for Megatron's orders. The stash of stage s holds its
+exactly the asynchronous executor's time for Megatron's orders; except 1F1B at P=2, whose
+one-tick cooldown runs in the steady phase (`phases` says why): one forward F more. The stash of stage s holds its
 stage inputs from forward to backward: at most 2(V*P-1) - 2s + 1 units for 1F1B/interleaved
 (flat in m; about twice Megatron's P-s, the price of lockstep round trips of 2(P-1-s) ticks),
 m for GPipe.
@@ -111,7 +112,13 @@ def two_slot(name: str, P: int, m: int, V: int = 1, forward_only: bool = False) 
 
 
 def phases(table: Sequence[Tick]) -> list[Phase]:
-    """Maximal runs of ticks that use the same slots (on any stage)."""
+    """Maximal runs of ticks that use the same slots (on any stage), except that a backward-only
+    run of one tick after a run with both slots joins that run (its forward slot masked): XLA
+    inlines a scan of one tick, and the inlined backward's stage-recompute buffers did not share
+    the steady loop's, which a second loop's do (1F1B at P=2, the only schedule with a one-tick
+    cooldown: GPT 1.3B pp2 x dp4 ZeRO, micro 4, 8 H100, compiled 26.51 GiB per device with the
+    cooldown apart, 17.66 joined; at P=4 the two loops share. benchmarks/RESULTS.md, issue 31).
+    The price: one masked forward per step."""
     out: list[Phase] = []
     for t, (fwd, bwd) in enumerate(table):
         use = (any(not a.is_idle for a in fwd), any(not a.is_idle for a in bwd))
@@ -119,6 +126,9 @@ def phases(table: Sequence[Tick]) -> list[Phase]:
             out[-1] = dataclasses.replace(out[-1], stop=t + 1)
         else:
             out.append(Phase(t, t + 1, *use))
+    if len(out) >= 2 and out[-1].ticks == 1 and out[-1].backward and not out[-1].forward \
+            and out[-2].forward and out[-2].backward:
+        out[-2:] = [dataclasses.replace(out[-2], stop=out[-1].stop)]
     return out
 
 

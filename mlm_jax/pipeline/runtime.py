@@ -5,7 +5,8 @@ backward slot; this module turns that into int32 arrays (`Program`) and runs the
 `jax.shard_map` that is manual over `pipe` only (data, tensor and sequence sharding stay
 automatic inside each stage). There is no Python dispatch per microbatch and no per-tick choice
 of action: the program is one `lax.scan` per phase of the schedule (1F1B and interleaved:
-forward-only warmup, steady ticks with both slots, backward-only cooldown; GPipe: forwards then
+forward-only warmup, steady ticks with both slots, backward-only cooldown (at P=2 its one tick
+runs in the steady scan, `lockstep.phases`); GPipe: forwards then
 backwards; evaluation: forwards), and every tick runs the phase's slots on every stage. A slot
 with no unit in this tick runs masked on microbatch 0 (its loss and aux are dropped with
 `jnp.where`, its backward gets zero cotangents). After the slots, the activation moves to

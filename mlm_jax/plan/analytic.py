@@ -31,7 +31,8 @@ memory is calibrated against, `benchmarks/RESULTS.md`):
   gathers a bf16 (or fp16) compute copy of the stage's weights (2 bytes each) and accumulates
   fp32 gradients once per step (4 bytes each, whole per device, reduced after the last
   microbatch), beside which a microbatch's weight gradients exist in the compute dtype (2 bytes
-  each: the layer scan's backward returns them stacked before they are added): 4/dp + 8/dp + 2
+  each: the layer scan's backward returns them stacked before they are added; a pipeline's
+  per-tick stage gradients are fp32, 4 bytes): 4/dp + 8/dp + 2
   + 4 + 2 bytes per parameter with ZeRO, 4 + 8 + 2 + 4 + 2 without (the last term found by
   calibration: the compiled steps held 2 bytes per parameter more than the rest explained, at
   every micro batch size);
@@ -373,7 +374,10 @@ def memory(cfg, L: Layout) -> dict:
         "optimizer_state": 8 * shard,
         "compute_copy": 2 * n["compute"] if low else 0,
         "gradients": 4 * n["compute"],
-        "microbatch_gradients": (2 if low else 4) * n["compute"],
+        # A microbatch's weight gradients in the compute dtype; a pipeline's per-tick gradients of
+        # its stage are fp32 (XLA's memory-usage report of GPT-3 175B tp8 x pp16 and GPT 1.3B pp2:
+        # an fp32 [layers, h, 4h] buffer per matrix beside the accumulator; benchmarks/RESULTS.md).
+        "microbatch_gradients": (4 if L.pp > 1 or not low else 2) * n["compute"],
         "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
         "activations": act["layers"],
         "logits": act["logits"],
