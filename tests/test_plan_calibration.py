@@ -30,6 +30,11 @@ LAYOUTS = {
     "tp2_sp_dp4_zero": " --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
     "tp2_sp_dp4_zero_recompute": " --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
                                  " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    # 1F1B at P=2: -47% until its one-tick cooldown ran in the steady scan (mlm_jax/pipeline/lockstep.py)
+    # and the per-tick stage gradients were counted fp32 (benchmarks/RESULTS.md, issue 31).
+    "pp2_dp4_zero": " --pipeline-model-parallel-size 2 --use-distributed-optimizer",
+    "pp2_dp4_zero_recompute": " --pipeline-model-parallel-size 2 --use-distributed-optimizer"
+                              " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
 }
 
 
