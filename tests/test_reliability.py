@@ -25,6 +25,7 @@ from mlm_jax import checkpoint as ckpt
 from mlm_jax.arguments import parse_args
 from mlm_jax.tools import checkpoint as hfc
 from mlm_jax.train import train
+from tests.tiny_flags import xla_flags_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -36,7 +37,7 @@ T = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention
 def env(devices: str = "1") -> dict:
     """One CPU device (not conftest's 8), this checkout's code, the shared compilation cache."""
     e = dict(os.environ, MLM_JAX_CPU_DEVICES=devices, PYTHONPATH=ROOT)
-    e["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", e.get("XLA_FLAGS", ""))
+    e["XLA_FLAGS"] = xla_flags_for(None)
     e.pop("MLM_JAX_DEBUG", None)
     return e
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from tests.tiny_flags import xla_flags_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_SH = os.path.join(ROOT, "launch", "local.sh")
 # The tiny model of tests/test_reliability.py (T), on one CPU device.
@@ -39,7 +41,7 @@ def env(**extra) -> dict:
     e = {k: v for k, v in os.environ.items()
          if not k.startswith("SLURM_") and k not in DISTRIBUTED_VARS and k != "MLM_JAX_DEBUG"}
     e.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MLM_JAX_CPU_DEVICES="1",
-             XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\d+", "", e.get("XLA_FLAGS", "")))
+             XLA_FLAGS=xla_flags_for(None))
     e.update(extra)
     return e
 

@@ -18,11 +18,12 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def xla_flags_for(devices: int) -> str:
+def xla_flags_for(devices: int | None) -> str:
     """The suite's XLA_FLAGS (conftest: cheap CPU code generation) for a child process with
-    `devices` CPU devices; a child given only the device count compiles at full optimisation."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    `devices` CPU devices (None: no count, the child's MLM_JAX_CPU_DEVICES decides); a child
+    given only the device count compiles at full optimisation."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    return flags if devices is None else f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def tiny(*flags: str) -> list[str]:
