@@ -8,6 +8,7 @@ one. XLA:CPU spells a reduce-scatter as an all-reduce whose every use keeps only
 slice (see mlm_jax/sharding/hlo.py); it is counted as `scattered`.
 """
 
+import math
 import re
 
 import jax
@@ -41,6 +42,8 @@ LAYOUTS = {
     "ep2_tp2_zero_moe": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                         use_distributed_optimizer=True), 2,
                          (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01))),
+    "tp4_moe": (ParallelConfig(tensor_model_parallel_size=4), MICRO,  # dp2 x tp4, no expert parallelism
+                (("num_experts", 4), ("moe_router_topk", 2), ("moe_aux_loss_coeff", 0.01))),
 }
 
 
@@ -72,6 +75,17 @@ def test_tensor_parallel_has_megatrons_all_reduces(compiled_hlo):
     assert all(vocab not in shape for c in found for shape in c.shapes), [
         c for c in found if any(vocab in s for s in c.shapes)
     ]
+
+
+def test_experts_stay_split_over_tensor_without_expert_parallelism(compiled_hlo):
+    """dp2 x tp4, ep 1: each rank runs its `tensor` share of every expert's hidden dim on its
+    rows; no collective carries a layer's experts whole (Mixtral's tp8 x dp8 step gathered them
+    all, every layer's, 7 GiB a device)."""
+    pz, found = compiled_hlo["tp4_moe"]
+    m = pz.cfg.model
+    experts = m.num_experts * m.hidden_size * m.moe_ffn_size  # one layer's w1 (or w2)
+    gathered = [c for c in found if c.kind == "all-gather" and any(math.prod(s) >= experts / 4 for s in c.shapes)]
+    assert gathered == []
 
 
 def test_sequence_parallel_turns_all_reduce_into_gather_and_scatter(compiled_hlo):
@@ -250,7 +264,7 @@ def _largest_result(line: str) -> int:
 
 
 @pytest.mark.parametrize("name", ["dp8", "dp8_zero", "tp4", "dp8_dropout", "dp8_zero_bf16", "cp2_zero", "dp8_moe",
-                                  "dp8_moe_capacity", "ep2_moe", "ep2_tp2_zero_moe"])
+                                  "dp8_moe_capacity", "ep2_moe", "ep2_tp2_zero_moe", "tp4_moe"])
 def test_data_parallel_gradients_are_reduced_once_after_the_microbatch_loop(compiled_text, name):
     """Megatron reduces gradients once per step: no collective over `data` may run inside the
     microbatch loop or the layer scans; the reduction (and ZeRO's parameter gather) sits outside.

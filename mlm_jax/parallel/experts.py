@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, row_capacity
-from mlm_jax.sharding.mesh import EXPERT, PIPE, TENSOR
+from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -98,13 +98,17 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
     outer = frozenset(getattr(mesh, "manual_axes", ()))
-    # Manual over `expert` already (the per-rank bodies of a step that reduces gradients once,
-    # see `parallel.data.reduces_once`): the rows and experts here are this rank's own; the
-    # shard_map below adds `tensor` (in parallelize's body; the pipeline's: no shard_map).
-    per_rank = EXPERT in outer and sizes[EXPERT] > 1
+    # The per-rank body of a step that reduces gradients once (`parallel.data.reduces_once`):
+    # manual over `data`, and over `expert` with expert parallelism; the rows and experts here
+    # are this rank's own. The shard_map below adds `tensor` (in parallelize's body; the
+    # pipeline's per-rank schedule: no shard_map with expert parallelism). Without expert
+    # parallelism every rank holds every expert, each expert's f split over `tensor`: a
+    # tensor-manual shard_map runs this rank's f shard on its rows (gathering the experts, as the
+    # branch below does, made Mixtral's tp8 x dp8 step hold every layer's whole experts).
+    per_rank = (EXPERT in outer and sizes[EXPERT] > 1) or (DATA in outer and PIPE not in outer)
     if (outer and not per_rank) or uneven:
-        # Nested in a shard_map but not per rank over `expert` (no expert parallelism, or the
-        # pipeline with a head that reports aux): jax's partial evaluation of a nested
+        # Nested in a shard_map but not per rank (the pipeline without expert parallelism, or
+        # with a head that reports aux): jax's partial evaluation of a nested
         # shard_map gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of
         # `data`), and
         # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
