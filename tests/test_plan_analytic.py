@@ -175,6 +175,23 @@ def test_step_flops_is_narayanan_s_for_a_gpt():
         96 * B * s * Ln * h * h * (1 + s / (6 * h) + V / (12 * h * Ln)), rel=1e-12)
 
 
+
+SMALL_MOE = SMALL_LLAMA + " --num-experts 8 --moe-router-topk 2 --ffn-hidden-size 2048 --micro-batch-size 1"
+
+
+@pytest.mark.parametrize("layout", ["--expert-model-parallel-size 1", "--expert-model-parallel-size 4"])
+def test_dropless_experts_execute_every_expert_on_gpus(layout):
+    """XLA's GPU compiler runs the grouped matmul densely over a rank's E/ep experts, on rows
+    padded to ep x T*K: a dropless step executes each (token, choice) through all E = 8 experts'
+    SwiGLU MLPs, 3 x 2 x (h*2f + f*h) FLOPs each, where the model counts one; padded to capacity
+    it does not."""
+    cfg, L = _layout(f"{SMALL_MOE} {layout}", 8)
+    B, s, Ln, h, f, k, E = 8, 1024, 8, 1024, 2048, 2, 8
+    extra = 3 * (E - 1) * k * 2 * (h * 2 * f + f * h) * Ln * B * s
+    assert analytic.executed_flops(cfg, L) == pytest.approx(analytic.step_flops(cfg, L) + extra, rel=1e-12)
+    padded, L = _layout(f"{SMALL_MOE} {layout} --moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity", 8)
+    assert analytic.executed_flops(padded, L) == pytest.approx(analytic.step_flops(padded, L), rel=1e-12)
+
 def _plan(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)

@@ -418,12 +418,32 @@ def step_flops(cfg, L: Layout) -> float:
     return 3 * fwd_token * cfg.train.global_batch_size * s
 
 
+def dense_expert_flops(cfg, L: Layout) -> float:
+    """FLOPs a MoE's expert matmuls execute beyond the model's, per step, on NVIDIA GPUs.
+
+    The grouped matmul (`jax.lax.ragged_dot`, models/moe.py) has no grouped kernel in XLA's GPU
+    compiler: it is rewritten as one dense product of every row with each of the rank's E/ep
+    experts (rows masked per expert; read from the optimised H100 HLO, benchmarks/RESULTS.md),
+    and the dispatch pads a rank's rows (`expert_padding`: ep x T*K dropless): dropless, every
+    (token, choice) runs through E experts' MLPs where the model counts one.
+    `--moe-pad-expert-input-to-capacity` runs [E/ep, capacity] slots instead: not inflated."""
+    m = cfg.model
+    if not m.num_experts or m.moe_pad_expert_input_to_capacity:
+        return 0.0
+    h, f, k = m.hidden_size, m.moe_ffn_size, m.moe_router_topk
+    per_row = 2 * (h * f * (2 if m.swiglu else 1) + f * h)
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    runs = m.num_experts / L.ep * expert_padding(cfg, L)  # expert MLPs per (token, choice)
+    return 3 * (runs - 1) * k * per_row * moe_layers * cfg.train.global_batch_size * cfg.train.seq_length
+
+
 def executed_flops(cfg, L: Layout) -> float:
     """FLOPs executed: the model's plus one more forward for full recompute ([N]'s 96 in place of
     72) and one more for the pipeline's stage recompute (both: two more); selective recompute
-    runs the attention scores' forward (`4*s*a*d` per token and layer) once more."""
+    runs the attention scores' forward (`4*s*a*d` per token and layer) once more; a dropless
+    MoE's experts run E times their FLOPs (`dense_expert_flops`)."""
     extra = (L.recompute == "full") + (L.pp > 1)
-    flops = step_flops(cfg, L) * (3 + extra) / 3
+    flops = (step_flops(cfg, L) + dense_expert_flops(cfg, L)) * (3 + extra) / 3
     if L.recompute == "selective" and not fused_attention(cfg, L):  # the scores' forward again ([K] 5)
         m = cfg.model
         flops += 4 * cfg.train.seq_length * m.num_attention_heads * m.head_dim * m.num_layers * \
