@@ -118,14 +118,21 @@ def measure_matmul_peak(mesh: Mesh, dtype=jnp.float32, n: int | None = None, rep
     return 2.0 * n**3 * steps / best
 
 
+_MEASURED: dict[tuple, float] = {}  # (device ids, dtype) -> measured peak, this process
+
+
 def device_peak(mesh: Mesh, dtype) -> tuple[float, str]:
     """(FLOP/s per device, source): the datasheet dense figure for a known accelerator, else a
-    sustained matmul measurement on this mesh."""
+    sustained matmul measurement on this mesh, taken once per process and set of devices (a
+    notebook or program that trains several times pays its second or so once)."""
     kind = jax.devices()[0].device_kind
     peak = datasheet_peak(kind, dtype)
     if peak is not None:
         return peak, f"datasheet {kind}"
-    return measure_matmul_peak(mesh, dtype), "measured"
+    key = (tuple(d.id for d in mesh.devices.flat), jnp.dtype(dtype).name)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_matmul_peak(mesh, dtype)
+    return _MEASURED[key], "measured"
 
 
 def device_memory() -> dict[str, int]:

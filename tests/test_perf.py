@@ -42,6 +42,16 @@ def test_known_accelerators_use_the_datasheet_dense_peak(monkeypatch, kind, dtyp
     assert got == peak and source == f"datasheet {kind}"
 
 
+def test_a_process_measures_a_device_set_s_peak_once():
+    """train() called again in one process (a notebook, a sweep) reuses its devices' measured
+    peak (a second measurement would not give the same float); other devices measure their own."""
+    one = jax.make_mesh((1,), ("x",), devices=ONE, axis_types=(jax.sharding.AxisType.Auto,))
+    first = metrics.device_peak(one, jnp.float32)
+    assert first[1] == "measured" and metrics.device_peak(one, jnp.float32) == first
+    other = jax.make_mesh((1,), ("x",), devices=jax.devices()[1:2], axis_types=(jax.sharding.AxisType.Auto,))
+    assert metrics.device_peak(other, jnp.float32)[0] != first[0]
+
+
 def test_unknown_devices_measure_a_sustained_matmul_loop():
     """Elsewhere the peak is measured over one compiled chain of matmuls long enough to dwarf
     dispatch: the chain grows until one call takes min_seconds."""
