@@ -127,11 +127,24 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert mem["total"] == 610_862_080 + 4 * 47_784_960 == 802_001_920
     comm = analytic.communication(cfg, L)
     act = 2 * 1024 * 1024  # one microbatch's [s, h] in bf16
-    # tensor: 4 layers x 4 microbatches x (4 + 2 recompute + 2 stage recompute) collectives x ring
-    # 2*(t-1)/t... per all-gather/reduce-scatter pair: 4*4*8*2*act*(1/2) = 268,435,456
-    assert comm["tensor"] == 4 * 4 * 8 * 2 * act / 2 == 268_435_456
-    assert comm["pipe"] == 2 * 4 * act / 2 == 8_388_608  # output forward, gradient back, /t with SP
-    assert comm["data"] == 6 * 47_784_960 / 2 == 143_354_880
+    # The two-slot 1F1B table at P 2, m 4: 1 forward-only tick, then 5 with both slots (the
+    # one-tick cooldown joined): 6 ticks with a forward slot, 5 with a backward slot.
+    # tensor, in all-gather or reduce-scatter halves of act*(t-1)/t: a forward slot 4 a layer; a
+    # backward slot the stage recompute's 4, the backward's 4 and full recompute's 3; 4 layers
+    # a stage; the head and embedding 9 a backward tick, and 2 once:
+    # 4*(4*6 + 11*5) + 9*5 + 2 = 363 halves (the compiled program: 403, this Llama layer's SP
+    # backward gathers 2 halves more in a pipeline).
+    assert comm["tensor"] == (4 * (4 * 6 + 11 * 5) + 9 * 5 + 2) * act / 2 == 380_633_088
+    # pipe: 11 sends of act/t; the head's sums over pipe on the 5 backward ticks, fp32 output
+    # and bf16 gradient all-reduced, 2*(2 + 1)*act/t*(1/2) each; the
+    # embedding (untied: the input table, /t) and the final norm, 16,385,024 replicated over
+    # pipe, their fp32 gradient reduce-scattered over pipe: 4*16,385,024/2.
+    assert comm["pipe"] == 11 * act / 2 + 5 * 6 * act / 2 / 2 + 4 * 16_385_024 / 2 == 60_033_024
+    # data: the rest of the stage (47,784,960 - 16,385,024, the head's vocab block included),
+    # fp32 reduce-scatter + bf16 gather, and the embedding's pipe shard in fp32; the embedding
+    # gathered over pipe and data in bf16.
+    assert comm["data"] == (6 * 31_399_936 + 4 * 16_385_024 / 2) / 2 == 110_584_832
+    assert comm["pipe+data"] == 2 * 16_385_024 * 3 / 4 == 24_577_536
 
 
 @pytest.mark.parametrize("schedule,P,m,V,slots", [

@@ -1,6 +1,7 @@
 """The GPU-compile tier for the analytic model: its memory per device within 10% of the compiled
-program's (`python -m mlm_jax.plan --json`, deviceless for 8 H100s, one process per compile) on
-a few layouts of a mid-size GPT, where activations, state and logits all weigh; and `--search`
+program's and its bytes sent per device and mesh axis within 1% of the compiled collectives'
+(`python -m mlm_jax.plan --json`, deviceless for 8 H100s, one process per compile), on a few
+layouts of a mid-size GPT, where activations, state and logits all weigh; and `--search`
 compiling its best layout (`--confirm 1`) with compiled GiB beside the prediction. Skipped, with
 the reason, without the CUDA plugin. The full grid: `python benchmarks/plan_calibration.py`."""
 
@@ -35,6 +36,9 @@ LAYOUTS = {
     "pp2_dp4_zero": " --pipeline-model-parallel-size 2 --use-distributed-optimizer",
     "pp2_dp4_zero_recompute": " --pipeline-model-parallel-size 2 --use-distributed-optimizer"
                               " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    # Tensor collectives inside the pipeline's ticks (every tick runs its slots' layers).
+    "pp2_tp2_sp_dp2_zero": " --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
+                           " --use-distributed-optimizer",
 }
 
 
@@ -46,7 +50,7 @@ def _plan(tmp_path, *args):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_analytic_memory_within_10_percent_of_compiled(tmp_path, name):
+def test_analytic_memory_within_10_percent_and_communication_of_compiled(tmp_path, name):
     from mlm_jax.arguments import parse_args
     from mlm_jax.plan import analytic
     from mlm_jax.validation import finalize
@@ -61,6 +65,12 @@ def test_analytic_memory_within_10_percent_of_compiled(tmp_path, name):
     assert predicted["parameters"] + predicted["optimizer_state"] == pytest.approx(
         compiled["parameters"] + compiled["optimizer_state"], rel=0.01)
     assert predicted["total"] == pytest.approx(compiled["total"], rel=0.10), (predicted, compiled)
+    # What each device sends per step and mesh axis: the compiled collectives at ring cost (a
+    # few scalar reductions, under 1 MiB, aside).
+    sent = json.loads((tmp_path / "plan.json").read_text())["sent_bytes_per_axis"]
+    comm = analytic.communication(cfg, analytic.layout_of(cfg, 8))
+    for axis in set(comm) | {a for a, b in sent.items() if b > 2**20}:
+        assert comm.get(axis, 0) == pytest.approx(sent.get(axis, 0), rel=0.01), (axis, comm, sent)
 
 
 def test_search_compiles_its_best_layout(tmp_path):

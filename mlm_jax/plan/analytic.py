@@ -115,9 +115,12 @@ def layout_of(cfg, world: int) -> Layout:
 
     p, m = cfg.parallel, cfg.model
     rec = m.recompute_granularity if m.recompute_granularity in ("full", "selective") else None
+    vp = p.virtual_pipeline_model_parallel_size or 1  # or from the layers per chunk (the config is valid)
+    if p.num_layers_per_virtual_pipeline_stage and p.pipeline_model_parallel_size > 1:
+        vp = m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                   ep=p.expert_model_parallel_size, dp=data_parallel_size(p, world),
-                  vp=p.virtual_pipeline_model_parallel_size or 1, sp=p.sequence_parallel,
+                  vp=vp, sp=p.sequence_parallel,
                   zero=p.use_distributed_optimizer, micro=cfg.train.micro_batch_size,
                   microbatches=num_microbatches(cfg, world) or 1, recompute=rec, schedule=p.pipeline_schedule)
 
@@ -454,7 +457,9 @@ def executed_flops(cfg, L: Layout) -> float:
 def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
     """Whether `axis`'s device groups leave a node: mesh axes outer to inner pipe, data, expert,
     context, tensor (mlm_jax/sharding/mesh.py); an axis stays inside a node when it and every
-    axis inside it fit one."""
+    axis inside it fit one. Joined axes ("pipe+data") leave a node when one of them does."""
+    if "+" in axis:
+        return any(axis_spans_nodes(L, a, per_node) for a in axis.split("+"))
     sizes = {"tensor": L.tp, "context": L.cp, "expert": L.ep, "data": L.dp // L.ep, "pipe": L.pp}
     inner = 1
     for name in ("tensor", "context", "expert", "data", "pipe"):
@@ -465,31 +470,62 @@ def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
 
 
 def communication(cfg, L: Layout) -> dict:
-    """Bytes each device sends per step, per mesh axis ([C] ring costs; 2-byte activations).
+    """Bytes each device sends per step, per mesh axis ([C] ring costs: an all-reduce of B bytes
+    over n devices sends 2B(n-1)/n, an all-gather, reduce-scatter or all-to-all B(n-1)/n, a
+    collective-permute B; 2-byte activations). Checked against the compiled programs' collectives
+    (`sent_bytes_per_axis` of `python -m mlm_jax.plan --json`, tests/test_plan_calibration.py).
 
     - tensor: per layer and microbatch two all-reduces of `2*s*b*h` in forward and two in
-      backward ([N] 2.3), two more per recomputed forward (full recompute; the pipeline's stage
-      recompute); sequence parallelism turns
-      each into an all-gather and a reduce-scatter, the same bytes ([K] 4.2.2);
+      backward ([N] 2.3); sequence parallelism turns each into an all-gather and a
+      reduce-scatter, the same bytes ([K] 4.2.2); full recompute adds three of those halves
+      (both gathers and the attention's scatter), without SP one all-reduce (the attention's):
+      the layer's output is not recomputed. Per microbatch the vocab-parallel embedding's output
+      and its gradient, the head's input and its fp32 gradient: five halves (six without SP).
+      In a pipeline every tick runs its slots' layers: a forward slot four halves a layer, a
+      backward slot the stage recompute's four and the backward's four, the head and embedding
+      nine (twelve without SP). These counts are read from the compiled programs (GPT; a
+      Llama-style layer's SP backward in a pipeline gathers two halves more, not counted:
+      benchmarks/RESULTS.md, issue 31).
     - context: the ring passes K and V (`2*2*s/cp*b*g*d`) cp-1 times per layer in forward,
       and K, V and their gradients in backward (mlm_jax/parallel ring attention); all-to-all
       (a2a) moves Q, K, V and the output once each way;
     - expert: the token all-to-all, dispatch and combine, `2*k*s*b*h` each, in forward and backward;
-    - pipe: each microbatch's stage output forward and its gradient back, `2*s*b*h` each (v times
-      interleaved);
+    - pipe (mlm_jax/pipeline/runtime.py, lockstep two-slot ticks): every tick of a phase with a
+      forward slot sends a stage output, every tick with a backward slot a gradient, idle or not
+      (`2*s*b*h` each); a tick with a backward slot also all-reduces the last stage's output
+      over pipe in fp32 for the head every stage computes a vocab block of, and its gradient in
+      the compute dtype (the backward slot recomputes the forward); the embedding (and the tied head, the positions,
+      the final norm), replicated over pipe, has its fp32 gradient reduced over pipe (scattered
+      under ZeRO);
     - data: the fp32 gradient all-reduce (`2*4*N*(d-1)/d`), or ZeRO's reduce-scatter of fp32
       gradients and all-gather of the bf16 compute copy (`(4+2)*N*(d-1)/d`), [R]; gradients in
-      2 bytes with --grad-reduce-in-bf16.
+      2 bytes with --grad-reduce-in-bf16. With a pipeline the embedding's share is reduced over
+      data after pipe (its 1/P shard), and under ZeRO gathered over pipe and data at once
+      ("pipe+data").
     """
+    from mlm_jax.pipeline import lockstep
+
     m = cfg.model
     h, d_, g = m.hidden_size, m.head_dim, m.query_groups
     tokens = L.micro * cfg.train.seq_length / L.cp
     mb = L.microbatches
     act = 2 * tokens * h
     out = {}
+    if L.pp > 1:
+        phases = lockstep.phases(lockstep.two_slot(L.schedule or ("interleaved" if L.vp > 1 else "1f1b"),
+                                                   L.pp, mb, L.vp))
+        f_ticks = sum(p.ticks for p in phases if p.forward)
+        b_ticks = sum(p.ticks for p in phases if p.backward)
     if L.tp > 1:
-        passes = 4 + 2 * ((L.recompute == "full") + (L.pp > 1))  # each recomputed forward: two more
-        out["tensor"] = m.num_layers / L.pp * mb * passes * 2 * act * (L.tp - 1) / L.tp
+        # In halves (an all-gather's or a reduce-scatter's act*(t-1)/t; an all-reduce is two).
+        remat = (3 if L.sp else 2) * (L.recompute == "full")
+        if L.pp > 1:  # every tick runs its slot's chunk of layers, idle or not (lockstep)
+            chunk = m.num_layers / (L.pp * L.vp)
+            backward = 4 + 4 + remat  # the stage recompute's forward, the backward
+            halves = chunk * (4 * f_ticks + backward * b_ticks) + (9 if L.sp else 12) * b_ticks + (2 if L.sp else 4)
+        else:
+            halves = (m.num_layers * (8 + remat) + (5 if L.sp else 6)) * mb
+        out["tensor"] = halves * act * (L.tp - 1) / L.tp
     if L.cp > 1:
         kv = 2 * 2 * tokens * g * d_ / L.tp
         if cfg.parallel.cp_comm_type == "a2a":
@@ -499,12 +535,25 @@ def communication(cfg, L: Layout) -> dict:
     if L.ep > 1:
         moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
         out["expert"] = moe_layers * mb * 4 * m.moe_router_topk * act / (L.tp if L.sp else 1) * (L.ep - 1) / L.ep
+    grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
+    n = param_counts(m, L)["compute"]
     if L.pp > 1:
-        out["pipe"] = 2 * mb * L.vp * act / (L.tp if L.sp else 1)
+        boundary = act / (L.tp if L.sp else 1)
+        ring = (L.pp - 1) / L.pp
+        emb_t, emb_rep = embedding_params(m)
+        shared = (emb_t / (2 if m.untie_embeddings_and_output_weights else 1)) / L.tp + emb_rep
+        out["pipe"] = (f_ticks + b_ticks) * boundary + b_ticks * (2 * 2 + 2) * boundary * ring \
+            + (1 if L.zero else 2) * 4 * shared * ring
+        n -= shared  # reduced over pipe above; under ZeRO its 1/P shard over data below
+        if L.dp > 1 and L.zero:
+            out["pipe+data"] = 2 * shared * (L.pp * L.dp - 1) / (L.pp * L.dp)
+            n_data = (grad + 2) * n + grad * shared / L.pp
+        elif L.dp > 1:
+            n_data = 2 * grad * (n + shared / L.pp)  # the embedding's pipe shard
+    elif L.dp > 1:
+        n_data = (grad + 2 if L.zero else 2 * grad) * n
     if L.dp > 1:
-        n = param_counts(m, L)["compute"]
-        grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
-        out["data"] = (grad + 2 if L.zero else 2 * grad) * n * (L.dp - 1) / L.dp
+        out["data"] = n_data * (L.dp - 1) / L.dp
     return out
 
 
@@ -526,10 +575,11 @@ def predict(cfg, L: Layout, hw: Hardware, gpus: int, per_node: int) -> dict:
     for axis, nbytes in comm.items():
         bw = hw.network_bytes if axis_spans_nodes(L, axis, per_node) else hw.nvlink_bytes
         seconds[axis] = nbytes / bw
-        if axis != "data":
+        if axis not in ("data", "pipe+data"):
             exposed += seconds[axis]
     step = compute + exposed
-    step = max(step, seconds.get("data", 0.0))  # the reduction overlaps compute, not beyond it
+    # The reduction and ZeRO's gathers overlap compute, not beyond it.
+    step = max(step, seconds.get("data", 0.0) + seconds.get("pipe+data", 0.0))
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     return {"memory": mem, "communication": comm, "comm_seconds": seconds, "bubble": bubble(L),
             "compute_seconds": compute, "step_seconds": step, "tokens_per_second": tokens / step,

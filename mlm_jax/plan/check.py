@@ -77,6 +77,7 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "attention_backend": attention_backend(c, program),
         "cudnn_attention_calls": program.cudnn_attention,
         "collectives": gpu_hlo.by_axes(program.collectives),
+        "sent_bytes_per_axis": gpu_hlo.sent_per_axis(program.collectives, mesh_shape),
         "collectives_async": sum(col.is_async for col in program.collectives),
         "collectives_overlapped": sum(col.overlapped for col in program.collectives),
         "collectives_total": len(program.collectives),

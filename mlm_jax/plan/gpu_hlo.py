@@ -244,3 +244,23 @@ def by_axes(collectives: list[Collective]) -> dict[str, dict]:
         row["overlapped"] += int(c.overlapped)
         row["kinds"][c.kind] = row["kinds"].get(c.kind, 0) + 1
     return out
+
+
+# Bytes a device sends for one collective of `n` devices over a buffer of B bytes, on a ring:
+# all-reduce 2B(n-1)/n (reduce-scatter then all-gather), all-gather, reduce-scatter and
+# all-to-all B(n-1)/n, a collective-permute its whole buffer (plan/analytic.py counts the same).
+_SENT = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+
+
+def sent_per_axis(collectives: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float]:
+    """Bytes each device sends per step, per mesh axis the groups span (as `by_axes` names them;
+    a collective in a conditional's branch counted at every run of its loop)."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        if not c.axes:
+            continue
+        n = math.prod(mesh_shape[a] for a in c.axes)
+        share = 1.0 if c.kind == "collective-permute" else _SENT[c.kind] * (n - 1) / n
+        key = "+".join(c.axes)
+        out[key] = out.get(key, 0.0) + share * c.bytes * c.runs
+    return out
