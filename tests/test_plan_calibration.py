@@ -73,6 +73,32 @@ def test_analytic_memory_within_10_percent_and_communication_of_compiled(tmp_pat
         assert comm.get(axis, 0) == pytest.approx(sent.get(axis, 0), rel=0.01), (axis, comm, sent)
 
 
+# A small Llama-style MoE (8 layers, h 1024, 4 experts, top-2): the dispatch's bytes over
+# `expert` and the gradients' over data and data x expert.
+MOE = ("--bf16 --num-layers 8 --hidden-size 1024 --num-attention-heads 8 --group-query-attention "
+       "--num-query-groups 4 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+       "--untie-embeddings-and-output-weights --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000 "
+       "--global-batch-size 8 --micro-batch-size 1 --hidden-dropout 0 --attention-dropout 0 --mock-data "
+       "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_analytic_communication_of_expert_parallelism_equals_compiled(tmp_path, dispatcher):
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    argv = f"{MOE} --use-distributed-optimizer --moe-token-dispatcher-type {dispatcher}".split()
+    p = _plan(tmp_path, "--gpus", "8", "--json", "plan.json", *argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sent = json.loads((tmp_path / "plan.json").read_text())["sent_bytes_per_axis"]
+    cfg = finalize(parse_args(argv), 8)
+    comm = analytic.communication(cfg, analytic.layout_of(cfg, 8))
+    assert set(comm) == {a for a, b in sent.items() if b > 2**20} == {"expert", "data", "data+expert"}
+    for axis in comm:
+        assert comm[axis] == pytest.approx(sent[axis], rel=0.01), (axis, comm, sent)
+
+
 def test_search_compiles_its_best_layout(tmp_path):
     p = _plan(tmp_path, "--search", "--gpus", "8", "--confirm", "1", "--top", "3", "--json", "search.json",
               *GPT.split())

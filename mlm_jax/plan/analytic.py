@@ -489,7 +489,8 @@ def communication(cfg, L: Layout) -> dict:
     - context: the ring passes K and V (`2*2*s/cp*b*g*d`) cp-1 times per layer in forward,
       and K, V and their gradients in backward (mlm_jax/parallel ring attention); all-to-all
       (a2a) moves Q, K, V and the output once each way;
-    - expert: the token all-to-all, dispatch and combine, `2*k*s*b*h` each, in forward and backward;
+    - expert: the token all-to-all, dispatch and combine, of a rank's rows padded to ep x T*K
+      (dropless; `expert_padding`), in forward, in the backward's recompute and in backward;
     - pipe (mlm_jax/pipeline/runtime.py, lockstep two-slot ticks): every tick of a phase with a
       forward slot sends a stage output, every tick with a backward slot a gradient, idle or not
       (`2*s*b*h` each); a tick with a backward slot also all-reduces the last stage's output
@@ -499,7 +500,9 @@ def communication(cfg, L: Layout) -> dict:
       under ZeRO);
     - data: the fp32 gradient all-reduce (`2*4*N*(d-1)/d`), or ZeRO's reduce-scatter of fp32
       gradients and all-gather of the bf16 compute copy (`(4+2)*N*(d-1)/d`), [R]; gradients in
-      2 bytes with --grad-reduce-in-bf16. With a pipeline the embedding's share is reduced over
+      2 bytes with --grad-reduce-in-bf16. With expert parallelism the experts' gradients
+      reduce over `data` and the rest over data x expert ("data+expert", an all-reduce). With
+      a pipeline the embedding's share is reduced over
       data after pipe (its 1/P shard), and under ZeRO gathered over pipe and data at once
       ("pipe+data").
     """
@@ -533,8 +536,17 @@ def communication(cfg, L: Layout) -> dict:
         else:
             out["context"] = m.num_layers / L.pp * mb * 3 * kv * (L.cp - 1)
     if L.ep > 1:
+        # Per MoE layer and microbatch, in the forward, the backward's recompute of the dispatch's
+        # shard_map and the backward: all-to-all, six of a rank's rows padded to
+        # `expert_padding` x T*K (SP's tokens whole: gathered over tensor first); all-gather, the
+        # group's ep x T tokens gathered and their outputs scattered back, five times (the
+        # recompute needs only the gather).
         moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
-        out["expert"] = moe_layers * mb * 4 * m.moe_router_topk * act / (L.tp if L.sp else 1) * (L.ep - 1) / L.ep
+        if cfg.model.moe_token_dispatcher_type == "allgather":
+            moved = 5 * L.ep * act
+        else:
+            moved = 6 * expert_padding(cfg, L) * m.moe_router_topk * act
+        out["expert"] = moe_layers * mb * moved * (L.ep - 1) / L.ep
     grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
     n = param_counts(m, L)["compute"]
     if L.pp > 1:
@@ -550,6 +562,16 @@ def communication(cfg, L: Layout) -> dict:
             n_data = (grad + 2) * n + grad * shared / L.pp
         elif L.dp > 1:
             n_data = 2 * grad * (n + shared / L.pp)  # the embedding's pipe shard
+    elif L.dp > 1 and L.ep > 1:
+        # The experts' gradients reduce over `data` (dp/ep ranks hold each expert); the rest over
+        # data x expert, all-reduced (ZeRO shards them over `data` only, then gathers them there).
+        experts, dd = param_counts(m, L)["expert"], L.dp // L.ep
+        rest = n - experts
+        out["data+expert"] = 2 * grad * rest * (L.dp - 1) / L.dp
+        sent = (grad + 2) * experts + 2 * rest if L.zero else 2 * grad * experts
+        if dd > 1:
+            out["data"] = sent * (dd - 1) / dd
+        return out
     elif L.dp > 1:
         n_data = (grad + 2 if L.zero else 2 * grad) * n
     if L.dp > 1:
@@ -560,6 +582,10 @@ def communication(cfg, L: Layout) -> dict:
 def bubble(L: Layout) -> float:
     """The pipeline's idle fraction of the step, `(p-1)/(m*v + p-1)` ([N] 2.2)."""
     return (L.pp - 1) / (L.microbatches * L.vp + L.pp - 1)
+
+
+# The data-parallel gradient reduction and ZeRO's gathers, on the axis groups they use.
+_OVERLAPPED = ("data", "data+expert", "pipe+data")
 
 
 def predict(cfg, L: Layout, hw: Hardware, gpus: int, per_node: int) -> dict:
@@ -575,11 +601,11 @@ def predict(cfg, L: Layout, hw: Hardware, gpus: int, per_node: int) -> dict:
     for axis, nbytes in comm.items():
         bw = hw.network_bytes if axis_spans_nodes(L, axis, per_node) else hw.nvlink_bytes
         seconds[axis] = nbytes / bw
-        if axis not in ("data", "pipe+data"):
+        if axis not in _OVERLAPPED:
             exposed += seconds[axis]
     step = compute + exposed
     # The reduction and ZeRO's gathers overlap compute, not beyond it.
-    step = max(step, seconds.get("data", 0.0) + seconds.get("pipe+data", 0.0))
+    step = max(step, sum(seconds.get(axis, 0.0) for axis in _OVERLAPPED))
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     return {"memory": mem, "communication": comm, "comm_seconds": seconds, "bubble": bubble(L),
             "compute_seconds": compute, "step_seconds": step, "tokens_per_second": tokens / step,
