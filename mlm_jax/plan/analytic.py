@@ -395,18 +395,17 @@ def dense_expert_bytes(cfg, L: Layout) -> float:
     (`dense_expert_flops`): every (token, choice) row broadcast over the rank's E/ep experts, with
     the rows padded to `expert_padding` x T*K, so E x T*K row-expert pairs whatever ep; each holds
     the masked input (h), the first matmul's output (2f/t with SwiGLU, else f/t) and the second's
-    input (f/t), in the compute dtype, about 3.5 such buffers alive at the layer's peak (fitted
-    to Mixtral 8x7B's tp8 x dp8 SP compiles at micro 1, 2 and 4, 4 layers: +4.5 GiB per micro
-    batch of 4096 tokens; it overestimates a micro batch of 32, 192 GiB against 123 compiled,
-    and a small MoE, 8 layers of h 1024 at tp2 SP, by 13%: benchmarks/RESULTS.md). Padded to
-    capacity: none."""
+    input (f/t), in the compute dtype, about 2.2 such buffers alive at the layer's peak (fitted
+    to Mixtral 8x7B's layers, 4 of them, tp8 x dp8 SP ZeRO at micro 1, 2 and 4: +3.0 GiB per
+    micro batch of 4096 tokens compiled, +0.5 in the model without this term;
+    benchmarks/RESULTS.md). Padded to capacity: none."""
     m = cfg.model
     if not m.num_experts or m.moe_pad_expert_input_to_capacity:
         return 0.0
     tokens = L.micro * cfg.train.seq_length / L.cp  # SP's tokens are whole in the dispatch
     f = m.moe_ffn_size / L.tp
     per_pair = m.hidden_size + f * (2 if m.swiglu else 1) + f
-    return 3.5 * 2 * tokens * m.moe_router_topk * m.num_experts * per_pair
+    return 2.2 * 2 * tokens * m.moe_router_topk * m.num_experts * per_pair
 
 
 def _overlap_shares(cfg, L: Layout, compute: float) -> float:
