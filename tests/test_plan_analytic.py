@@ -205,6 +205,21 @@ def test_dropless_experts_execute_every_expert_on_gpus(layout):
     padded, L = _layout(f"{SMALL_MOE} {layout} --moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity", 8)
     assert analytic.executed_flops(padded, L) == pytest.approx(analytic.step_flops(padded, L), rel=1e-12)
 
+
+def test_the_winner_s_command_line_parses_without_data_parallelism():
+    """A layout with no data parallelism (tp2 x pp16 x cp2 on 64 GPUs) has no distributed
+    optimizer, so the user's --overlap-param-gather (which needs it) is left out of its command
+    line: the line the search prints must be one `mlm_jax.train` accepts."""
+    from mlm_jax.plan import search
+
+    base = SMALL_LLAMA.split() + ["--use-distributed-optimizer", "--overlap-param-gather"]
+    for L in (analytic.Layout(tp=2, pp=4, cp=1, dp=1, zero=False, micro=1, microbatches=8),
+              analytic.Layout(tp=2, pp=2, dp=2, zero=True, micro=1, microbatches=2)):
+        argv = search.train_argv(base, L)
+        assert ("--overlap-param-gather" in argv) == L.zero
+        cfg = finalize(parse_args(argv), L.tp * L.pp * L.dp)
+        assert cfg.parallel.use_distributed_optimizer == L.zero
+
 def _plan(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)

@@ -39,6 +39,10 @@ LAYOUT_FLAGS = {
     "--pipeline-schedule": True,
 }
 
+# The user's flags that need the distributed optimizer: left out of a layout without it (no data
+# parallelism to shard over), as Megatron refuses them there.
+ZERO_ONLY = ("--overlap-param-gather",)
+
 
 def _powers_of_two(limit: int) -> list[int]:
     out, n = [], 1
@@ -82,7 +86,8 @@ def config_of(cfg, L: Layout):
                             virtual_pipeline_model_parallel_size=L.vp if L.vp > 1 else None,
                             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=L.sp,
                             use_distributed_optimizer=L.zero, pipeline_schedule=None,
-                            expert_tensor_parallel_size=None)
+                            expert_tensor_parallel_size=None,
+                            overlap_param_gather=cfg.parallel.overlap_param_gather and L.zero)
     full = L.recompute == "full"
     m = dataclasses.replace(cfg.model, recompute_granularity=L.recompute,
                             recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
@@ -138,8 +143,8 @@ def train_argv(base: list[str], L: Layout) -> list[str]:
     while i < len(base):
         flag, _, inline = base[i].partition("=")
         name = ALIASES.get(flag, flag)
-        if name in LAYOUT_FLAGS:
-            i += 1 if (inline or not LAYOUT_FLAGS[name]) else 2
+        if name in LAYOUT_FLAGS or (name in ZERO_ONLY and not L.zero):
+            i += 1 if (inline or not LAYOUT_FLAGS.get(name, False)) else 2
             continue
         out.append(base[i])
         i += 1
