@@ -188,7 +188,6 @@ def test_step_flops_is_narayanan_s_for_a_gpt():
         96 * B * s * Ln * h * h * (1 + s / (6 * h) + V / (12 * h * Ln)), rel=1e-12)
 
 
-
 SMALL_MOE = SMALL_LLAMA + " --num-experts 8 --moe-router-topk 2 --ffn-hidden-size 2048 --micro-batch-size 1"
 
 
@@ -219,6 +218,7 @@ def test_the_winner_s_command_line_parses_without_data_parallelism():
         assert ("--overlap-param-gather" in argv) == L.zero
         cfg = finalize(parse_args(argv), L.tp * L.pp * L.dp)
         assert cfg.parallel.use_distributed_optimizer == L.zero
+
 
 def _plan(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

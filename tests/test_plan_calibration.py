@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mlm_jax.plan.targets import plugin_missing
+from tests.test_plan_analytic import SMALL_LLAMA
 
 pytestmark = pytest.mark.skipif(plugin_missing() is not None, reason=str(plugin_missing()))
 
@@ -75,11 +76,7 @@ def test_analytic_memory_within_10_percent_and_communication_of_compiled(tmp_pat
 
 # A small Llama-style MoE (8 layers, h 1024, 4 experts, top-2): the dispatch's bytes over
 # `expert` and the gradients' over data and data x expert.
-MOE = ("--bf16 --num-layers 8 --hidden-size 1024 --num-attention-heads 8 --group-query-attention "
-       "--num-query-groups 4 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
-       "--untie-embeddings-and-output-weights --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000 "
-       "--global-batch-size 8 --micro-batch-size 1 --hidden-dropout 0 --attention-dropout 0 --mock-data "
-       "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2")
+MOE = SMALL_LLAMA + " --micro-batch-size 1 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2"
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -576,25 +576,21 @@ def communication(cfg, L: Layout) -> dict:
         out["pipe"] = (f_ticks + b_ticks) * boundary + b_ticks * (2 * 2 + 2) * boundary * ring \
             + (1 if L.zero else 2) * 4 * shared * ring
         n -= shared  # reduced over pipe above; under ZeRO its 1/P shard over data below
-        if L.dp > 1 and L.zero:
-            out["pipe+data"] = 2 * shared * (L.pp * L.dp - 1) / (L.pp * L.dp)
-            n_data = (grad + 2) * n + grad * shared / L.pp
-        elif L.dp > 1:
-            n_data = 2 * grad * (n + shared / L.pp)  # the embedding's pipe shard
-    elif L.dp > 1 and L.ep > 1:
+        if L.dp > 1:  # the embedding's pipe shard in fp32; under ZeRO gathered over pipe and data
+            n_data = (grad + 2) * n + grad * shared / L.pp if L.zero else 2 * grad * (n + shared / L.pp)
+            out["data"] = n_data * (L.dp - 1) / L.dp
+            if L.zero:
+                out["pipe+data"] = 2 * shared * (L.pp * L.dp - 1) / (L.pp * L.dp)
+    elif L.ep > 1:
         # The experts' gradients reduce over `data` (dp/ep ranks hold each expert); the rest over
         # data x expert, all-reduced (ZeRO shards them over `data` only, then gathers them there).
         experts, dd = param_counts(m, L)["expert"], L.dp // L.ep
         rest = n - experts
         out["data+expert"] = 2 * grad * rest * (L.dp - 1) / L.dp
-        sent = (grad + 2) * experts + 2 * rest if L.zero else 2 * grad * experts
         if dd > 1:
-            out["data"] = sent * (dd - 1) / dd
-        return out
+            out["data"] = ((grad + 2) * experts + 2 * rest if L.zero else 2 * grad * experts) * (dd - 1) / dd
     elif L.dp > 1:
-        n_data = (grad + 2 if L.zero else 2 * grad) * n
-    if L.dp > 1:
-        out["data"] = n_data * (L.dp - 1) / L.dp
+        out["data"] = (grad + 2 if L.zero else 2 * grad) * n * (L.dp - 1) / L.dp
     return out
 
 
