@@ -152,7 +152,7 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
         # Gathered once, the weights kept in the compute dtype: no fp32 copy of them lives
         # through the loop, and each microbatch's weight gradients come in the compute dtype
         # (the same values the fp32 copy's cast would widen), accumulated in fp32.
-        gathered = gather_once(params, storage, compute, gather_dtype, widen=False)
+        gathered = gather_once(params, storage, compute, gather_dtype)
         first = jax.tree.map(lambda x: x[0], batch)
         weight = ls.token_weight(batch, loss_scale)  # one replicated argument of the shard_map
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, gathered, first, key, weight)[1])

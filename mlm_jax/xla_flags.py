@@ -19,12 +19,17 @@ JAX-Toolbox recommends for LLMs (rosetta/docs/GPU_performance.md), `GPU_TRAINING
 
 and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device memory by default).
 
-Under --sequence-parallel the pipelined all-gather is left out (unless --overlap-param-gather
-asks for it): the all-gathers it pipelines are then the sequence gathers inside every layer, and
-to run them a step early XLA's collective pipeliner hoists the *next microbatch's* forward into
-the microbatch loop's body, keeping two microbatches' activations alive. Measured, GPT 1.3B
-shapes, 4 layers, tp2 SP dp4 ZeRO, micro 2, H100 deviceless: 3.56 GiB of temporaries with it,
-2.08 without (2.25 without SP); no other layout's memory changes (benchmarks/RESULTS.md).
+Under --sequence-parallel the pipelined all-gather is left out, --overlap-param-gather or not:
+the all-gathers it pipelines are then the sequence gathers inside every layer, and to run them a
+step early XLA's collective pipeliner hoists the *next microbatch's* forward into the
+microbatch loop's body (inside a pipeline, the next tick's stage recompute into the tick loop),
+keeping two microbatches' activations alive. ZeRO's parameter all-gather, the one
+--overlap-param-gather is about, runs once per step outside every loop (`parallel.data.gather_once`),
+where the scheduler overlaps it and the pipeliner has nothing to do. Measured, H100
+deviceless: GPT 1.3B shapes, 4 layers, tp2 SP dp4 ZeRO, micro 2: 3.56 GiB of temporaries with
+it, 2.08 without (2.25 without SP); Llama-3 70B tp4 x pp4 SP ZeRO (Megatron's Llama-3 script,
+--overlap-param-gather on): 81.74 GiB per device with it, 58.27 without; no layout without SP
+changes (benchmarks/RESULTS.md).
 
 Not set: `--xla_gpu_enable_while_loop_double_buffering` (unrolls the layer scan twice: twice the
 compile time, more temporaries). Megatron's --overlap-grad-reduce / --overlap-param-gather ask for
@@ -88,8 +93,8 @@ def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     """Every XLA flag a GPU run sets (`GPU_TRAINING`, the overlap switches' among them; under
     --sequence-parallel without the pipelined all-gather, see above), less those `existing`
     (XLA_FLAGS) already sets."""
-    training = [f for f in GPU_TRAINING if not (parallel.sequence_parallel and f == _PIPELINED_ALL_GATHER)]
-    return _not_given(tuple(training) + tuple(overlap_flags(parallel)), existing)
+    flags = dict.fromkeys(GPU_TRAINING + tuple(overlap_flags(parallel)))
+    return _not_given([f for f in flags if not (parallel.sequence_parallel and f == _PIPELINED_ALL_GATHER)], existing)
 
 
 def gpu_run(environ=os.environ) -> bool:

@@ -434,14 +434,17 @@ def test_overlap_flags_set_on_a_gpu_run_only(monkeypatch):
     monkeypatch.setattr(xla_flags, "gpu_run", lambda environ: False)
     assert xla_flags.apply(grad, env) == [] and xla_flags.apply(grad, env, gpu=True) == list(xla_flags.GPU_TRAINING)
     # Under sequence parallelism the pipelined all-gather is left out (two microbatches' activations
-    # otherwise), unless --overlap-param-gather asks for it.
+    # otherwise), even where --overlap-param-gather asks for it (ZeRO's gather is outside every loop).
     sp = parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"]).parallel
     got = xla_flags.gpu_flags(sp)
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in got
     assert got == [f for f in xla_flags.GPU_TRAINING if "pipelined_all_gather" not in f]
     sp_gather = parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
                             "--overlap-param-gather"]).parallel
-    assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.gpu_flags(sp_gather)
+    assert got == xla_flags.gpu_flags(sp_gather)
+    zero_gather = parse_args(["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                              "--overlap-param-gather"]).parallel
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.gpu_flags(zero_gather)
 
 
 def test_overlap_xla_flags_are_known_to_xla():

@@ -114,17 +114,18 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert mem["parameters"] == 4 * 19_796_224 == 79_184_896
     assert mem["optimizer_state"] == 8 * 19_796_224 == 158_369_792
     assert mem["compute_copy"] == 2 * 47_784_960 and mem["gradients"] == 4 * 47_784_960
-    assert mem["microbatch_gradients"] == 4 * 47_784_960  # the pipeline's per-tick gradients: fp32
+    assert mem["microbatch_gradients"] == 2 * 47_784_960  # the pipeline's per-tick gradients, bf16 under ZeRO
     # Per token and layer (all /2 with SP): norms 8h + 16 = 8,208; Q 2,048, K and V 2,048, output
     # 2,048; statistics 4*8 = 32; SwiGLU input 4f = 11,008 and fc2 input 2f = 5,504: 30,896 / 2 =
     # 15,448, x 1,024 tokens = 15,818,752. A layer input: 2*1024*1024/2 = 1,048,576.
     assert analytic.layer_activation_bytes(cfg, L) == 15_818_752
     # 1F1B, P 2: stage 1 stashes 2*(P-1-1)+1 = 1 input (stage 0's input is the tokens); the one
-    # vjp alive holds the unit's 4 layer inputs (full recompute) and one layer's activations.
+    # vjp alive holds the unit's 4 layer inputs (full recompute) and one layer's activations, but
+    # that layer's exist only after the head's logits (larger) are freed.
     assert analytic.stash_slots("1f1b", 2, 4, 1) == 1
-    assert mem["activations"] == 1_048_576 + 4 * 1_048_576 + 15_818_752 == 21_061_632
+    assert mem["activations"] == 1_048_576 + 4 * 1_048_576 == 5_242_880
     assert mem["logits"] == 8 * 1024 * 32000 / 2 / 2 == 65_536_000  # the head's block: /t /p
-    assert mem["total"] == 610_862_080 + 4 * 47_784_960 == 802_001_920
+    assert mem["total"] == 79_184_896 + 158_369_792 + (2 + 4 + 2) * 47_784_960 + 5_242_880 + 65_536_000 == 690_613_248
     comm = analytic.communication(cfg, L)
     act = 2 * 1024 * 1024  # one microbatch's [s, h] in bf16
     # The two-slot 1F1B table at P 2, m 4: 1 forward-only tick, then 5 with both slots (the
@@ -132,8 +133,9 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     # tensor, in all-gather or reduce-scatter halves of act*(t-1)/t: a forward slot 4 a layer; a
     # backward slot the stage recompute's 4, the backward's 4 and full recompute's 3; 4 layers
     # a stage; the head and embedding 9 a backward tick, and 2 once:
-    # 4*(4*6 + 11*5) + 9*5 + 2 = 363 halves (the compiled program: 403, this Llama layer's SP
-    # backward gathers 2 halves more in a pipeline).
+    # 4*(4*6 + 11*5) + 9*5 + 2 = 363 halves (the compiled program: 403: at micro batch 1 XLA's
+    # partitioner gathers 2 halves more a layer in the backward, at micro 2 and more it does not;
+    # full recompute's gathers are also SP's second gathers for the backward, so none more).
     assert comm["tensor"] == (4 * (4 * 6 + 11 * 5) + 9 * 5 + 2) * act / 2 == 380_633_088
     # pipe: 11 sends of act/t; the head's sums over pipe on the 5 backward ticks, fp32 output
     # and bf16 gradient all-reduced, 2*(2 + 1)*act/t*(1/2) each; the

@@ -29,8 +29,8 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
-from mlm_jax.models.layers import (add_bias, cast, dropout, fp32_einsum, normal, param, rope_scaling, row_offset,
-                                    rotary, zeros)
+from mlm_jax.models.layers import (add_bias, cast, column_parallel, dropout, fp32_einsum, normal, param, rope_scaling,
+                                    row_offset, rotary, zeros)
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
 
@@ -310,6 +310,9 @@ def _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bs
     return grads[0], grads[1], grads[2]
 
 
+WQKV = ("embed", "kv_heads", None, "head_dim")
+
+
 class Attention(nnx.Module):
     """Fused QKV projection (column parallel), rotary, `attention`, output projection (row
     parallel). Inside, the sequence is whole and heads are split: [batch, seq, heads/tensor, k]."""
@@ -322,7 +325,7 @@ class Attention(nnx.Module):
         # Megatron's layout: per kv group, its r query heads then its key and value heads
         # ([d, g, r + 2, k]); one matmul, so its input gradient is one partial sum and one
         # all-reduce.
-        self.wqkv = param(rngs, normal(std), (d, g, h // g + 2, k), ("embed", "kv_heads", None, "head_dim"))
+        self.wqkv = param(rngs, normal(std), (d, g, h // g + 2, k), WQKV)
         self.wo = param(rngs, normal(out_std), (h, k, d), ("heads", "head_dim", "embed"))
         if cfg.add_bias_linear:
             self.bqkv = param(None, zeros, (g, h // g + 2, k), ("kv_heads", None, "head_dim"))
@@ -333,8 +336,9 @@ class Attention(nnx.Module):
     def _project(self, y_bsd, positions_bs):
         """q [b, s, h, k], k and v [b, s, g, k] (rotary applied) for the normed input y."""
         cfg, dt = self.cfg, y_bsd.dtype
-        qkv = add_bias(jnp.einsum("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt)), cast(self.bqkv, dt))
-        qkv = constrain(qkv, ("batch", "context_seq", "kv_heads", None, "head_dim"))  # j: r queries, k, v
+        qkv_names = ("batch", "context_seq", "kv_heads", None, "head_dim")  # j: r queries, k, v
+        qkv = column_parallel("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt), WQKV, qkv_names)
+        qkv = constrain(add_bias(qkv, cast(self.bqkv, dt)), qkv_names)
         b, s, g, j, hd = qkv.shape
         q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
         k, v = qkv[:, :, :, j - 2], qkv[:, :, :, j - 1]  # [b, s, g, k]

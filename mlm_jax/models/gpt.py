@@ -34,7 +34,7 @@ from flax import nnx
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.attention import Attention
-from mlm_jax.models.layers import Norm, compute_dtype, dropout, fp32_einsum, normal, param
+from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, normal, param
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
@@ -42,7 +42,7 @@ from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import varying, zeros_like_typed
 from mlm_jax.sharding.rules import constrain
 
-BLOCK_BOUNDARY = ("batch", "seq", "embed")
+BLOCK_BOUNDARY = SEQ_SPLIT
 KV_CACHE = ("layers", "batch", None, "kv_heads", "head_dim")  # [l, b, max_len, g, k]
 PADDED_LOGIT = -1e30
 
@@ -83,13 +83,13 @@ class Block(nnx.Module):
     def __call__(self, x_bsd, positions_bs, segment_ids_bs, key) -> tuple[jax.Array, dict]:
         cfg = self.cfg
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
-        # With sequence parallelism the norms run on [batch, seq/tensor, embed]; their output is
-        # gathered to the whole sequence here, before the column-parallel matmul (Megatron's SP).
-        y = constrain(self.norm1(x_bsd), ("batch", "context_seq", "embed"))
-        o = self.attention(y, positions_bs, segment_ids_bs, keys[0])
+        # With sequence parallelism the norms run on [batch, seq/tensor, embed]; the column-parallel
+        # projections gather their output to the whole sequence (`layers.column_parallel`,
+        # Megatron's SP); the MoE's router and dispatch take it gathered here.
+        o = self.attention(self.norm1(x_bsd), positions_bs, segment_ids_bs, keys[0])
         x_bsd = constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[1]), BLOCK_BOUNDARY)
-        y = constrain(self.norm2(x_bsd), ("batch", "context_seq", "embed"))
-        o, stats = self.mlp(y) if self.moe else (self.mlp(y), {})
+        y = self.norm2(x_bsd)
+        o, stats = self.mlp(constrain(y, SEQ_WHOLE)) if self.moe else (self.mlp(y), {})
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY), stats
 
     def cached(self, x_bsd, positions_bs, cache_k, cache_v):

@@ -14,6 +14,7 @@ from flax import nnx
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import psum, varying_axes
+from mlm_jax.sharding.rules import active_rules, constrain, logical_to_spec, specs_if_split
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -139,6 +140,53 @@ def _norm_backward(rms, eps, one_p, res, dy):
 
 
 norm.defvjp(_norm_forward, _norm_backward)
+
+
+SEQ_SPLIT = ("batch", "seq", "embed")  # a block boundary: the sequence split over tensor with SP
+SEQ_WHOLE = ("batch", "context_seq", "embed")  # inside the tensor-parallel region
+
+
+def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_names) -> jax.Array:
+    """`einsum(spec, y, w)` of a column-parallel matmul (QKV, fc1) whose normed input `y_bsd`
+    arrives as a block boundary holds it and is multiplied gathered to the whole sequence;
+    `w_names` and `out_names` are the logical dims of the weight and the product.
+
+    With sequence parallelism the backward gathers `y` over tensor again instead of keeping the
+    gathered copy from the forward, as Megatron's SP does: a layer keeps the s/t shard of each
+    projection's input (Korthikanti et al. 2022, eq. 4), one all-gather more per projection in
+    the backward. Autodiff kept the gathered [b, s, d] input of both projections, t times that.
+    The backward's cotangent and weight gradient are pinned to the forward's layouts (left free,
+    inside a pipeline stage GSPMD split the weight gradient's product over the sequence and
+    all-reduced whole [d, f] gradients). Without sequence parallelism it is the einsum."""
+    specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
+    if specs is None:
+        return jnp.einsum(spec, constrain(y_bsd, SEQ_WHOLE), w)
+    split, whole = specs
+    w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
+    return _regathered(spec, (split, whole, w_spec, out_spec), jax.lax.with_sharding_constraint(y_bsd, split), w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _regathered(spec, specs, y, w):
+    split, whole, w_spec, out_spec = specs
+    out = jnp.einsum(spec, jax.lax.with_sharding_constraint(y, whole), jax.lax.with_sharding_constraint(w, w_spec))
+    return jax.lax.with_sharding_constraint(out, out_spec)
+
+
+def _regathered_forward(spec, specs, y, w):
+    return _regathered(spec, specs, y, w), (y, w)
+
+
+def _regathered_backward(spec, specs, res, ct):
+    split, whole, w_spec, out_spec = specs
+    y, w = res
+    pin = jax.lax.with_sharding_constraint
+    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(y, whole), pin(w, w_spec))
+    dy, dw = pull(pin(ct, out_spec))
+    return pin(dy, split), pin(dw, w_spec)
+
+
+_regathered.defvjp(_regathered_forward, _regathered_backward)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:

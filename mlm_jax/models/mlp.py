@@ -12,8 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.layers import add_bias, cast, mlp_activation, normal, param, zeros
+from mlm_jax.models.layers import add_bias, cast, column_parallel, mlp_activation, normal, param, zeros
 from mlm_jax.sharding.rules import constrain
+
+
+W1, W1_SWIGLU = ("embed", "mlp"), ("embed", None, "mlp")
 
 
 class MLP(nnx.Module):
@@ -25,7 +28,7 @@ class MLP(nnx.Module):
         out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled init of output layers
         self.cfg = cfg
         # SwiGLU fuses gate and up into one [d, 2, f] matmul: one input gradient, one all-reduce.
-        w1_shape, w1_names = ((d, 2, f), ("embed", None, "mlp")) if cfg.swiglu else ((d, f), ("embed", "mlp"))
+        w1_shape, w1_names = ((d, 2, f), W1_SWIGLU) if cfg.swiglu else ((d, f), W1)
         self.w1 = param(rngs, normal(std), w1_shape, w1_names)
         self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
         if cfg.add_bias_linear:
@@ -36,10 +39,12 @@ class MLP(nnx.Module):
 
     def __call__(self, y_bsd) -> jax.Array:
         cfg, dt = self.cfg, y_bsd.dtype
-        if cfg.swiglu:
-            h = add_bias(jnp.einsum("bsd,dnf->bsnf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt))  # [b, s, 2, f]
-        else:
-            h = add_bias(jnp.einsum("bsd,df->bsf", y_bsd, cast(self.w1, dt)), cast(self.b1, dt))  # [b, s, f]
+        w1 = cast(self.w1, dt)
+        if cfg.swiglu:  # [b, s, 2, f]
+            h = column_parallel("bsd,dnf->bsnf", y_bsd, w1, W1_SWIGLU, ("batch", "context_seq", None, "mlp"))
+        else:  # [b, s, f]
+            h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"))
+        h = add_bias(h, cast(self.b1, dt))
         u = mlp_activation(h, cfg.swiglu, cfg.openai_gelu, gate_up_axis=2)  # [b, s, f]
         u = constrain(u, ("batch", "context_seq", "mlp"))
         return add_bias(jnp.einsum("bsf,fd->bsd", u, cast(self.w2, dt)), cast(self.b2, dt))

@@ -72,24 +72,21 @@ def per_rank_trace(mesh: Mesh, ranks: tuple[str, ...], rows_here: int):
         yield
 
 
-def gather_once(params, storage, compute, dtype, widen: bool = True):
+def gather_once(params, storage, compute, dtype):
     """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
-    dtype anyway sent in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer gathers its
-    bf16 parameter copy) and, with `widen`, widened back to fp32 after the gather, which is exact:
-    the model re-casts them, so a gradient taken at the result is an fp32 gradient of the same
-    step. Without `widen` those leaves stay in `dtype` (the model's cast is then a no-op, and
-    their gradients, which the cast's transpose would only widen, come in `dtype`: the caller
-    accumulates them in fp32). `dtype` None: everything in fp32. The cast is pinned to the
-    storage sharding, or propagation would replicate the fp32 input and gather that."""
+    dtype anyway sent and kept in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer
+    gathers its bf16 parameter copy): the model's cast is then a no-op, and their gradients, which
+    the cast's transpose would only widen, come in `dtype` (the same values; the callers
+    accumulate them in fp32). Widened back to fp32 after the gather, they would be an fp32 copy of
+    the weights wherever a loop boundary keeps XLA from folding the widening into the model's
+    cast (a pipeline stage's tick loops). `dtype` None: everything in fp32. The cast is pinned to
+    the storage sharding, or propagation would replicate the fp32 input and gather that."""
     if dtype is None:
         return jax.lax.with_sharding_constraint(params, compute)
     low = jax.tree_util.tree_map_with_path(
         lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
     low = jax.lax.with_sharding_constraint(low, storage)  # cast on the shards...
-    gathered = jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
-    if not widen:
-        return gathered
-    return jax.tree.map(lambda x, p: x.astype(p.dtype), gathered, params)
+    return jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
 
 
 def zero_gather_dtype(cfg: Config):

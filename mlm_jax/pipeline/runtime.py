@@ -257,7 +257,14 @@ class Pipeline:
         """(token-mean loss of the global batch, grads in the storage sharding, summed aux);
         with `loss_scale` (fp16) the loss and grads are those of loss x loss_scale."""
         # ZeRO: the one all-gather per step, the weights in bf16 under --bf16 (see gather_once).
-        params = gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
+        # The layers' stay so: each tick's weight gradients come in bf16 (the values the fp32
+        # copy's cast would widen), accumulated in fp32 (`init_carry`, `accumulate`); widened,
+        # they entered the tick loops as an fp32 copy of the stage's weights. The shared leaves
+        # (embedding, head) are widened back: several stages' and slots' uses of them sum their
+        # gradients, in fp32 as without ZeRO.
+        gathered = gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
+        params = {k: v if k == "layers" else jax.tree.map(lambda x, p: x.astype(p.dtype), v, params[k])
+                  for k, v in gathered.items()}
         program = self.program(batch["tokens"].shape[0])
         specs = jax.tree.map(lambda sh: sh.spec, compute_sharding)
         per_rank = self.reduces_once(params, batch)
@@ -503,8 +510,8 @@ class _Stage:
         carry = {"x_recv": _after(live, buffer(), self.scale), "loss": self.vary(jnp.zeros((), jnp.float32)),
                  "aux": self.aux_zeros()}
         if self.train:
-            zeros = lambda tree: jax.tree.map(  # noqa: E731
-                lambda a: self.vary(_after(live, jnp.zeros_like(a), a)), tree)
+            zeros = lambda tree: jax.tree.map(  # noqa: E731  fp32 accumulators, whatever the weights' dtype
+                lambda a: self.vary(_after(live, jnp.zeros(a.shape, _accumulated(a.dtype)), a)), tree)
             carry["stash"] = buffer(self.program.num_stash_slots)  # [slot, b, s, d]
             carry["g_recv"] = buffer()
             carry["d_layers"] = self.pin_layers(zeros(self.layers_vl))  # [V, Lmax, ...]
@@ -559,8 +566,8 @@ class _Stage:
     def accumulate(self, carry, a: dict, d_lc, d_sh):
         """Add one backward's gradients to the accumulators ([V, Lmax, ...] and shared)."""
         c = 0 if self.V == 1 else a["b_chunk"]  # a static index when there is one chunk
-        d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["d_layers"], d_lc)
-        d_shared = jax.tree.map(jnp.add, carry["d_shared"], d_sh)
+        d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(acc.dtype)), carry["d_layers"], d_lc)
+        d_shared = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["d_shared"], d_sh)
         return {**carry, "d_layers": self.pin_layers(d_layers), "d_shared": self.pin_shared(d_shared)}
 
     def tick(self, carry, row, forward: bool, backward: bool):
@@ -622,6 +629,11 @@ class _Stage:
         d_shared = carry["d_shared"]
         d_layers = jax.tree.map(lambda a: a.reshape(self.V * self.Lmax, *a.shape[2:]), carry["d_layers"])
         return loss, d_layers, d_shared, aux
+
+
+def _accumulated(dtype):
+    """The dtype a gradient of a `dtype` leaf is accumulated in: fp32 for bf16/fp16 weights."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def _after(live, x, dep):

@@ -32,7 +32,7 @@ memory is calibrated against, `benchmarks/RESULTS.md`):
   fp32 gradients once per step (4 bytes each, whole per device, reduced after the last
   microbatch), beside which a microbatch's weight gradients exist in the compute dtype (2 bytes
   each: the layer scan's backward returns them stacked before they are added; a pipeline's
-  per-tick stage gradients are fp32, 4 bytes): 4/dp + 8/dp + 2
+  per-tick stage gradients are fp32, 4 bytes, without ZeRO): 4/dp + 8/dp + 2
   + 4 + 2 bytes per parameter with ZeRO, 4 + 8 + 2 + 4 + 2 without (the last term found by
   calibration: the compiled steps held 2 bytes per parameter more than the rest explained, at
   every micro batch size);
@@ -319,7 +319,8 @@ def activation_bytes(cfg, L: Layout) -> dict:
       (`2*s*b*h`, [K] section 5) and one layer's activations while it is recomputed, which
       exist only after the head's logits are freed (the peak holds the larger of the two);
     - pipeline: `stash_slots` stage inputs, plus one unit's (L/(p*v) layers) activations for the
-      vjp alive at a time (full recompute inside it: their inputs plus one layer). [K]'s first
+      vjp alive at a time (full recompute inside it: their inputs plus one layer, which again
+      exists only after the logits are freed). [K]'s first
       stage would hold p microbatches (1F1B) of every layer's activations: mlm_jax recomputes
       the stage instead (mlm_jax/pipeline/runtime.py);
     - logits: `4*s*b*V/t` fp32 ([K] section 4.3) and their fp32 gradient beside them, the
@@ -345,9 +346,10 @@ def activation_bytes(cfg, L: Layout) -> dict:
     chunks = loss_chunks(L.micro, cfg.train.seq_length // L.cp, m.vocab)
     tokens = L.micro * cfg.train.seq_length / L.cp
     logits = 8 * tokens * m.vocab / L.tp / (L.pp if m.untie_embeddings_and_output_weights else 1) / chunks
-    if L.pp == 1 and L.recompute == "full":
-        # The one layer's recomputed activations exist only in the backward, after the head's
-        # chunks (their gradient computed in the forward) are freed: the peak holds the larger.
+    if L.recompute == "full":
+        # The one layer's recomputed activations exist only in the backward (of the step, or of a
+        # pipeline's backward slot), after the head's chunks (their gradient computed in the
+        # forward) are freed: the peak holds the larger.
         layers_bytes -= min(per_layer, logits)
     return {"layers": layers_bytes, "per_layer": per_layer, "stash_slots": slots, "logits": logits}
 
@@ -378,9 +380,11 @@ def memory(cfg, L: Layout) -> dict:
         "compute_copy": 2 * n["compute"] if low else 0,
         "gradients": 4 * n["compute"],
         # A microbatch's weight gradients in the compute dtype; a pipeline's per-tick gradients of
-        # its stage are fp32 (XLA's memory-usage report of GPT-3 175B tp8 x pp16 and GPT 1.3B pp2:
-        # an fp32 [layers, h, 4h] buffer per matrix beside the accumulator; benchmarks/RESULTS.md).
-        "microbatch_gradients": (4 if L.pp > 1 or not low else 2) * n["compute"],
+        # its stage too under ZeRO (it gathers the weights in the compute dtype and keeps them so),
+        # fp32 without (the stage differentiates the fp32 masters: XLA's memory-usage report of
+        # GPT-3 175B tp8 x pp16 shows an fp32 [layers, h, 4h] buffer per matrix beside the
+        # accumulator; benchmarks/RESULTS.md).
+        "microbatch_gradients": (4 if (L.pp > 1 and not L.zero) or not low else 2) * n["compute"],
         "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
         "activations": act["layers"],
         "logits": act["logits"],
@@ -498,7 +502,8 @@ def communication(cfg, L: Layout) -> dict:
       backward ([N] 2.3); sequence parallelism turns each into an all-gather and a
       reduce-scatter, the same bytes ([K] 4.2.2); full recompute adds three of those halves
       (both gathers and the attention's scatter), without SP one all-reduce (the attention's):
-      the layer's output is not recomputed. Per microbatch the vocab-parallel embedding's output
+      the layer's output is not recomputed; without it SP's backward gathers the QKV and fc1
+      inputs again, two halves (Megatron's SP does the same: [K] 4.2.2). Per microbatch the vocab-parallel embedding's output
       and its gradient, the head's input and its fp32 gradient: five halves (six without SP).
       In a pipeline every tick runs its slots' layers: a forward slot four halves a layer, a
       backward slot the stage recompute's four and the backward's four, the head and embedding
@@ -541,12 +546,15 @@ def communication(cfg, L: Layout) -> dict:
     if L.tp > 1:
         # In halves (an all-gather's or a reduce-scatter's act*(t-1)/t; an all-reduce is two).
         remat = (3 if L.sp else 2) * (L.recompute == "full")
+        # SP's backward gathers the QKV and fc1 inputs again (models/layers.column_parallel);
+        # under full recompute those are the recompute's own gathers.
+        regather = 2 * (L.sp and L.recompute != "full")
         if L.pp > 1:  # every tick runs its slot's chunk of layers, idle or not (lockstep)
             chunk = m.num_layers / (L.pp * L.vp)
-            backward = 4 + 4 + remat  # the stage recompute's forward, the backward
+            backward = 4 + 4 + remat + regather  # the stage recompute's forward, the backward
             halves = chunk * (4 * f_ticks + backward * b_ticks) + (9 if L.sp else 12) * b_ticks + (2 if L.sp else 4)
         else:
-            halves = (m.num_layers * (8 + remat) + (5 if L.sp else 6)) * mb
+            halves = (m.num_layers * (8 + remat + regather) + (5 if L.sp else 6)) * mb
         out["tensor"] = halves * act * (L.tp - 1) / L.tp
     if L.cp > 1:
         kv = 2 * 2 * tokens * g * d_ / L.tp

@@ -118,6 +118,16 @@ def constrain(x, names: Sequence[str | None]):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
+def specs_if_split(split: Sequence[str | None], whole: Sequence[str | None]) -> tuple[P, P] | None:
+    """(split spec, whole spec) of one activation's two logical layouts under the rules in force,
+    or None where they are the same (no rules, or the rules do not split what `split` names)."""
+    rules = active_rules()
+    if not rules:
+        return None
+    pair = (logical_to_spec(split, rules), logical_to_spec(whole, rules))
+    return None if pair[0] == pair[1] else pair
+
+
 def spec_on_axes(names: Sequence[str | None], axes) -> P:
     """The activation spec of logical `names` under the rules in force, keeping only the mesh
     `axes` (those a shard_map makes manual)."""
