@@ -133,9 +133,8 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     # tensor, in all-gather or reduce-scatter halves of act*(t-1)/t: a forward slot 4 a layer; a
     # backward slot the stage recompute's 4, the backward's 4 and full recompute's 3; 4 layers
     # a stage; the head and embedding 9 a backward tick, and 2 once:
-    # 4*(4*6 + 11*5) + 9*5 + 2 = 363 halves (the compiled program: 403: at micro batch 1 XLA's
-    # partitioner gathers 2 halves more a layer in the backward, at micro 2 and more it does not;
-    # full recompute's gathers are also SP's second gathers for the backward, so none more).
+    # 4*(4*6 + 11*5) + 9*5 + 2 = 363 halves (the compiled program: 363.2; full recompute's
+    # gathers are also SP's second gathers for the backward, so none more).
     assert comm["tensor"] == (4 * (4 * 6 + 11 * 5) + 9 * 5 + 2) * act / 2 == 380_633_088
     # pipe: 11 sends of act/t; the head's sums over pipe on the 5 backward ticks, fp32 output
     # and bf16 gradient all-reduced, 2*(2 + 1)*act/t*(1/2) each; the

@@ -30,7 +30,7 @@ from flax import nnx
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.layers import (add_bias, cast, column_parallel, dropout, fp32_einsum, normal, param, rope_scaling,
-                                    row_offset, rotary, zeros)
+                                    row_offset, row_parallel, rotary, zeros)
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
 
@@ -310,7 +310,7 @@ def _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bs
     return grads[0], grads[1], grads[2]
 
 
-WQKV = ("embed", "kv_heads", None, "head_dim")
+WQKV, WO = ("embed", "kv_heads", None, "head_dim"), ("heads", "head_dim", "embed")
 
 
 class Attention(nnx.Module):
@@ -326,7 +326,7 @@ class Attention(nnx.Module):
         # ([d, g, r + 2, k]); one matmul, so its input gradient is one partial sum and one
         # all-reduce.
         self.wqkv = param(rngs, normal(std), (d, g, h // g + 2, k), WQKV)
-        self.wo = param(rngs, normal(out_std), (h, k, d), ("heads", "head_dim", "embed"))
+        self.wo = param(rngs, normal(out_std), (h, k, d), WO)
         if cfg.add_bias_linear:
             self.bqkv = param(None, zeros, (g, h // g + 2, k), ("kv_heads", None, "head_dim"))
             self.bo = param(None, zeros, (d,), ("embed",))
@@ -370,8 +370,9 @@ class Attention(nnx.Module):
     def _project_out(self, o_bshk) -> jax.Array:
         """Row-parallel output projection: [batch, seq, heads, k] -> [batch, seq, embed]."""
         dt = o_bshk.dtype
-        o = constrain(o_bshk, ("batch", "context_seq", "heads", "head_dim"))
-        return add_bias(jnp.einsum("bshk,hkd->bsd", o, cast(self.wo, dt)), cast(self.bo, dt))
+        names = ("batch", "context_seq", "heads", "head_dim")
+        o = row_parallel("bshk,hkd->bsd", constrain(o_bshk, names), cast(self.wo, dt), names, WO)
+        return add_bias(o, cast(self.bo, dt))
 
     def _context_parallel(self, q, k, v, segment_ids_bs, key, backend):
         """Attention over the context-parallel sequence split (None when it is not split).

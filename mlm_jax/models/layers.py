@@ -189,6 +189,48 @@ def _regathered_backward(spec, specs, res, ct):
 _regathered.defvjp(_regathered_forward, _regathered_backward)
 
 
+def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax.Array:
+    """`einsum(spec, u, w)` of a row-parallel matmul (attention's output projection, fc2): its
+    partial sums over tensor leave as a block boundary holds them (a reduce-scatter under
+    sequence parallelism, an all-reduce without); `u_names`, `w_names` the logical dims of the
+    input and the weight.
+
+    Under sequence parallelism the backward gathers the incoming gradient over tensor once and
+    both products (the input's and the weight's gradient) read that copy: left to GSPMD, each
+    product asked for its own gather of the same cotangent, and at micro batch 1 XLA did not
+    merge the two (2 of a layer's 8 backward halves over tensor were the same gather twice).
+    Without sequence parallelism it is the einsum."""
+    specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
+    if specs is None:
+        return jnp.einsum(spec, u, w)
+    split, whole = specs
+    u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
+    return _scattered(spec, (split, whole, u_spec, w_spec), u, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scattered(spec, specs, u, w):
+    split, whole, u_spec, w_spec = specs
+    pin = jax.lax.with_sharding_constraint
+    return pin(jnp.einsum(spec, pin(u, u_spec), pin(w, w_spec)), split)
+
+
+def _scattered_forward(spec, specs, u, w):
+    return _scattered(spec, specs, u, w), (u, w)
+
+
+def _scattered_backward(spec, specs, res, ct):
+    split, whole, u_spec, w_spec = specs
+    u, w = res
+    pin = jax.lax.with_sharding_constraint
+    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(u, u_spec), pin(w, w_spec))
+    du, dw = pull(pin(pin(ct, split), whole))  # one gather of the incoming gradient
+    return pin(du, u_spec), pin(dw, w_spec)
+
+
+_scattered.defvjp(_scattered_forward, _scattered_backward)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0.
 

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.layers import add_bias, cast, column_parallel, mlp_activation, normal, param, zeros
+from mlm_jax.models.layers import add_bias, cast, column_parallel, mlp_activation, normal, param, row_parallel, zeros
 from mlm_jax.sharding.rules import constrain
 
 
-W1, W1_SWIGLU = ("embed", "mlp"), ("embed", None, "mlp")
+W1, W1_SWIGLU, W2 = ("embed", "mlp"), ("embed", None, "mlp"), ("mlp", "embed")
+U = ("batch", "context_seq", "mlp")  # fc2's input
 
 
 class MLP(nnx.Module):
@@ -30,7 +31,7 @@ class MLP(nnx.Module):
         # SwiGLU fuses gate and up into one [d, 2, f] matmul: one input gradient, one all-reduce.
         w1_shape, w1_names = ((d, 2, f), W1_SWIGLU) if cfg.swiglu else ((d, f), W1)
         self.w1 = param(rngs, normal(std), w1_shape, w1_names)
-        self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
+        self.w2 = param(rngs, normal(out_std), (f, d), W2)
         if cfg.add_bias_linear:
             self.b1 = param(None, zeros, w1_shape[1:], w1_names[1:])
             self.b2 = param(None, zeros, (d,), ("embed",))
@@ -46,5 +47,5 @@ class MLP(nnx.Module):
             h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"))
         h = add_bias(h, cast(self.b1, dt))
         u = mlp_activation(h, cfg.swiglu, cfg.openai_gelu, gate_up_axis=2)  # [b, s, f]
-        u = constrain(u, ("batch", "context_seq", "mlp"))
-        return add_bias(jnp.einsum("bsf,fd->bsd", u, cast(self.w2, dt)), cast(self.b2, dt))
+        u = constrain(u, U)
+        return add_bias(row_parallel("bsf,fd->bsd", u, cast(self.w2, dt), U, W2), cast(self.b2, dt))
