@@ -155,38 +155,14 @@ def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_name
     gathered copy from the forward, as Megatron's SP does: a layer keeps the s/t shard of each
     projection's input (Korthikanti et al. 2022, eq. 4), one all-gather more per projection in
     the backward. Autodiff kept the gathered [b, s, d] input of both projections, t times that.
-    The backward's cotangent and weight gradient are pinned to the forward's layouts (left free,
-    inside a pipeline stage GSPMD split the weight gradient's product over the sequence and
-    all-reduced whole [d, f] gradients). Without sequence parallelism it is the einsum."""
+    Without sequence parallelism it is the einsum."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
         return jnp.einsum(spec, constrain(y_bsd, SEQ_WHOLE), w)
     split, whole = specs
     w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
-    return _regathered(spec, (split, whole, w_spec, out_spec), jax.lax.with_sharding_constraint(y_bsd, split), w)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _regathered(spec, specs, y, w):
-    split, whole, w_spec, out_spec = specs
-    out = jnp.einsum(spec, jax.lax.with_sharding_constraint(y, whole), jax.lax.with_sharding_constraint(w, w_spec))
-    return jax.lax.with_sharding_constraint(out, out_spec)
-
-
-def _regathered_forward(spec, specs, y, w):
-    return _regathered(spec, specs, y, w), (y, w)
-
-
-def _regathered_backward(spec, specs, res, ct):
-    split, whole, w_spec, out_spec = specs
-    y, w = res
-    pin = jax.lax.with_sharding_constraint
-    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(y, whole), pin(w, w_spec))
-    dy, dw = pull(pin(ct, out_spec))
-    return pin(dy, split), pin(dw, w_spec)
-
-
-_regathered.defvjp(_regathered_forward, _regathered_backward)
+    y = jax.lax.with_sharding_constraint(y_bsd, split)
+    return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), y, w)
 
 
 def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax.Array:
@@ -205,30 +181,36 @@ def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax
         return jnp.einsum(spec, u, w)
     split, whole = specs
     u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
-    return _scattered(spec, (split, whole, u_spec, w_spec), u, w)
+    return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), u, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scattered(spec, specs, u, w):
-    split, whole, u_spec, w_spec = specs
+def _pinned_product(spec, layout, x, w):
+    """`einsum(spec, x, w)` with every operand, result and gradient in a stated layout:
+    (x as kept for the backward, x as multiplied, w, the result, the incoming gradient as
+    multiplied). The backward's products read x and the incoming gradient in those layouts (one
+    reshard each) and return x's gradient as x is kept, w's as w is: pinned, GSPMD cannot pick
+    another split for them (inside a pipeline stage it split the weight gradient's product over
+    the sequence and all-reduced whole [d, f] gradients)."""
+    _, x_used, w_spec, out_spec, _ = layout
     pin = jax.lax.with_sharding_constraint
-    return pin(jnp.einsum(spec, pin(u, u_spec), pin(w, w_spec)), split)
+    return pin(jnp.einsum(spec, pin(x, x_used), pin(w, w_spec)), out_spec)
 
 
-def _scattered_forward(spec, specs, u, w):
-    return _scattered(spec, specs, u, w), (u, w)
+def _pinned_product_forward(spec, layout, x, w):
+    return _pinned_product(spec, layout, x, w), (x, w)
 
 
-def _scattered_backward(spec, specs, res, ct):
-    split, whole, u_spec, w_spec = specs
-    u, w = res
+def _pinned_product_backward(spec, layout, res, ct):
+    x_kept, x_used, w_spec, out_spec, ct_used = layout
+    x, w = res
     pin = jax.lax.with_sharding_constraint
-    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(u, u_spec), pin(w, w_spec))
-    du, dw = pull(pin(pin(ct, split), whole))  # one gather of the incoming gradient
-    return pin(du, u_spec), pin(dw, w_spec)
+    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(x, x_used), pin(w, w_spec))
+    dx, dw = pull(pin(pin(ct, out_spec), ct_used))
+    return pin(dx, x_kept), pin(dw, w_spec)
 
 
-_scattered.defvjp(_scattered_forward, _scattered_backward)
+_pinned_product.defvjp(_pinned_product_forward, _pinned_product_backward)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
