@@ -513,9 +513,16 @@ def communication(cfg, L: Layout) -> dict:
       nine (twelve without SP). These counts are read from the compiled programs (GPT; a
       Llama-style layer's SP backward in a pipeline gathers two halves more, not counted:
       benchmarks/RESULTS.md, issue 31).
-    - context: the ring passes K and V (`2*2*s/cp*b*g*d`) cp-1 times per layer in forward,
-      and K, V and their gradients in backward (mlm_jax/parallel ring attention); all-to-all
-      (a2a) moves Q, K, V and the output once each way;
+    - context, what the compiled programs send (mlm_jax/parallel/context.py; the wasteful parts
+      are the program's, to be fixed, not Megatron's): per layer and microbatch the p2p ring's
+      C steps (C transfers for C-1 blocks) of K and V (`2*2*s/cp*b*g*d`) in the forward, the
+      backward's recompute and its second pass, and the K, V gradients in fp32: 5*C such
+      blocks; allgather K and V gathered twice and their gradients scattered; a2a Q, K, V
+      three times (forward, recompute, gradients) and the output twice. Then each layer's weight
+      gradients, partial over the sequence blocks, all-reduced per layer and microbatch in the
+      compute dtype (Megatron reduces them once per step over data x context), and per
+      microbatch the fused loss's logit gradients and inputs and the embedding's input gradient
+      gathered over the blocks;
     - expert: the token all-to-all, dispatch and combine, of a rank's rows padded to ep x T*K
       (dropless; `expert_padding`), in forward, in the backward's recompute and in backward;
     - pipe (mlm_jax/pipeline/runtime.py, lockstep two-slot ticks): every tick of a phase with a
@@ -560,11 +567,29 @@ def communication(cfg, L: Layout) -> dict:
             halves = (m.num_layers * (8 + remat + regather) + (5 if L.sp else 6)) * mb
         out["tensor"] = halves * act * (L.tp - 1) / L.tp
     if L.cp > 1:
-        kv = 2 * 2 * tokens * g * d_ / L.tp
-        if cfg.parallel.cp_comm_type == "a2a":
-            out["context"] = m.num_layers / L.pp * mb * 2 * 4 * act / L.tp * (L.cp - 1) / L.cp
+        frac = (L.cp - 1) / L.cp
+        q, k = act / L.tp, tokens * 2 * g * d_ / L.tp  # a device's Q (or output), one of K and V
+        if cfg.parallel.cp_comm_type == "a2a":  # Q, K, V forward, again in the recompute, their
+            per_layer = (3 * (q + 2 * k) + 2 * q) * frac  # gradients back; the output and its gradient
+        elif cfg.parallel.cp_comm_type == "allgather":  # K, V gathered twice, their gradients scattered
+            per_layer = 3 * 2 * k * (L.cp - 1)
+        else:  # the ring's C steps (the last transfer unused), forward, the backward's recompute
+            per_layer = 5 * L.cp * 2 * k  # and a second pass, and the K, V gradients in fp32
+        # A layer's weight gradients are partial sums over the sequence blocks, all-reduced per
+        # layer and microbatch in the compute dtype (the norms' in fp32).
+        split, rep, _ = layer_params(m, False)
+        norms = 2 * h * (1 if m.normalization == "RMSNorm" else 2)
+        per_layer += 2 * (2 * (split / L.tp + rep - norms) + 4 * norms) * frac
+        # Per microbatch the fused loss gathers each row chunk's logit gradient (bf16, [rows, V/t])
+        # and input over the blocks, and the embedding's backward the input gradient.
+        # (Under SP those inputs are split over tensor too: gathered over both axes at once.)
+        whole = L.micro * cfg.train.seq_length
+        inputs = 2 * whole * 2 * h
+        out["context"] = m.num_layers / L.pp * mb * per_layer + mb * 2 * whole * m.vocab / L.tp * frac
+        if L.sp:
+            out["context+tensor"] = mb * inputs * (L.cp * L.tp - 1) / (L.cp * L.tp)
         else:
-            out["context"] = m.num_layers / L.pp * mb * 3 * kv * (L.cp - 1)
+            out["context"] += mb * inputs * frac
     if L.ep > 1:
         # Per MoE layer and microbatch, in the forward, the backward's recompute of the dispatch's
         # shard_map and the backward: all-to-all, six of a rank's rows padded to

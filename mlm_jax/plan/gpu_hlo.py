@@ -102,7 +102,7 @@ def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool, bool]]:
             body = re.search(r"body=%([\w.\-]+)", ins.rest)
             cond = re.search(r"condition=%([\w.\-]+)", ins.rest)
             trips = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.rest)
-            n = int(trips.group(1)) if trips else 1
+            n = int(trips.group(1)) if trips else _counted_trips(ins, instrs)
             for target in (body, cond):
                 if target:
                     calls.setdefault(ins.computation, []).append((target.group(1), n, True, False))
@@ -123,6 +123,40 @@ def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool, bool]]:
         runs[comp] = (n, looped, branched)
         stack += [(t, n * k, looped or loop, branched or (branch and looped)) for t, k, loop, branch in calls.get(comp, [])]
     return runs
+
+
+def _constant(instrs: dict[str, Instr], name: str) -> int | None:
+    ins = instrs.get(name)
+    if ins is None or ins.opcode != "constant" or not re.match(r"s32\[\]", ins.type_text):
+        return None
+    return int(ins.rest.split(")")[0])
+
+
+def _counted_trips(loop: Instr, instrs: dict[str, Instr]) -> int:
+    """Trips of a while XLA gave no known trip count but an induction variable: its condition's
+    `i < N` (or `<=`) against a constant, from the constant the loop starts `i` at (0 if not a
+    constant); 1 where the loop is not of that form. (The microbatch loop of a context-parallel
+    step is such a loop: counted once, its collectives were a quarter of the step's.)"""
+    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.rest)
+    cond = re.search(r"condition=%([\w.\-]+)", loop.rest)
+    if not index or not cond:
+        return 1
+    comps = {cond.group(1)}
+    for ins in instrs.values():  # the condition and the fusions it calls
+        if ins.computation == cond.group(1):
+            comps.update(re.findall(r"calls=%([\w.\-]+)", ins.rest))
+    bound = None
+    for ins in instrs.values():
+        if ins.computation in comps and ins.opcode == "compare":
+            direction = re.search(r"direction=(\w+)", ins.rest)
+            limits = [_constant(instrs, o) for o in ins.operands[:2]]
+            if direction and direction.group(1) in ("LT", "LE") and limits[0] is None and limits[1] is not None:
+                bound = limits[1] + (direction.group(1) == "LE")
+    init = instrs.get(loop.operands[0]) if loop.operands else None
+    start = 0
+    if init is not None and init.opcode == "tuple":
+        start = _constant(instrs, init.operands[int(index.group(1))]) or 0
+    return max(bound - start, 1) if bound is not None else 1
 
 
 def _groups(rest: str) -> list[list[int]] | None:
