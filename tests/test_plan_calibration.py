@@ -102,6 +102,16 @@ def test_analytic_communication_of_expert_parallelism_equals_compiled(tmp_path, 
     _communication_equals_compiled(tmp_path, argv, {"expert", "data", "data+expert"})
 
 
+def test_analytic_communication_of_a_llama_pipeline_with_sp_at_micro_1_equals_compiled(tmp_path):
+    """The hand-computed layout of tests/test_plan_analytic.py (tp2 SP x pp2 x dp2 ZeRO, micro 1,
+    full recompute): every axis to 1%. Its tensor bytes were 10% over the model while XLA gathered
+    each row-parallel projection's output gradient twice at micro batch 1 (models/layers.row_parallel)."""
+    argv = (SMALL_LLAMA + " --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+            " --use-distributed-optimizer --micro-batch-size 1 --recompute-granularity full"
+            " --recompute-method uniform --recompute-num-layers 1").split()
+    _communication_equals_compiled(tmp_path, argv, {"tensor", "pipe", "data", "pipe+data"})
+
+
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
 def test_analytic_communication_of_context_parallelism_equals_compiled(tmp_path, comm_type):
     """cp2 x dp4 ZeRO: the ring's (or the all-to-alls') K and V, each layer's weight gradients
