@@ -93,7 +93,7 @@ def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     """Every XLA flag a GPU run sets (`GPU_TRAINING`, the overlap switches' among them; under
     --sequence-parallel without the pipelined all-gather, see above), less those `existing`
     (XLA_FLAGS) already sets."""
-    flags = dict.fromkeys(GPU_TRAINING + tuple(overlap_flags(parallel)))
+    flags = GPU_TRAINING + tuple(overlap_flags(parallel))
     return _not_given([f for f in flags if not (parallel.sequence_parallel and f == _PIPELINED_ALL_GATHER)], existing)
 
 

@@ -128,6 +128,11 @@ def layout_of(cfg, world: int) -> Layout:
 # --------------------------------------------------------------------------- parameters
 
 
+def norm_params(m) -> int:
+    """A layer's two norms: a scale each, and a bias each for LayerNorm."""
+    return 2 * m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+
+
 def layer_params(m, moe: bool) -> tuple[int, int, int]:
     """(split over tensor, replicated, split over experts x tensor) parameter counts of one layer.
 
@@ -138,7 +143,7 @@ def layer_params(m, moe: bool) -> tuple[int, int, int]:
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     bias = m.add_bias_linear
     attn = h * (a + 2 * g) * d + a * d * h + (bias and (a + 2 * g) * d)
-    norms = 2 * h * (1 if m.normalization == "RMSNorm" else 2)
+    norms = norm_params(m)
     rep = norms + (bias and h)  # the attention output's bias (row parallel) is whole on every rank
     gate = 2 if m.swiglu else 1
 
@@ -582,7 +587,7 @@ def communication(cfg, L: Layout) -> dict:
         # A layer's weight gradients are partial sums over the sequence blocks, all-reduced per
         # layer and microbatch in the compute dtype (the norms' in fp32).
         split, rep, _ = layer_params(m, False)
-        norms = 2 * h * (1 if m.normalization == "RMSNorm" else 2)
+        norms = norm_params(m)
         per_layer += 2 * (2 * (split / L.tp + rep - norms) + 4 * norms) * frac
         # Per microbatch the fused loss gathers each row chunk's logit gradient (bf16, [rows, V/t])
         # and input over the blocks, and the embedding's backward the input gradient.
