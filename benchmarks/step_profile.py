@@ -122,6 +122,10 @@ class Hlo:
         if ins is None:
             return "unknown"
         stack = self.stack(ins["frame"])
+        if any(func in ("column_parallel", "row_parallel") for _, func, _ in stack[:1]):
+            # models/layers.py's projections: their stacks end there, so the einsum in the
+            # instruction's name says whose they are (QKV "dgjk", output "hkd", MLP the rest).
+            return "attention projections" if re.search(r"gjk|hkd|bshk", ins["op_name"]) else "MLP matmuls"
         for file, func, _ in stack:  # innermost first
             for area, test in _AREAS:
                 if file and func and test(file, func):

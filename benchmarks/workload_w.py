@@ -153,7 +153,22 @@ def _malloc_default(default: bool) -> None:
 # --ab NAME: the plain step without the change NAME against with it. A model change: a function
 # that undoes it (before compiling) and returns the function that puts it back. The allocator
 # (`keep_host_memory`) is switched before each round instead, on one compiled step.
-WITHOUT = {"keep-host-memory": None}
+def _without_head_gradient_dv():
+    from mlm_jax.models import gpt
+
+    kept, gpt._WEIGHT_GRADIENT_DV = gpt._WEIGHT_GRADIENT_DV, ()
+    return lambda: setattr(gpt, "_WEIGHT_GRADIENT_DV", kept)
+
+
+def _without_causal_blocks():
+    from mlm_jax.models import attention
+
+    kept, attention._CAUSAL_BLOCKS = attention._CAUSAL_BLOCKS, {}
+    return lambda: setattr(attention, "_CAUSAL_BLOCKS", kept)
+
+
+WITHOUT = {"keep-host-memory": None, "head-gradient-dv": _without_head_gradient_dv,
+           "causal-blocks": _without_causal_blocks}
 
 
 def ab_plain_step(name: str, rounds: int) -> dict:

@@ -125,6 +125,45 @@ def test_gradients_with_dropout_match_autodiff_of_the_forward():
         lambda q: jnp.sum(_attend(q, k, v, mask, key, row0, 0.0) * cot))(q), atol=1e-3)
 
 
+def test_causal_query_blocks_equal_the_square():
+    """On a CPU the plain causal order runs in query blocks, each against only the keys it can
+    see (attention.causal_blocks): output and every gradient equal the one-square core's and
+    the naive reference's (GQA, documents; fp32, 1e-5 absolute), and the compiled backward
+    holds no [rows, t] square of scores."""
+    from mlm_jax.models import attention as attention_module
+
+    s = 128
+    q, k, v = qkv(s, s)
+    seg = np.sort(RNG.integers(0, 3, (B, s)), axis=1).astype(np.int32)
+    pos = np.arange(s, dtype=np.int32)[None].repeat(B, 0)
+    cot = RNG.standard_normal((B, s, H, K)).astype(np.float32)
+    assert attention_module.causal_blocks(s, s, dropout_on=False) == 4
+    assert attention_module.causal_blocks(s, s, dropout_on=True) == 1  # a block's mask is not the square's
+    assert attention_module.causal_blocks(s // 2, s, dropout_on=False) == 1  # fewer queries than keys
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, None, None, seg, seg) * cot)
+
+    def value_and_grads():
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    blocked = value_and_grads()
+    square_shape = f"f32[{B},{G},{H // G * s},{s}]"  # [b, g, r*s, t]: the whole square's scores
+    assert square_shape not in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    kept, attention_module._CAUSAL_BLOCKS = attention_module._CAUSAL_BLOCKS, {}
+    try:
+        square = value_and_grads()
+        assert square_shape in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    finally:
+        attention_module._CAUSAL_BLOCKS = kept
+    np.testing.assert_allclose(blocked[0], square[0], rtol=1e-6)
+    for got, want in zip(blocked[1], square[1]):
+        assert float(jnp.max(jnp.abs(want))) > 0.1
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    want = naive(q, k, v, pos, pos, seg, seg)
+    np.testing.assert_allclose(attention(q, k, v, None, None, seg, seg), want, atol=1e-5)
+
+
 def _f32_dots(fn, *args) -> list:
     """dot_generals of fn's gradient jaxpr with an fp32 operand (XLA computes a mixed
     fp32 x bf16 dot in fp32)."""

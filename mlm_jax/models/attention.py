@@ -104,22 +104,27 @@ def causal_mask(q_pos_bs, k_pos_bt, q_seg_bs=None, k_seg_bt=None) -> jax.Array:
     return mask
 
 
-def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff: bool = False) -> jax.Array:
+def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff: bool = False,
+                   blocks: int = 1) -> jax.Array:
     """softmax(q k^T / sqrt(k) + mask) v, grouped-query aware; softmax in fp32.
 
     Heads-major 4-d operands: each group's r query heads are folded into its rows
     ([b, g, r*s, k]), so K/V are never repeated and every product and the softmax are plain
     [b, g, rows, t] batched matrices. XLA:CPU runs these ~10% faster per step of workload W than
     the same math on [b, g, r, s, t] (benchmarks/RESULTS.md). `autodiff`: the core without its
-    custom VJP (autodiff keeps the probabilities; see `attention`'s `inputs_only`)."""
+    custom VJP (autodiff keeps the probabilities; see `attention`'s `inputs_only`). `blocks` > 1:
+    the plain causal order without dropout in that many query blocks (`_attend_causal`)."""
     b, s, h, k = q_bshk.shape
     g = k_btgk.shape[2]
     r = h // g
     q = q_bshk.reshape(b, s, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * s, k)
     mask = jnp.tile(mask_bst, (1, r, 1))[:, None]  # [b or 1, 1, r*s, t]: row r*s_i + j is query j
-    core = _attend_plain if autodiff else _attend
-    out = core(q, k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3), mask, key,
-               row_offset(), rate)
+    k_bgtk, v_bgtk = k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3)
+    if blocks > 1:
+        out = _attend_causal(q, k_bgtk, v_bgtk, mask, (r, blocks))
+    else:
+        core = _attend_plain if autodiff else _attend
+        out = core(q, k_bgtk, v_bgtk, mask, key, row_offset(), rate)
     return out.reshape(b, g, r, s, k).transpose(0, 3, 1, 2, 4).reshape(b, s, h, k)
 
 
@@ -181,6 +186,80 @@ _attend = jax.custom_vjp(_attend_plain, nondiff_argnums=(6,))
 _attend.defvjp(_attend_forward, _attend_backward)
 
 
+# The plain causal order (queries and keys the same tokens, no dropout) in query blocks on a CPU:
+# block i (rows [i*B, (i+1)*B) of each query head) is attended against keys [0, (i+1)*B) only,
+# so the products, the softmax and their backward skip the blocks above the diagonal that the
+# mask would zero ((n + 1) / 2n of the square's work for n blocks), and each block's [B, t]
+# scores stay in the caches. `_attend`'s forward and backward run per block; key and value
+# gradients sum over the blocks that see them. Workload W (seq 256, 8 blocks of 32 rows): one
+# layer's attention forward and backward 42.6 -> 29.2 ms (benchmarks/RESULTS.md). Accelerators
+# keep one square (cuDNN's kernel skips those blocks itself).
+_CAUSAL_BLOCKS = {"cpu": 8}
+_MIN_BLOCK_ROWS = 32
+
+
+def causal_blocks(s: int, t: int, dropout_on: bool) -> int:
+    """How many query blocks the plain causal order of `s` queries and `t` keys runs in here
+    (1: one square): on a CPU, without dropout, as many queries as keys."""
+    blocks = _CAUSAL_BLOCKS.get(platform.current(), 1) if s == t and not dropout_on else 1
+    while blocks > 1 and (s % blocks or s // blocks < _MIN_BLOCK_ROWS):
+        blocks //= 2
+    return blocks
+
+
+def _block_rows(x, r, i, rows):
+    """Rows [i*rows, (i+1)*rows) of each of the r query heads of x [.., r*s, ..] (axis 2)."""
+    lead, rs, rest = x.shape[:2], x.shape[2], x.shape[3:]
+    x = x.reshape(*lead, r, rs // r, *rest)[:, :, :, i * rows:(i + 1) * rows]
+    return x.reshape(*lead, r * rows, *rest)
+
+
+def _join_rows(parts, r):
+    """The inverse of `_block_rows` over all blocks: [.., r*rows, ..] parts -> [.., r*s, ..]."""
+    lead, rest = parts[0].shape[:2], parts[0].shape[3:]
+    parts = [p.reshape(*lead, r, -1, *rest) for p in parts]
+    joined = jnp.concatenate(parts, axis=3)
+    return joined.reshape(*lead, -1, *rest)
+
+
+def _causal_forward(q, k, v, mask, static):
+    r, blocks = static
+    rows = q.shape[2] // r // blocks
+    outs, lses = [], []
+    for i in range(blocks):
+        seen = (i + 1) * rows
+        out, residuals = _attend_forward(_block_rows(q, r, i, rows), k[:, :, :seen], v[:, :, :seen],
+                                         _block_rows(mask, r, i, rows)[..., :seen], None, 0, 0.0)
+        outs.append(out)
+        lses.append(residuals[6])
+    out = _join_rows(outs, r)
+    return out, (q, k, v, mask, _join_rows(lses, r), out)
+
+
+def _causal_backward(static, residuals, d_out):
+    r, blocks = static
+    q, k, v, mask, lse, out = residuals
+    rows = q.shape[2] // r // blocks
+    d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for i in range(blocks):
+        seen = (i + 1) * rows
+        block = lambda x: _block_rows(x, r, i, rows)  # noqa: E731
+        dq, dk, dv, *_ = _attend_backward(0.0, (block(q), k[:, :, :seen], v[:, :, :seen], block(mask)[..., :seen],
+                                                None, 0, block(lse), block(out)), block(d_out))
+        d_q.append(dq)
+        d_k = d_k.at[:, :, :seen].add(dk.astype(jnp.float32))
+        d_v = d_v.at[:, :, :seen].add(dv.astype(jnp.float32))
+    return _join_rows(d_q, r), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+def _causal_plain(q, k, v, mask, static):
+    return _causal_forward(q, k, v, mask, static)[0]
+
+
+_attend_causal = jax.custom_vjp(_causal_plain, nondiff_argnums=(4,))
+_attend_causal.defvjp(_causal_forward, _causal_backward)
+
+
 def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=None, k_seg_bt=None,
               *, backend: str = XLA, dropout_rate: float = 0.0, dropout_key=None,
               inputs_only: bool = False) -> jax.Array:
@@ -205,14 +284,16 @@ def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=Non
         return _cudnn_attention(q_bshk, k_btgk, v_btgk)
     if (q_pos_bs is None) != (k_pos_bt is None):
         raise ValueError("give both query and key positions, or neither")
+    blocks = 1
     if q_pos_bs is None:
         k_pos_bt = jnp.arange(t, dtype=jnp.int32)[None]  # [1, t]
         q_pos_bs = k_pos_bt[:, t - s:]  # [1, s]
+        blocks = causal_blocks(s, t, dropout_key is not None and dropout_rate > 0)
     mask_bst = causal_mask(q_pos_bs, k_pos_bt, q_seg_bs, k_seg_bt)
     if inputs_only:
         return jax.checkpoint(_xla_attention, static_argnums=(4, 6))(
             q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key, True)
-    return _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key)
+    return _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, dropout_rate, dropout_key, blocks=blocks)
 
 
 def _cudnn_causal(q_bshk, k_btgk, v_btgk):

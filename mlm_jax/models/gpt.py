@@ -435,7 +435,7 @@ def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
     chunks = _row_chunks(b, s, w_vd.shape[0])
     if chunks == 1:
         loss, g_x, g_w, losses = _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static)
-        return loss, (g_x, g_w, losses)
+        return loss, (g_x, _vd(g_w), losses)
 
     # Chunk c holds the rows c, c + chunks, ...: the chunk index is the minor part of the
     # sequence, so each chunk keeps the sequence's sharding (context parallel) whole.
@@ -457,11 +457,12 @@ def _ce_forward(x_bsd, w_vd, labels_bs, weights_bs, static):
     chunk = jax.eval_shape(lambda x, lb, wt: _ce_chunk(x[0], w_vd, lb[0], wt[0], static), *xs)
     zeros = (zeros_like_typed(chunk[0]), zeros_like_typed(chunk[2]))
     (loss, g_w), (g_x, losses) = jax.lax.scan(body, zeros, xs)
-    return loss, (unsplit(g_x), g_w, unsplit(losses))
+    return loss, (unsplit(g_x), _vd(g_w), unsplit(losses))
 
 
 def _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static):
-    """(loss sum, d/dx, d/dw, per-token losses) of rows x for a unit cotangent."""
+    """(loss sum, d/dx, d/dw, per-token losses) of rows x for a unit cotangent; d/dw
+    transposed ([d, v]) on a CPU (`_WEIGHT_GRADIENT_DV`; `_vd` turns it back)."""
     vocab_size, split = static[0], static[3]
     logits = jnp.einsum("bsd,vd->bsv", x_bsd, w_vd, preferred_element_type=jnp.float32)
     logits = _masked_logits(logits, vocab_size, split)
@@ -475,9 +476,27 @@ def _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static):
     g_bsv = ((exp / total - onehot) * weights_bs[..., None]).astype(x_bsd.dtype)
     g_x = jnp.einsum("bsv,vd->bsd", g_bsv, w_vd, preferred_element_type=jnp.float32)
     b, s, d = x_bsd.shape  # one contracting dim: XLA:CPU's dot is slower with two
-    g_w = jnp.einsum("nv,nd->vd", g_bsv.reshape(b * s, -1), x_bsd.reshape(b * s, d),
-                     preferred_element_type=jnp.float32)
+    rows_x, rows_g = x_bsd.reshape(b * s, d), g_bsv.reshape(b * s, -1)
+    if _weight_gradient_dv():
+        g_w = jnp.einsum("nd,nv->dv", rows_x, rows_g, preferred_element_type=jnp.float32)
+    else:
+        g_w = jnp.einsum("nv,nd->vd", rows_g, rows_x, preferred_element_type=jnp.float32)
     return jnp.sum(losses * weights_bs), g_x, g_w, losses
+
+
+# The head weight's gradient x^T g on a CPU as [d, v] (wide rows), summed over the chunks and
+# transposed once: XLA:CPU's row-contracting product runs ~1.35x faster with the vocab as its
+# columns (workload W, 8 chunks of [256 rows] x [256, 8192]: 79 -> 59 ms per step).
+_WEIGHT_GRADIENT_DV = ("cpu",)
+
+
+def _weight_gradient_dv() -> bool:
+    return platform.current() in _WEIGHT_GRADIENT_DV
+
+
+def _vd(g_w):
+    """The head weight's summed gradient as [v, d]."""
+    return g_w.T if _weight_gradient_dv() else g_w
 
 
 # Rows per chunk of the fused loss: a chunk's fp32 logits at most this many elements. On a CPU
