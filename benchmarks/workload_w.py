@@ -8,7 +8,7 @@ no logging. The CLI run adds everything a real run has (data loading, the step l
 step in flight, --log-interval 1 logging every step, metrics file, TensorBoard). Variants of the
 plain step measure what XLA allows beyond it (layers unrolled instead of scanned).
 
-    python benchmarks/workload_w.py [--steps 20] [--variants plain,unrolled] [--no-cli]
+    python benchmarks/workload_w.py [--steps 20] [--rounds 1] [--variants plain,unrolled] [--no-cli]
         [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
     python benchmarks/workload_w.py --profile [--torch-python ...]   # where one step's time goes
     python benchmarks/workload_w.py --ab keep-host-memory --steps 12    # a change's A/B in one process
@@ -20,6 +20,7 @@ Run it with nothing else on the machine; the load average is printed beside the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -42,7 +43,7 @@ W_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
            "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--lr-warmup-iters", "0"]
 
 
-def plain_step(unrolled: bool = False):
+def plain_step(unrolled: bool = False, compiler_options: dict | None = None):
     """W's plain jitted step, compiled, with its state: (run one step and wait for it, the
     compiled program's HLO text)."""
     import jax
@@ -82,7 +83,7 @@ def plain_step(unrolled: bool = False):
         recompute.jax.lax.scan = lambda f, init, xs, **kw: scan(f, init, xs, unroll=True, **kw)
     try:
         state = [params, tx.init(params), jnp.zeros((), jnp.int32)]
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batch).compile()
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batch).compile(compiler_options)
     finally:
         recompute.jax.lax.scan = scan
 
@@ -95,15 +96,21 @@ def plain_step(unrolled: bool = False):
     return run_one, compiled.as_text()
 
 
-def plain_step_tps(steps: int, unrolled: bool) -> float:
-    """Tokens/s of a plain jitted step of W: the median of `steps` timed steps after warm-up."""
+def _plain_runner(steps: int, unrolled: bool):
+    """A function giving the tokens/s of a plain jitted step of W (compiled once): the median of
+    `steps` timed steps."""
     run_one, _ = plain_step(unrolled)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        run_one()
-        times.append(time.perf_counter() - t)
-    return 8 * 256 / statistics.median(times)
+
+    def tokens_per_s() -> float:
+        run_one()  # warm after the other runs of a round
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            run_one()
+            times.append(time.perf_counter() - t)
+        return 8 * 256 / statistics.median(times)
+
+    return tokens_per_s
 
 
 def profile_plain_step(steps: int) -> dict:
@@ -152,7 +159,8 @@ def _malloc_default(default: bool) -> None:
 
 # --ab NAME: the plain step without the change NAME against with it. A model change: a function
 # that undoes it (before compiling) and returns the function that puts it back. The allocator
-# (`keep_host_memory`) is switched before each round instead, on one compiled step.
+# (`keep_host_memory`) is switched before each round instead, on one compiled step. An XLA flag:
+# a dict of compile options the before arm is compiled with (XLA_FLAGS is read once per process).
 def _without_head_gradient_dv():
     from mlm_jax.models import gpt
 
@@ -180,6 +188,9 @@ def ab_plain_step(name: str, rounds: int) -> dict:
     if WITHOUT[name] is None:
         after, _ = plain_step()
         before = after
+    elif isinstance(WITHOUT[name], dict):
+        before, _ = plain_step(compiler_options=WITHOUT[name])
+        after, _ = plain_step()
     else:
         undo = WITHOUT[name]()
         try:
@@ -257,6 +268,8 @@ def torch_tps(python: str, steps: int, compiled: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="run every row this many times, alternating "
+                    "the order; each row's median")
     ap.add_argument("--variants", default="plain,unrolled")
     ap.add_argument("--no-cli", action="store_true")
     ap.add_argument("--torch-python", help="a Python with torch: also run benchmarks/torch_reference.py "
@@ -279,29 +292,39 @@ def main() -> None:
               f"{r['faults']['before']:,.0f} -> {r['faults']['after']:,.0f}, kernel time per step "
               f"{r['kernel_ms']['before']:.0f} -> {r['kernel_ms']['after']:.0f} ms")
         return
-    rows = {}
-    load = [os.getloadavg()[0]]
+    # Every run once per round, the order reversed every other round; a row's figure is the
+    # median over the rounds (this machine's speed drifts by 10 % between minutes).
+    runs = {}
     for v in args.variants.split(","):
-        rows[f"plain jax.jit step ({'layers unrolled' if v == 'unrolled' else 'layer scan'})"] = \
-            plain_step_tps(args.steps, v == "unrolled")
-        load.append(os.getloadavg()[0])
+        runs[f"plain jax.jit step ({'layers unrolled' if v == 'unrolled' else 'layer scan'})"] = \
+            _plain_runner(args.steps, v == "unrolled")
     if not args.no_cli:
-        rows["python -m mlm_jax.train --log-interval 1"], _ = cli_tps(args.steps)
-        load.append(os.getloadavg()[0])
+        runs["python -m mlm_jax.train --log-interval 1"] = lambda: cli_tps(args.steps)[0]
     if args.torch_python:
         for compiled in (True, False):
-            rows[f"nanoGPT-style PyTorch step ({'torch.compile' if compiled else 'eager'})"] = \
-                torch_tps(args.torch_python, args.steps, compiled)
+            runs[f"nanoGPT-style PyTorch step ({'torch.compile' if compiled else 'eager'})"] = \
+                functools.partial(torch_tps, args.torch_python, args.steps, compiled)
+    rounds = {name: [] for name in runs}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            rounds[name].append(runs[name]())
             load.append(os.getloadavg()[0])
+    rows = {name: statistics.median(tps) for name, tps in rounds.items()}
     base = next(iter(rows.values()))
-    print(f"workload W, one CPU device, {args.steps} timed steps each; load average "
+    print(f"workload W, one CPU device, {args.steps} timed steps each, {args.rounds} round(s); load average "
           f"{min(load):.1f}-{max(load):.1f} during the runs")
-    print("| run | tokens/s | / plain scan step |\n|---|---|---|")
+    print("| run | tokens/s | / plain scan step | each round |\n|---|---|---|---|")
     for name, tps in rows.items():
-        print(f"| {name} | {tps:,.0f} | {tps / base:.2f} |")
+        print(f"| {name} | {tps:,.0f} | {tps / base:.2f} | {' / '.join(f'{x:,.0f}' for x in rounds[name])} |")
+    cli, torch_compiled = "python -m mlm_jax.train --log-interval 1", "nanoGPT-style PyTorch step (torch.compile)"
+    if cli in rounds and torch_compiled in rounds:
+        ratios = [a / b for a, b in zip(rounds[cli], rounds[torch_compiled])]
+        print(f"python -m mlm_jax.train / torch.compile: {rows[cli] / rows[torch_compiled]:.2f} (medians); "
+              f"per round {', '.join(f'{x:.2f}' for x in ratios)}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "workload_w.json"), "w") as f:
-        json.dump({"tokens_per_sec": rows, "load_average": load, "steps": args.steps}, f, indent=2)
+        json.dump({"tokens_per_sec": rows, "rounds": rounds, "load_average": load, "steps": args.steps}, f, indent=2)
 
 
 def profile_main(args) -> None:
