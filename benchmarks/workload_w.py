@@ -175,7 +175,15 @@ def _without_causal_blocks():
     return lambda: setattr(attention, "_CAUSAL_BLOCKS", kept)
 
 
+def _without_transposed_input():
+    from mlm_jax.models import layers
+
+    kept, layers._TRANSPOSED_INPUT = layers._TRANSPOSED_INPUT, ()
+    return lambda: setattr(layers, "_TRANSPOSED_INPUT", kept)
+
+
 WITHOUT = {"keep-host-memory": None, "head-gradient-dv": _without_head_gradient_dv,
+           "transposed-input": _without_transposed_input,
            "causal-blocks": _without_causal_blocks}
 
 

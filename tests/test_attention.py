@@ -140,6 +140,13 @@ def test_causal_query_blocks_equal_the_square():
     assert attention_module.causal_blocks(s, s, dropout_on=False) == 4
     assert attention_module.causal_blocks(s, s, dropout_on=True) == 1  # a block's mask is not the square's
     assert attention_module.causal_blocks(s // 2, s, dropout_on=False) == 1  # fewer queries than keys
+    from mlm_jax.models import gpt
+    from mlm_jax.sharding import trace
+
+    with trace.using(platform="cuda"):  # a step traced for GPUs (a deviceless compile too): one square
+        assert attention_module.causal_blocks(s, s, dropout_on=False) == 1
+        assert not gpt._weight_gradient_dv()  # nor the CPU's transposed head-weight gradient
+    assert gpt._weight_gradient_dv()
 
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v, None, None, seg, seg) * cot)

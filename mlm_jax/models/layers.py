@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import psum, varying_axes
@@ -158,7 +159,7 @@ def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_name
     Without sequence parallelism it is the einsum."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return jnp.einsum(spec, constrain(y_bsd, SEQ_WHOLE), w)
+        return _product(spec, constrain(y_bsd, SEQ_WHOLE), w)
     split, whole = specs
     w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
     y = jax.lax.with_sharding_constraint(y_bsd, split)
@@ -175,13 +176,51 @@ def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax
     both products (the input's and the weight's gradient) read that copy: left to GSPMD, each
     product asked for its own gather of the same cotangent, and at micro batch 1 XLA did not
     merge the two (2 of a layer's 8 backward halves over tensor were the same gather twice).
-    Without sequence parallelism it is the einsum."""
+    Without sequence parallelism it is the einsum (`_product`)."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return jnp.einsum(spec, u, w)
+        return _product(spec, u, w)
     split, whole = specs
     u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
     return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), u, w)
+
+
+def _product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` of a projection; on a CPU its weight gradient multiplies x transposed
+    (`_TRANSPOSED_INPUT`)."""
+    if platform.current() not in _TRANSPOSED_INPUT:
+        return jnp.einsum(spec, x, w)
+    return _transposed_input_product(spec, x, w)
+
+
+# A projection's weight gradient x^T dy contracts the rows (batch, sequence) of both operands.
+# XLA:CPU runs that product (Eigen's) at 120-170 GFLOP/s on workload W's shapes; with x
+# transposed first (kept so by an optimization barrier, else XLA folds the transpose back into
+# the product) it is a plain product, which runs at 160-200 (fc2's [1024, 2048] x [2048, 256]:
+# 8.9 -> 6.3 ms; benchmarks/RESULTS.md). Accelerators' matmul libraries take either.
+_TRANSPOSED_INPUT = (platform.CPU,)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _transposed_input_product(spec, x, w):
+    return jnp.einsum(spec, x, w)
+
+
+def _transposed_input_forward(spec, x, w):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _transposed_input_backward(spec, residuals, dy):
+    x, w = residuals
+    (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w)
+    rows, cols = [c for c in xs if c not in ws], [c for c in xs if c in ws]
+    x_t = jax.lax.optimization_barrier(jnp.transpose(x, [xs.index(c) for c in cols + rows]))
+    dw = jnp.einsum(f"{''.join(cols + rows)},{ys}->{ws}", x_t, dy)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_transposed_input_product.defvjp(_transposed_input_forward, _transposed_input_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
