@@ -41,6 +41,12 @@ _AREAS = (
 )
 
 
+# models/layers.py's projection functions (QKV, output, MLP): an instruction's stack ends in them.
+_PROJECTIONS = ("column_parallel", "row_parallel", "_product", "_transposed_input_product",
+                "_transposed_input_forward", "_transposed_input_backward", "_pinned_product",
+                "_pinned_product_forward", "_pinned_product_backward")
+
+
 class Hlo:
     """The compiled module's instructions by name: kind, fused computation, source stack."""
 
@@ -122,7 +128,7 @@ class Hlo:
         if ins is None:
             return "unknown"
         stack = self.stack(ins["frame"])
-        if any(func in ("column_parallel", "row_parallel") for _, func, _ in stack[:1]):
+        if stack and stack[0][1] in _PROJECTIONS:
             # models/layers.py's projections: their stacks end there, so the einsum in the
             # instruction's name says whose they are (QKV "dgjk", output "hkd", MLP the rest).
             return "attention projections" if re.search(r"gjk|hkd|bshk", ins["op_name"]) else "MLP matmuls"

@@ -196,8 +196,10 @@ def _product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 # A projection's weight gradient x^T dy contracts the rows (batch, sequence) of both operands.
 # XLA:CPU runs that product (Eigen's) at 120-170 GFLOP/s on workload W's shapes; with x
 # transposed first (kept so by an optimization barrier, else XLA folds the transpose back into
-# the product) it is a plain product, which runs at 160-200 (fc2's [1024, 2048] x [2048, 256]:
-# 8.9 -> 6.3 ms; benchmarks/RESULTS.md). Accelerators' matmul libraries take either.
+# the product) it is a plain product, which runs at 160-190 (QKV's [256, 2048] x [2048, 768]:
+# 4.8 -> 4.3 ms; benchmarks/RESULTS.md). Not where x is the wider operand (fc2's [b, s, f]):
+# inside the layer scan XLA:CPU transposed that 8 MB input in 8 ms, more than the product saved.
+# Accelerators' matmul libraries take either.
 _TRANSPOSED_INPUT = (platform.CPU,)
 
 
@@ -215,9 +217,17 @@ def _transposed_input_backward(spec, residuals, dy):
     (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
     dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w)
     rows, cols = [c for c in xs if c not in ws], [c for c in xs if c in ws]
+    if _wider(x, xs, cols, w):  # fc2's [b, s, f] input: XLA:CPU transposes it slower than it saves
+        return dx.astype(x.dtype), jnp.einsum(f"{xs},{ys}->{ws}", x, dy).astype(w.dtype)
     x_t = jax.lax.optimization_barrier(jnp.transpose(x, [xs.index(c) for c in cols + rows]))
     dw = jnp.einsum(f"{''.join(cols + rows)},{ys}->{ws}", x_t, dy)
     return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _wider(x, xs, cols, w) -> bool:
+    """Has x more columns (the dims it shares with the weight) than the product's output?"""
+    width = math.prod(x.shape[xs.index(c)] for c in cols)
+    return width * width > w.size
 
 
 _transposed_input_product.defvjp(_transposed_input_forward, _transposed_input_backward)
