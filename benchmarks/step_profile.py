@@ -27,7 +27,7 @@ _RUNTIME = ("Thread", "Thunk", "Slinky", "Wait", "$", "end: ", "PjitFunction", "
 _AREAS = (
     ("attention core", lambda f, fn: f.endswith("models/attention.py") and fn in (
         "_xla_attention", "_probs", "_attend_forward", "_attend_backward", "_attend_plain", "attention",
-        "causal_mask")),
+        "causal_mask", "_causal_forward", "_causal_backward", "_causal_plain", "_block_rows", "_join_rows")),
     ("attention projections", lambda f, fn: f.endswith("models/attention.py")),
     ("norms", lambda f, fn: fn in ("norm", "_norm_forward", "_norm_backward", "_normalized", "Norm.__call__")),
     ("MLP activation", lambda f, fn: fn.startswith(("_gelu", "_swiglu", "mlp_activation"))),

@@ -1,5 +1,6 @@
 """The norms' and the MLP activations' own backwards (mlm_jax/models/layers.py keeps only the
-input and the norm's row statistics) give autodiff's gradients of the plain formulas."""
+input and the norm's row statistics) give autodiff's gradients of the plain formulas; so does the
+CPU projections' backward whose weight gradient multiplies a transposed operand."""
 
 import math
 
@@ -85,3 +86,30 @@ def test_backwards_keep_only_their_inputs():
     _, vjp = jax.vjp(lambda h: mlp_activation(h, True, False, 2), h)
     big = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape") and leaf.size >= 2 * 5 * 8]
     assert sorted((leaf.shape, str(leaf.dtype)) for leaf in big) == [((2, 5, 8), "bfloat16")] * 2, big
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", [
+    ("bsd,dgjk->bsgjk", (2, 8, 16), (16, 2, 3, 4)),  # QKV: x the narrower operand, x transposed
+    ("bshk,hkd->bsd", (2, 8, 4, 8), (4, 8, 32)),  # attention output
+    ("bsd,dnf->bsnf", (2, 8, 16), (16, 2, 48)),  # SwiGLU's fc1
+    ("bsf,fd->bsd", (2, 8, 64), (64, 16)),  # fc2: x the wider operand, dy transposed
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_projection_gradients_equal_autodiffs(spec, x_shape, w_shape, dtype):
+    from mlm_jax.models import layers
+
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (x_shape, w_shape))
+    out_shape = jax.eval_shape(lambda: jnp.einsum(spec, x, w)).shape
+    cot = jnp.asarray(rng.standard_normal(out_shape), dtype)
+
+    def grads(product):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum((product(spec, x, w) * cot).astype(jnp.float32)),
+                                argnums=(0, 1)))(x, w)
+
+    xs, ws = spec.split("->")[0].split(",")
+    assert layers._wider(x, xs, [c for c in xs if c in ws], w) == spec.startswith("bsf")  # both paths run
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for got, want in zip(grads(layers._transposed_input_product), grads(jnp.einsum)):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)

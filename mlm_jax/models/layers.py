@@ -197,9 +197,10 @@ def _product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 # XLA:CPU runs that product (Eigen's) at 120-170 GFLOP/s on workload W's shapes; with x
 # transposed first (kept so by an optimization barrier, else XLA folds the transpose back into
 # the product) it is a plain product, which runs at 160-190 (QKV's [256, 2048] x [2048, 768]:
-# 4.8 -> 4.3 ms; benchmarks/RESULTS.md). Not where x is the wider operand (fc2's [b, s, f]):
-# inside the layer scan XLA:CPU transposed that 8 MB input in 8 ms, more than the product saved.
-# Accelerators' matmul libraries take either.
+# 4.8 -> 4.3 ms; benchmarks/RESULTS.md). Where x is the wider operand (fc2's [b, s, f]) dy is
+# transposed instead and the weight-sized result after: XLA:CPU transposed that 8 MB input
+# (for its own row-contracting product too) in 8 ms per layer inside the layer scan, dy's 2 MB
+# in 0.3. Accelerators' matmul libraries take either.
 _TRANSPOSED_INPUT = (platform.CPU,)
 
 
@@ -217,8 +218,12 @@ def _transposed_input_backward(spec, residuals, dy):
     (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
     dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w)
     rows, cols = [c for c in xs if c not in ws], [c for c in xs if c in ws]
-    if _wider(x, xs, cols, w):  # fc2's [b, s, f] input: XLA:CPU transposes it slower than it saves
-        return dx.astype(x.dtype), jnp.einsum(f"{xs},{ys}->{ws}", x, dy).astype(w.dtype)
+    if _wider(x, xs, cols, w):  # fc2's [b, s, f] input: dy^T x, dy transposed, then the [d, f] result
+        outs = [c for c in ys if c not in xs]
+        dy_t = jax.lax.optimization_barrier(jnp.transpose(dy, [ys.index(c) for c in outs + rows]))
+        dw_t = jnp.einsum(f"{''.join(outs + rows)},{xs}->{''.join(outs + cols)}", dy_t, x)
+        dw = jnp.einsum(f"{''.join(outs + cols)}->{ws}", jax.lax.optimization_barrier(dw_t))
+        return dx.astype(x.dtype), dw.astype(w.dtype)
     x_t = jax.lax.optimization_barrier(jnp.transpose(x, [xs.index(c) for c in cols + rows]))
     dw = jnp.einsum(f"{''.join(cols + rows)},{ys}->{ws}", x_t, dy)
     return dx.astype(x.dtype), dw.astype(w.dtype)
