@@ -109,6 +109,7 @@ def test_projection_gradients_equal_autodiffs(spec, x_shape, w_shape, dtype):
 
     xs, ws = spec.split("->")[0].split(",")
     assert layers._wider(x, xs, [c for c in xs if c in ws], w) == spec.startswith("bsf")  # both paths run
+    assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: layers._product(spec, x, w))(x, w))  # taken on a CPU
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for got, want in zip(grads(layers._transposed_input_product), grads(jnp.einsum)):
         assert got.dtype == want.dtype

@@ -194,7 +194,7 @@ _attend.defvjp(_attend_forward, _attend_backward)
 # gradients sum over the blocks that see them. Workload W (seq 256, 8 blocks of 32 rows): one
 # layer's attention forward and backward 42.6 -> 29.2 ms (benchmarks/RESULTS.md). Accelerators
 # keep one square (cuDNN's kernel skips those blocks itself).
-_CAUSAL_BLOCKS = {"cpu": 8}
+_CAUSAL_BLOCKS = {platform.CPU: 8}
 _MIN_BLOCK_ROWS = 32
 
 

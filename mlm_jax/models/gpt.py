@@ -489,7 +489,7 @@ def _ce_chunk(x_bsd, w_vd, labels_bs, weights_bs, static):
 # summed over the chunks and transposed once: XLA:CPU's row-contracting product as [v, d] ran at
 # ~130 GFLOP/s, as [d, v] at ~155, as a plain product of the transposed x at ~195 (workload W,
 # one [512, 256] x [512, 8192] chunk: 16.5 -> 13.8 -> 11.0 ms).
-_WEIGHT_GRADIENT_DV = ("cpu",)
+_WEIGHT_GRADIENT_DV = (platform.CPU,)
 
 
 def _weight_gradient_dv() -> bool:
