@@ -129,7 +129,7 @@ def test_causal_query_blocks_equal_the_square():
     """On a CPU the plain causal order runs in query blocks, each against only the keys it can
     see (attention.causal_blocks): output and every gradient equal the one-square core's and
     the naive reference's (GQA, documents; fp32, 1e-5 absolute), and the compiled backward
-    holds no [rows, t] square of scores."""
+    holds no [rows, t] square of scores nor a product contracting a block's rows."""
     from mlm_jax.models import attention as attention_module
 
     s = 128
@@ -156,7 +156,11 @@ def test_causal_query_blocks_equal_the_square():
 
     blocked = value_and_grads()
     square_shape = f"f32[{B},{G},{H // G * s},{s}]"  # [b, g, r*s, t]: the whole square's scores
-    assert square_shape not in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    assert square_shape not in compiled
+    # key and value gradients as plain products of q and d_out transposed (keys_minor), none
+    # contracting the rows of a block's scores
+    assert "lhs_contracting_dims={2}" not in compiled
     kept, attention_module._CAUSAL_BLOCKS = attention_module._CAUSAL_BLOCKS, {}
     try:
         square = value_and_grads()

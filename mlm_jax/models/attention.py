@@ -133,11 +133,12 @@ def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff:
 _scores = fp32_einsum("bgqk,bgtk->bgqt", "bgqt,bgtk->bgqk", "bgqt,bgqk->bgtk")
 
 
-def _probs(q, k, mask, lse=None):
+def _probs(q, k, mask, lse=None, scaled=False):
     """Softmax probabilities [b, g, q, t] (fp32) and, without `lse`, their log-normaliser
-    [b, g, q, 1]; with it (the backward) the probabilities are exp(scores - lse)."""
+    [b, g, q, 1]; with it (the backward) the probabilities are exp(scores - lse). `scaled`:
+    q already carries the scores' 1/sqrt(k)."""
     scores = _scores(q, k)
-    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask, scores if scaled else scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
     if lse is not None:
         return jnp.exp(scores - lse), lse
     top = jnp.max(scores, axis=-1, keepdims=True)
@@ -150,29 +151,39 @@ def _attend_plain(q, k, v, mask, key, row0, rate):
     return _attend_forward(q, k, v, mask, key, row0, rate)[0]  # autodiff differentiates this
 
 
-def _attend_forward(q, k, v, mask, key, row0, rate):
-    probs, lse = _probs(q, k, mask)
+def _attend_forward(q, k, v, mask, key, row0, rate, scaled=False):
+    probs, lse = _probs(q, k, mask, scaled=scaled)
     with trace.using(row_offset=row0):
         probs = dropout(probs, rate, key)
     out = jnp.einsum("bgqt,bgtk->bgqk", probs.astype(v.dtype), v)
     return out, (q, k, v, mask, key, row0, lse, out)
 
 
-def _attend_backward(rate, residuals, d_out):
+def _attend_backward(rate, residuals, d_out, scaled=False, keys_minor=False):
     """The softmax's backward from the saved log-normaliser: the [b, g, q, t] probabilities
-    are recomputed (one product and one exp), never kept between forward and backward."""
+    are recomputed (one product and one exp), never kept between forward and backward.
+    `scaled`: q carries the scores' 1/sqrt(k) (as `_probs`), so the gradient of q lacks it.
+    `keys_minor`: the gradients of k and v come back as [b, g, k, t] fp32, products of q and
+    d_out transposed first (see `_causal_backward`)."""
     q, k, v, mask, key, row0, lse, out = residuals
-    probs, _ = _probs(q, k, mask, lse)
+    probs, _ = _probs(q, k, mask, lse, scaled)
     d_probs = jnp.einsum("bgqk,bgtk->bgqt", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
     with trace.using(row_offset=row0):  # the forward's mask again (a function of the key and the global rows)
         dropped = dropout(probs, rate, key).astype(v.dtype)
         d_probs = dropout(d_probs, rate, key)  # through the dropout: the same mask and scale
-    d_v = jnp.einsum("bgqt,bgqk->bgtk", dropped, d_out.astype(v.dtype),
-                     preferred_element_type=jnp.float32).astype(v.dtype)
     # softmax: d_scores = p * (d_p - sum_t d_p p), and sum_t d_p p = sum_k d_out out.
     row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    d_scores = (probs * (d_probs - row) / math.sqrt(q.shape[-1])).astype(q.dtype)
+    d_scores = probs * (d_probs - row)
+    d_scores = (d_scores if scaled else d_scores / math.sqrt(q.shape[-1])).astype(q.dtype)
     d_q = jnp.einsum("bgqt,bgtk->bgqk", d_scores, k, preferred_element_type=jnp.float32)
+    if keys_minor:  # plain products [k, q] x [q, t]: no row-contracting product of the scores
+        def minor(x):  # [b, g, q, k] -> [b, g, k, q], kept so (XLA would fold it into the product)
+            return jax.lax.optimization_barrier(jnp.swapaxes(x, 2, 3))
+        d_v = jnp.einsum("bgkq,bgqt->bgkt", minor(d_out.astype(v.dtype)), dropped, preferred_element_type=jnp.float32)
+        d_k = jnp.einsum("bgkq,bgqt->bgkt", minor(q), d_scores, preferred_element_type=jnp.float32)
+        return d_q.astype(q.dtype), d_k, d_v, None, None, None
+    d_v = jnp.einsum("bgqt,bgqk->bgtk", dropped, d_out.astype(v.dtype),
+                     preferred_element_type=jnp.float32).astype(v.dtype)
     d_k = jnp.einsum("bgqt,bgqk->bgtk", d_scores, q, preferred_element_type=jnp.float32)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v, None, None, None
 
@@ -192,8 +203,12 @@ _attend.defvjp(_attend_forward, _attend_backward)
 # mask would zero ((n + 1) / 2n of the square's work for n blocks), and each block's [B, t]
 # scores stay in the caches. `_attend`'s forward and backward run per block; key and value
 # gradients sum over the blocks that see them. Workload W (seq 256, 8 blocks of 32 rows): one
-# layer's attention forward and backward 42.6 -> 29.2 ms (benchmarks/RESULTS.md). Accelerators
-# keep one square (cuDNN's kernel skips those blocks itself).
+# layer's attention forward and backward 42.6 -> 29.2 ms (benchmarks/RESULTS.md). q carries the
+# 1/sqrt(k) scale (one multiply of q, where XLA:CPU otherwise fills a [rows, t] array with the
+# constant for each block's fused softmax backward), and the key and value gradients are plain
+# products of q and d_out transposed ([k, rows] x [rows, t], `keys_minor`) where XLA:CPU ran the
+# row-contracting product of the scores through Eigen: 28.4 -> 22.7 ms. Accelerators keep one
+# square (cuDNN's kernel skips those blocks itself).
 _CAUSAL_BLOCKS = {platform.CPU: 8}
 _MIN_BLOCK_ROWS = 32
 
@@ -225,31 +240,35 @@ def _join_rows(parts, r):
 def _causal_forward(q, k, v, mask, static):
     r, blocks = static
     rows = q.shape[2] // r // blocks
+    q = q * (1 / math.sqrt(q.shape[-1]))  # once, not on every block's scores
     outs, lses = [], []
     for i in range(blocks):
         seen = (i + 1) * rows
         out, residuals = _attend_forward(_block_rows(q, r, i, rows), k[:, :, :seen], v[:, :, :seen],
-                                         _block_rows(mask, r, i, rows)[..., :seen], None, 0, 0.0)
+                                         _block_rows(mask, r, i, rows)[..., :seen], None, 0, 0.0, scaled=True)
         outs.append(out)
         lses.append(residuals[6])
     out = _join_rows(outs, r)
-    return out, (q, k, v, mask, _join_rows(lses, r), out)
+    return out, (q, k, v, mask, _join_rows(lses, r), out)  # q scaled
 
 
 def _causal_backward(static, residuals, d_out):
     r, blocks = static
     q, k, v, mask, lse, out = residuals
     rows = q.shape[2] // r // blocks
-    d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    minor = k.shape[:2] + k.shape[:1:-1]  # [b, g, k, t]: the blocks' key and value gradients
+    d_q, d_k, d_v = [], jnp.zeros(minor, jnp.float32), jnp.zeros(minor, jnp.float32)
     for i in range(blocks):
         seen = (i + 1) * rows
         block = lambda x: _block_rows(x, r, i, rows)  # noqa: E731
         dq, dk, dv, *_ = _attend_backward(0.0, (block(q), k[:, :, :seen], v[:, :, :seen], block(mask)[..., :seen],
-                                                None, 0, block(lse), block(out)), block(d_out))
+                                                None, 0, block(lse), block(out)), block(d_out),
+                                          scaled=True, keys_minor=True)
         d_q.append(dq)
-        d_k = d_k.at[:, :, :seen].add(dk.astype(jnp.float32))
-        d_v = d_v.at[:, :, :seen].add(dv.astype(jnp.float32))
-    return _join_rows(d_q, r), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+        d_k = d_k.at[..., :seen].add(dk)
+        d_v = d_v.at[..., :seen].add(dv)
+    d_q = _join_rows(d_q, r) * (1.0 / math.sqrt(q.shape[-1]))  # the forward's scale of q
+    return d_q, jnp.swapaxes(d_k, 2, 3).astype(k.dtype), jnp.swapaxes(d_v, 2, 3).astype(v.dtype), None
 
 
 def _causal_plain(q, k, v, mask, static):
