@@ -5,13 +5,16 @@ W: 4 layers, hidden 256, 8 heads, ffn 1024, vocab 8192, seq 256, batch 8, AdamW,
 The plain step is the least a JAX program can do for W: the same GPT module's loss, optax's
 AdamW, one jit with donated state, one fixed batch already on the device, no microbatch loop,
 no logging. The CLI run adds everything a real run has (data loading, the step loop with one
-step in flight, --log-interval 1 logging every step, metrics file, TensorBoard). Variants of the
-plain step measure what XLA allows beyond it (layers unrolled instead of scanned).
+step in flight, --log-interval 1 logging every step, metrics file, TensorBoard). The `scan`
+variant of the plain step keeps the layer scan that a CPU unrolls for W's 4 layers
+(`recompute._UNROLLED_LAYERS`).
 
-    python benchmarks/workload_w.py [--steps 20] [--rounds 1] [--variants plain,unrolled] [--no-cli]
+    python benchmarks/workload_w.py [--steps 20] [--rounds 1] [--variants plain,scan] [--no-cli]
         [--torch-python /tmp/torchvenv/bin/python]   # + benchmarks/torch_reference.py's figures
     python benchmarks/workload_w.py --profile [--torch-python ...]   # where one step's time goes
     python benchmarks/workload_w.py --ab keep-host-memory --steps 12    # a change's A/B in one process
+    python benchmarks/workload_w.py --ab-rev REV:mlm_jax/models/attention.py:_attend_causal --steps 12
+        # this tree against those functions of that file as at git revision REV, in one process
 
 Prints a table (tokens/s, ratio CLI / plain) and writes JSON under benchmarks/results/.
 Run it with nothing else on the machine; the load average is printed beside the figures.
@@ -43,9 +46,9 @@ W_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
            "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--lr-warmup-iters", "0"]
 
 
-def plain_step(unrolled: bool = False, compiler_options: dict | None = None):
+def plain_step(scan: bool = False, compiler_options: dict | None = None):
     """W's plain jitted step, compiled, with its state: (run one step and wait for it, the
-    compiled program's HLO text)."""
+    compiled program's HLO text). `scan`: keep the layer scan where the model would unroll it."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -78,14 +81,14 @@ def plain_step(unrolled: bool = False, compiler_options: dict | None = None):
         updates = apply_lr(updates, lr_for(cfg, n))
         return jax.tree.map(jnp.add, p, updates), o, n + 8, loss
 
-    scan = jax.lax.scan
-    if unrolled:  # the layer scan fully unrolled: one straight-line program of 4 layers
-        recompute.jax.lax.scan = lambda f, init, xs, **kw: scan(f, init, xs, unroll=True, **kw)
+    unrolled = recompute._UNROLLED_LAYERS
+    if scan:
+        recompute._UNROLLED_LAYERS = {}
     try:
         state = [params, tx.init(params), jnp.zeros((), jnp.int32)]
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batch).compile(compiler_options)
     finally:
-        recompute.jax.lax.scan = scan
+        recompute._UNROLLED_LAYERS = unrolled
 
     def run_one():
         *state[:], loss = compiled(*state, batch)
@@ -96,10 +99,10 @@ def plain_step(unrolled: bool = False, compiler_options: dict | None = None):
     return run_one, compiled.as_text()
 
 
-def _plain_runner(steps: int, unrolled: bool):
+def _plain_runner(steps: int, scan: bool):
     """A function giving the tokens/s of a plain jitted step of W (compiled once): the median of
     `steps` timed steps."""
-    run_one, _ = plain_step(unrolled)
+    run_one, _ = plain_step(scan)
 
     def tokens_per_s() -> float:
         run_one()  # warm after the other runs of a round
@@ -182,9 +185,40 @@ def _without_transposed_input():
     return lambda: setattr(layers, "_TRANSPOSED_INPUT", kept)
 
 
+def _without_unrolled_layers():
+    from mlm_jax.models import recompute
+
+    kept, recompute._UNROLLED_LAYERS = recompute._UNROLLED_LAYERS, {}
+    return lambda: setattr(recompute, "_UNROLLED_LAYERS", kept)
+
+
 WITHOUT = {"keep-host-memory": None, "head-gradient-dv": _without_head_gradient_dv,
            "transposed-input": _without_transposed_input,
-           "causal-blocks": _without_causal_blocks}
+           "causal-blocks": _without_causal_blocks, "unrolled-layers": _without_unrolled_layers}
+
+
+def _at_revision(spec: str):
+    """`--ab-rev REV:PATH:NAME[,NAME]`: put the functions NAME of the module file PATH as at git
+    revision REV in place of this tree's (before compiling); returns the function that puts
+    this tree's back."""
+    import importlib
+    import importlib.util
+
+    rev, path, names = spec.split(":")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+    if source.returncode:
+        raise SystemExit(f"--ab-rev {spec}: {source.stderr.strip()}")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source.stdout)
+    loader = importlib.util.spec_from_file_location(f"{module.__name__}_at_{rev}", f.name)
+    old = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(old)
+    kept = {n: getattr(module, n) for n in names.split(",")}
+    for n in kept:
+        setattr(module, n, getattr(old, n))
+    return lambda: [setattr(module, n, v) for n, v in kept.items()]
 
 
 def ab_plain_step(name: str, rounds: int) -> dict:
@@ -193,14 +227,15 @@ def ab_plain_step(name: str, rounds: int) -> dict:
     step, and the load."""
     import resource
 
-    if WITHOUT[name] is None:
+    without = functools.partial(_at_revision, name) if name.count(":") == 2 else WITHOUT[name]
+    if without is None:
         after, _ = plain_step()
         before = after
-    elif isinstance(WITHOUT[name], dict):
-        before, _ = plain_step(compiler_options=WITHOUT[name])
+    elif isinstance(without, dict):
+        before, _ = plain_step(compiler_options=without)
         after, _ = plain_step()
     else:
-        undo = WITHOUT[name]()
+        undo = without()
         try:
             before, _ = plain_step()
         finally:
@@ -212,7 +247,7 @@ def ab_plain_step(name: str, rounds: int) -> dict:
     load = [os.getloadavg()[0]]
     for r in range(rounds):
         for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            if WITHOUT[name] is None:
+            if without is None:
                 _malloc_default(arm == "before")
             run = before if arm == "before" else after
             run()  # the arm's first step after a switch is not counted
@@ -223,7 +258,7 @@ def ab_plain_step(name: str, rounds: int) -> dict:
             u1 = resource.getrusage(resource.RUSAGE_SELF)
             faults[arm] += (u1.ru_minflt - u0.ru_minflt) / 2 / rounds
             kernel[arm] += (u1.ru_stime - u0.ru_stime) / 2 / rounds * 1e3
-    if WITHOUT[name] is None:
+    if without is None:
         _malloc_default(False)
     load.append(os.getloadavg()[0])
     return {arm: 1e3 * statistics.median(ts) for arm, ts in times.items()} | {
@@ -278,7 +313,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1, help="run every row this many times, alternating "
                     "the order; each row's median")
-    ap.add_argument("--variants", default="plain,unrolled")
+    ap.add_argument("--variants", default="plain,scan")
     ap.add_argument("--no-cli", action="store_true")
     ap.add_argument("--torch-python", help="a Python with torch: also run benchmarks/torch_reference.py "
                     "(torch.compile and eager) for the ratio")
@@ -286,14 +321,16 @@ def main() -> None:
                     "(and torch.compile's, with --torch-python)")
     ap.add_argument("--ab", choices=sorted(WITHOUT), help="instead: the plain step without this change "
                     "against with it, alternating in one process (--steps rounds)")
+    ap.add_argument("--ab-rev", metavar="REV:PATH:NAME[,NAME]", help="instead: the plain step with the "
+                    "functions NAME of PATH as at git revision REV against this tree, as --ab")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.profile:
         profile_main(args)
         return
-    if args.ab:
-        r = ab_plain_step(args.ab, args.steps)
-        print(f"{args.ab}: plain step {r['before']:.1f} ms without -> {r['after']:.1f} ms with "
+    if args.ab or args.ab_rev:
+        r = ab_plain_step(args.ab or args.ab_rev, args.steps)
+        print(f"{args.ab or args.ab_rev}: plain step {r['before']:.1f} ms without -> {r['after']:.1f} ms with "
               f"({100 * (r['after'] / r['before'] - 1):+.1f} %; fastest round {r['min']['before']:.1f} -> "
               f"{r['min']['after']:.1f} ms), {args.steps} alternating rounds, "
               f"load average {min(r['load']):.1f}-{max(r['load']):.1f}; page faults per step "
@@ -304,8 +341,8 @@ def main() -> None:
     # median over the rounds (this machine's speed drifts by 10 % between minutes).
     runs = {}
     for v in args.variants.split(","):
-        runs[f"plain jax.jit step ({'layers unrolled' if v == 'unrolled' else 'layer scan'})"] = \
-            _plain_runner(args.steps, v == "unrolled")
+        runs[f"plain jax.jit step ({'layer scan' if v == 'scan' else 'as the model runs'})"] = \
+            _plain_runner(args.steps, v == "scan")
     if not args.no_cli:
         runs["python -m mlm_jax.train --log-interval 1"] = lambda: cli_tps(args.steps)[0]
     if args.torch_python:
@@ -322,7 +359,7 @@ def main() -> None:
     base = next(iter(rows.values()))
     print(f"workload W, one CPU device, {args.steps} timed steps each, {args.rounds} round(s); load average "
           f"{min(load):.1f}-{max(load):.1f} during the runs")
-    print("| run | tokens/s | / plain scan step | each round |\n|---|---|---|---|")
+    print("| run | tokens/s | / first row | each round |\n|---|---|---|---|")
     for name, tps in rows.items():
         print(f"| {name} | {tps:,.0f} | {tps / base:.2f} | {' / '.join(f'{x:,.0f}' for x in rounds[name])} |")
     cli, torch_compiled = "python -m mlm_jax.train --log-interval 1", "nanoGPT-style PyTorch step (torch.compile)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -32,6 +33,20 @@ def tiny_config(parallel: ParallelConfig, micro_batch: int, data: DataConfig | N
     )
 
 
+@contextlib.contextmanager
+def layer_loop():
+    """Trace the layers as a scanned loop, as a GPU does (a CPU runs up to 8 layers unrolled,
+    `recompute._UNROLLED_LAYERS`): for the checks of what each layer's loop body holds. JAX keeps
+    a jitted function's trace, so the steps traced in here must be `build(..., fresh=True)`'s."""
+    from mlm_jax.models import recompute
+
+    kept, recompute._UNROLLED_LAYERS = recompute._UNROLLED_LAYERS, {}
+    try:
+        yield
+    finally:
+        recompute._UNROLLED_LAYERS = kept
+
+
 def fixed_batch(seed: int = 0) -> dict[str, np.ndarray]:
     """A global batch of [GLOBAL_BATCH, SEQ] arrays, with some loss-masked tokens."""
     rng = np.random.default_rng(seed)
@@ -56,12 +71,13 @@ def place(pz, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 
 
 def build(parallel: ParallelConfig, micro_batch: int, devices=None, model_class=None, data=None,
-          **model):
+          fresh: bool = False, **model):
     """The parallelized tiny model of one layout, built once per session: configs are frozen and
     hashable, so every test (and every file) asking for the same layout shares one set of compiled
-    programs."""
+    programs. `fresh`: a new one, whose steps JAX has not traced yet (see `layer_loop`)."""
     devices = tuple(jax.devices() if devices is None else devices)
-    return _build(parallel, micro_batch, devices, model_class, data, tuple(sorted(model.items())))
+    make = _build.__wrapped__ if fresh else _build
+    return make(parallel, micro_batch, devices, model_class, data, tuple(sorted(model.items())))
 
 
 @functools.cache

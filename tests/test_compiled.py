@@ -19,7 +19,7 @@ import pytest
 from mlm_jax.config import ParallelConfig
 from mlm_jax.sharding.hlo import collectives, count
 from mlm_jax.sharding.mesh import DATA, EXPERT
-from tests.parallel_util import SEQ, build, fixed_batch, place
+from tests.parallel_util import SEQ, build, fixed_batch, layer_loop, place
 from tests.tiny_flags import xla_flags_for
 
 MICRO = 2
@@ -51,10 +51,11 @@ LAYOUTS = {
 def compiled_text():
     out = {}
     for name, (par, micro, *model) in LAYOUTS.items():
-        pz = build(par, micro, **dict(*model))
+        pz = build(par, micro, fresh=True, **dict(*model))
         state = pz.init(0)
-        lowered = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0))
-        out[name] = (pz, lowered.compile().as_text())
+        with layer_loop():  # the per-layer counts below read the layer loop's body
+            lowered = pz.train_step.lower(state, place(pz, fixed_batch()), jax.random.key(0))
+            out[name] = (pz, lowered.compile().as_text())
     return out
 
 

@@ -100,6 +100,39 @@ def test_recomputation_changes_nothing_but_memory(granularity):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.max(np.abs(a))) + 1e-10)
 
 
+def test_a_cpus_unrolled_layers_equal_the_layer_scan(monkeypatch):
+    """On a CPU, without recomputation, up to 8 layers run unrolled (no layer loop in the compiled
+    program): loss and every gradient equal the layer scan's (fp32); with recomputation, deeper,
+    or traced for a GPU, the scan stays."""
+    from mlm_jax.models import recompute
+    from mlm_jax.sharding import trace
+
+    assert recompute.unrolled(2, None) and recompute.unrolled(8, "selective")
+    assert not recompute.unrolled(9, None) and not recompute.unrolled(2, "full") and not recompute.unrolled(2, "dots")
+    with trace.using(platform="cuda"):
+        assert not recompute.unrolled(2, None)
+
+    def loss_and_grads():
+        graphdef, params = model_parts(CFG)
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(TOKENS[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), TOKENS[:, 1:, None], -1))
+
+        step = jax.jit(jax.value_and_grad(loss))
+        return step(params), step.lower(params).compile().as_text()
+
+    layer_loop = '"known_trip_count":{"n":"2"}'  # a loop over CFG's 2 layers
+    (loss, grads), text = loss_and_grads()
+    assert layer_loop not in text
+    monkeypatch.setattr(recompute, "_UNROLLED_LAYERS", {})
+    (scan_loss, scan_grads), scan_text = loss_and_grads()
+    assert layer_loop in scan_text
+    assert float(loss) == pytest.approx(float(scan_loss), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(scan_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * float(np.max(np.abs(a))) + 1e-10)
+
+
 def test_bf16_computes_in_bf16_and_stays_close():
     import dataclasses
 

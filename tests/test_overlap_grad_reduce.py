@@ -18,7 +18,7 @@ from mlm_jax.plan import gpu_hlo
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.sharding.specs import entry_axes
 from mlm_jax.validation import finalize
-from tests.parallel_util import build, fixed_batch, grads_for, place, tiny_config, unpad
+from tests.parallel_util import build, fixed_batch, grads_for, layer_loop, place, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, REFERENCE, assert_trees_close
 
 OVERLAP = ParallelConfig(overlap_grad_reduce=True)
@@ -61,9 +61,10 @@ def test_zero_keeps_the_layers_dim_whole_so_each_layer_reduce_scatters_alone():
 
 def _data_reductions(name):
     parallel, micro, model = LAYOUTS[name]
-    pz = build(parallel, micro, **dict(model))
+    pz = build(parallel, micro, fresh=True, **dict(model))
     params = pz.init(0)["params"]
-    text = pz.loss_and_grads.lower(params, place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+    with layer_loop():  # as a GPU compiles it: the reductions inside the layer loop
+        text = pz.loss_and_grads.lower(params, place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
     program = gpu_hlo.read(text, dict(pz.mesh.shape))
     return [c for c in program.collectives if "data" in c.axes and c.kind in ("all-reduce", "reduce-scatter")
             and c.bytes >= 1024]
