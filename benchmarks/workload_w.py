@@ -214,7 +214,13 @@ def _at_revision(spec: str):
         f.write(source.stdout)
     loader = importlib.util.spec_from_file_location(f"{module.__name__}_at_{rev}", f.name)
     old = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(old)
+    try:
+        loader.loader.exec_module(old)
+    finally:
+        os.unlink(f.name)
+    missing = [n for n in names.split(",") if not (hasattr(module, n) and hasattr(old, n))]
+    if missing:
+        raise SystemExit(f"--ab-rev {spec}: {', '.join(missing)} not in {path} at {rev} and in this tree")
     kept = {n: getattr(module, n) for n in names.split(",")}
     for n in kept:
         setattr(module, n, getattr(old, n))
@@ -325,6 +331,9 @@ def main() -> None:
                     "functions NAME of PATH as at git revision REV against this tree, as --ab")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.ab_rev is not None and args.ab_rev.count(":") != 2:
+        ap.error(f"--ab-rev {args.ab_rev}: expected REV:PATH:NAME[,NAME], e.g. "
+                 "HEAD~1:mlm_jax/models/attention.py:_attend_causal")
     if args.profile:
         profile_main(args)
         return
