@@ -55,7 +55,6 @@ def plain_step(scan: bool = False, compiler_options: dict | None = None):
     from flax import nnx
 
     from mlm_jax.arguments import parse_args
-    from mlm_jax.models import recompute
     from mlm_jax.models.gpt import GPT
     from mlm_jax.optim import apply_lr, lr_for, make_optimizer
     from mlm_jax.validation import finalize
@@ -81,14 +80,12 @@ def plain_step(scan: bool = False, compiler_options: dict | None = None):
         updates = apply_lr(updates, lr_for(cfg, n))
         return jax.tree.map(jnp.add, p, updates), o, n + 8, loss
 
-    unrolled = recompute._UNROLLED_LAYERS
-    if scan:
-        recompute._UNROLLED_LAYERS = {}
+    undo = _without_unrolled_layers() if scan else (lambda: None)
     try:
         state = [params, tx.init(params), jnp.zeros((), jnp.int32)]
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batch).compile(compiler_options)
     finally:
-        recompute._UNROLLED_LAYERS = unrolled
+        undo()
 
     def run_one():
         *state[:], loss = compiled(*state, batch)
@@ -204,12 +201,19 @@ def _at_revision(spec: str):
     import importlib
     import importlib.util
 
+    def usage(why: str):
+        print(f"workload_w.py: error: --ab-rev {spec}: {why}", file=sys.stderr)
+        raise SystemExit(2)
+
     rev, path, names = spec.split(":")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
     if source.returncode:
-        raise SystemExit(f"--ab-rev {spec}: {source.stderr.strip()}")
-    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        usage(source.stderr.strip())
+    try:
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    except ImportError as e:
+        usage(f"{path} is not a module of this tree ({e})")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(source.stdout)
     loader = importlib.util.spec_from_file_location(f"{module.__name__}_at_{rev}", f.name)
@@ -220,7 +224,7 @@ def _at_revision(spec: str):
         os.unlink(f.name)
     missing = [n for n in names.split(",") if not (hasattr(module, n) and hasattr(old, n))]
     if missing:
-        raise SystemExit(f"--ab-rev {spec}: {', '.join(missing)} not in {path} at {rev} and in this tree")
+        usage(f"NAME must be in {path} both at {rev} and in this tree; {', '.join(missing)} is not")
     kept = {n: getattr(module, n) for n in names.split(",")}
     for n in kept:
         setattr(module, n, getattr(old, n))

@@ -256,7 +256,7 @@ def _causal_backward(static, residuals, d_out):
     r, blocks = static
     q, k, v, mask, lse, out = residuals
     rows = q.shape[2] // r // blocks
-    minor = k.shape[:2] + k.shape[:1:-1]  # [b, g, k, t]: the blocks' key and value gradients
+    minor = (*k.shape[:2], k.shape[3], k.shape[2])  # [b, g, k, t]: the blocks' key and value gradients
     d_q, d_k, d_v = [], jnp.zeros(minor, jnp.float32), jnp.zeros(minor, jnp.float32)
     for i in range(blocks):
         seen = (i + 1) * rows
