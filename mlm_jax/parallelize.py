@@ -208,6 +208,11 @@ class _traced:
         with tracing(self.mesh, self.rules, self.cp_comm_type):
             return self.fn.lower(*args)
 
+    def trace(self, *args):
+        """jax's Traced (`.jaxpr`: the program before lowering)."""
+        with tracing(self.mesh, self.rules, self.cp_comm_type):
+            return self.fn.trace(*args)
+
 
 class _CallableModule(types.ModuleType):
     """`mlm_jax.parallelize` is this module and, on the package's public face

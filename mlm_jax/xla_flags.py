@@ -17,6 +17,22 @@ JAX-Toolbox recommends for LLMs (rosetta/docs/GPU_performance.md), `GPU_TRAINING
                                                      to autotune on a deviceless compile would
                                                      choose them by heuristics)
 
+and one of mlm_jax's own, `NO_COMPILER_RECOMPUTE`:
+
+  --xla_disable_hlo_passes=rematerialization         XLA's HLO rematerialization pass off: when a
+                                                     program nears the device's memory it
+                                                     duplicates instructions (backward matmuls
+                                                     among them) to shorten live ranges. On the
+                                                     jax Python 3.12+ installs (0.12) it made
+                                                     Llama-3 8B's dp8 `dots` step run 1.33x its
+                                                     matmul FLOPs at the same 60.9 GiB; 0.10's
+                                                     XLA did not (benchmarks/RESULTS.md).
+                                                     Recompute is the user's trade, made with
+                                                     --recompute-granularity; a step that does
+                                                     not fit without the compiler's is reported
+                                                     so by `mlm_jax.plan`, naming those flags.
+                                                     MaxText's GPU scripts turn it off too.
+
 and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device memory by default).
 
 Under --sequence-parallel the pipelined all-gather is left out, --overlap-param-gather or not:
@@ -38,8 +54,10 @@ a subset of these (`GRAD_REDUCE`, `PARAM_GATHER`): on GPUs the scheduler's overl
 compute to overlap: mlm_jax/parallel/data.py).
 
 XLA reads XLA_FLAGS once, when its backend starts, so `apply` runs before any JAX work. A flag
-the user already set in XLA_FLAGS, to any value, is left alone; an unknown flag would abort
-XLA, so every flag here is checked against the installed XLA by a test.
+the user already set in XLA_FLAGS, to any value, is left alone (a user's own
+--xla_disable_hlo_passes list replaces ours: add `rematerialization` to it to keep the pass off;
+`compiler_recompute` says whether it is on, and `mlm_jax.plan` prints it); an unknown flag would
+abort XLA, so every flag here is checked against the installed XLA by a test.
 
 The thread pool of XLA:CPU for fake multi-device runs (`cpu_collective_threads`), the number
 of CPU devices every command runs on (`use_cpu_devices`, MLM_JAX_CPU_DEVICES), and the C
@@ -71,6 +89,8 @@ GPU_TRAINING = (
     f"--xla_gpu_reduce_scatter_combine_threshold_bytes={_COMBINE}",
     "--xla_gpu_enable_triton_gemm=false",
 )
+NO_COMPILER_RECOMPUTE = "--xla_disable_hlo_passes=rematerialization"
+GPU_TRAINING += (NO_COMPILER_RECOMPUTE,)
 
 
 def _not_given(flags, existing: str) -> list[str]:
@@ -95,6 +115,13 @@ def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     (XLA_FLAGS) already sets."""
     flags = GPU_TRAINING + tuple(overlap_flags(parallel))
     return _not_given([f for f in flags if not (parallel.sequence_parallel and f == _PIPELINED_ALL_GATHER)], existing)
+
+
+def compiler_recompute(xla_flags: str) -> bool:
+    """Whether XLA's own rematerialization pass runs under these XLA_FLAGS (a GPU run's, after
+    `apply`: only a user's --xla_disable_hlo_passes without it turns it back on)."""
+    disabled = re.findall(r"--xla_disable_hlo_passes=(\S*)", xla_flags)
+    return not disabled or "rematerialization" not in disabled[-1].split(",")
 
 
 def gpu_run(environ=os.environ) -> bool:

@@ -171,6 +171,29 @@ def test_bf16_dense_step_has_no_fp32_matmul(plans, name):
     assert not fp32, (name, r["matmul_dtypes"])
 
 
+def _fmha_runs(r, suffix: str) -> int:
+    return sum(n for k, n in r["cudnn_attention_runs"].items() if k.endswith(suffix))
+
+
+# The layouts whose attention runs in the layer loop itself: not the pipeline's (each stage's
+# forward is recomputed for its backward by design, pipeline/runtime.py), not context
+# parallelism's (its ring or gathered blocks run in branches and loops of their own, and
+# allgather/a2a recompute theirs inside the backward's shard_map by design, parallel/context.py).
+LAYER_LOOP_ATTENTION = [n for n in LAYOUTS if LAYOUTS[n][1] and "pp" not in n and "cp" not in n]
+
+
+@pytest.mark.parametrize("name", LAYER_LOOP_ATTENTION)
+def test_attention_forward_runs_once_short_of_full_recompute(plans, name):
+    """As many cuDNN forward kernels as backward kernels run in a step for every recompute policy
+    short of `full` (none, selective, dots, offload: recompute.keep_attention); under full, one
+    more for each recomputed layer (uniform: all 2 of them; block: the first 1). On today's main
+    `dots` and `offload` ran the forward twice."""
+    r = _plan(plans, name)
+    forward, backward = _fmha_runs(r, "Softmax"), _fmha_runs(r, "SoftmaxBackward")
+    per_backward = {"recompute_full_uniform": 2, "recompute_full_block": 1.5}.get(name, 1)
+    assert backward >= 1 and forward == per_backward * backward, r["cudnn_attention_runs"]
+
+
 ZERO = [n for n in LAYOUTS if "zero" in n or n == "fp16"]
 
 
@@ -251,6 +274,80 @@ def test_plan_reports_what_the_schedule_shows(plans):
         assert r["collectives_overlapped"] == sum(c["overlapped"] for c in r["collective_list"])
         if r["mesh"]["data"] > 1:
             assert r["data_parallel"]["gradient reduction"]["count"] >= 1, name
+
+
+# --------------------------------------------------------------------------- the compiler and the targets
+
+def _gpu_process(script: str, timeout=900) -> dict:
+    """Run `script` in a process started with the XLA flags a GPU run sets (`xla_flags.apply`
+    before jax starts, as `mlm_jax.plan` does); it prints one JSON line last."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(root)
+    preamble = ("import json, re\nfrom mlm_jax import xla_flags\nfrom mlm_jax.arguments import parse_args\n"
+                "xla_flags.apply(parse_args([]).parallel, gpu=True)\nimport jax, jax.numpy as jnp\n"
+                "jax.config.update('jax_platforms', 'cpu')\n")
+    p = subprocess.run([sys.executable, "-c", preamble + script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+_MATMULS = r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)[^"]*"|= [^=]* dot\('
+
+
+def test_xla_adds_no_recompute_of_its_own_near_the_memory_limit():
+    """A GPU run keeps XLA's rematerialization pass off (xla_flags.NO_COMPILER_RECOMPUTE): the
+    same `dots` step compiled for an H100 whose memory it nearly fills runs exactly the matmuls
+    it runs on a full H100. Without the flag, jax 0.12's XLA duplicated 2 of the 15 (0.10's did
+    not), and its temporaries were larger, not smaller (490.6 MiB against 474.6)."""
+    got = _gpu_process(f"""
+from jax.experimental import topologies
+from mlm_jax.plan.compile import compile_step
+from mlm_jax.plan.targets import gpu, target_text
+from mlm_jax.validation import finalize
+flags = {(TINY + " --bf16 --recompute-granularity dots --num-layers 4 --hidden-size 512 --seq-length 1024 "
+          "--max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 64").split()!r}
+cfg = finalize(parse_args(flags), 8)
+out = {{}}
+for memory in (84942979072, 400000000):
+    text = re.sub(r"device_memory_size: \\d+", f"device_memory_size: {{memory}}", target_text(gpu("h100")))
+    devs = list(topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x8").devices)
+    c = compile_step(cfg, devs)
+    out[memory] = [len(re.findall({_MATMULS!r}, c.text)), c.compiled.memory_analysis().temp_size_in_bytes]
+print(json.dumps(out))
+""")
+    (full, _), (tight, tight_temp) = got["84942979072"], got["400000000"]
+    assert full > 0 and tight == full, got
+    assert tight_temp > 400_000_000 * 0.9, got  # the step did come near the small memory
+
+
+def test_targets_describe_the_installed_cudnn_and_cuda():
+    """Every target tells XLA the cuDNN and CUDA runtime of the wheels installed here (XLA gates
+    features on both), and with CUDA 12 an fp8 matmul compiles to cuBLASLt's fp8 GEMM. The
+    targets used to claim cuDNN 9.10 and no CUDA runtime: XLA assumed CUDA < 12 and upcast fp8."""
+    from importlib import metadata
+
+    from mlm_jax.plan.targets import GPUS, target_text
+
+    cudnn = metadata.version("nvidia-cudnn-cu12").split(".")[:2]
+    nvcc = metadata.version("nvidia-cuda-nvcc-cu12").split(".")[:2]
+    for name, target in GPUS.items():
+        text = target_text(target)
+        assert f"dnn_version_info {{\n  major: {cudnn[0]}\n  minor: {cudnn[1]}\n}}" in text, name
+        assert f"runtime_version {{\n  major: {nvcc[0]}\n  minor: {nvcc[1]}\n}}" in text, name
+        with open(target.target_file) as f:  # the files' own, for machines without the wheels
+            assert "runtime_version {" in f.read(), name
+    got = _gpu_process("""
+from jax.sharding import SingleDeviceSharding
+from mlm_jax.plan.targets import devices, gpu
+dev = devices(gpu("h100"), 1, 1)[0]
+a = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn, sharding=SingleDeviceSharding(dev))
+b = jax.ShapeDtypeStruct((512, 256), jnp.float8_e4m3fn, sharding=SingleDeviceSharding(dev))
+f = lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+print(json.dumps(sorted(set(re.findall(r'custom_call_target="([^"]*)"', jax.jit(f).lower(a, b).compile().as_text())))))
+""")
+    assert got == ["__cublas$lt$matmul$f8"], got
 
 
 # --------------------------------------------------------------------------- the command

@@ -146,6 +146,36 @@ def test_recompute_gives_the_gradients_of_no_recompute(recompute_runs, name):
         assert err <= 1e-6 * max(1.0, float(np.max(np.abs(r)))), (jax.tree_util.keystr(path), err)
 
 
+def _batched_products(jaxpr) -> int:
+    """dot_generals with batch dims (the attention's products: no projection has any) in a
+    jaxpr and every jaxpr nested in its equations (scans, remat, custom VJPs, jit)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+            count += bool(lhs_batch)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                count += _batched_products(inner) if hasattr(inner, "eqns") else 0
+    return count
+
+
+def test_attention_forward_runs_once_short_of_full_recompute():
+    """`dots` keeps the attention's output and log-sum-exp (recompute.keep_attention), so the
+    gradient step runs exactly the attention products of no recompute (forward once, the
+    backward's own); full recompute runs the forward a second time. On today's main `dots` ran
+    as many as `full`: the attention forward again inside the backward."""
+    counts = {}
+    for name, extra in (("none", {}), ("selective", dict(recompute_granularity="selective")),
+                        ("dots", dict(recompute_granularity="dots")), ("full", dict(recompute_granularity="full"))):
+        pz = build(ParallelConfig(), 4, devices=ONE, num_layers=2, **extra)
+        params = pz.init(0)["params"]
+        traced = pz.loss_and_grads.trace(params, place(pz, fixed_batch()), jax.random.key(0))
+        counts[name] = _batched_products(traced.jaxpr.jaxpr)
+    assert counts["none"] > 0 and counts["dots"] == counts["selective"] == counts["none"] < counts["full"], counts
+
+
 def test_recompute_policies_lower_the_compiled_memory(recompute_runs):
     """XLA's memory analysis of the gradient step: keeping less costs less. Uniform groups of
     k layers keep n/k layer inputs but hold k layers' activations while a group is recomputed:

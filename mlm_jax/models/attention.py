@@ -31,6 +31,7 @@ from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.layers import (add_bias, cast, column_parallel, dropout, fp32_einsum, normal, param, rope_scaling,
                                     row_offset, row_parallel, rotary, zeros)
+from mlm_jax.models.recompute import keep_attention
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
 
@@ -155,7 +156,7 @@ def _attend_forward(q, k, v, mask, key, row0, rate, scaled=False):
     probs, lse = _probs(q, k, mask, scaled=scaled)
     with trace.using(row_offset=row0):
         probs = dropout(probs, rate, key)
-    out = jnp.einsum("bgqt,bgtk->bgqk", probs.astype(v.dtype), v)
+    out, lse = keep_attention(jnp.einsum("bgqt,bgtk->bgqk", probs.astype(v.dtype), v), lse)
     return out, (q, k, v, mask, key, row0, lse, out)
 
 
@@ -248,8 +249,8 @@ def _causal_forward(q, k, v, mask, static):
                                          _block_rows(mask, r, i, rows)[..., :seen], None, 0, 0.0, scaled=True)
         outs.append(out)
         lses.append(residuals[6])
-    out = _join_rows(outs, r)
-    return out, (q, k, v, mask, _join_rows(lses, r), out)  # q scaled
+    out, lse = keep_attention(_join_rows(outs, r), _join_rows(lses, r))
+    return out, (q, k, v, mask, lse, out)  # q scaled
 
 
 def _causal_backward(static, residuals, d_out):
@@ -384,28 +385,43 @@ def _lse_bhs(lse_bgq1, shape):
     return lse_bgq1.reshape(b, h, s)
 
 
-def _cudnn_call_args(q_bshk, causal):
-    """The internal cuDNN fused-attention rules' static arguments (jax._src: checked against
-    jax 0.10; `benchmarks/gpu.py` checks the kernels' numbers against `block_forward`'s XLA
-    path on a real GPU)."""
+def _cudnn_rules(q_bshk, causal):
+    """jax's internal cuDNN fused-attention rules (jax._src) and the arguments this call gives
+    them after q, k, v: (the forward rule's, the operands among them that the forward keeps for
+    the backward, the backward rule's static ones). No bias, sequence lengths, offsets, pages or
+    score modifier, no dropout, BTNH layout. The rules' signatures differ between jax versions
+    (0.12 added `score_mod_args` and `score_mod`; the backward's static arguments come in the
+    forward's order, the cuDNN version among them, named `is_training` in 0.10), so arguments
+    are matched by name: the GPU-compile tier compiles them on the oldest and the newest jax,
+    and `benchmarks/gpu.py --check-blocks` checks the kernels' numbers against
+    `block_forward`'s XLA path on a real GPU."""
+    import inspect
+
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     unused = jnp.zeros(0, q_bshk.dtype)
-    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    static = (1.0 / math.sqrt(q_bshk.shape[-1]), 0, 0.0, (False, False), mask, fa.AttentionLayout.BTNH.value,
-              None, fa.check_cudnn_version(), True)
-    return fa, (unused,) * 7, static
+    version = fa.check_cudnn_version()
+    values = {"bias": unused, "q_seqlen": unused, "kv_seqlen": unused, "q_offsets": unused, "kv_offsets": unused,
+              "page_table_k": unused, "page_table_v": unused, "score_mod_args": (),
+              "scale": 1.0 / math.sqrt(q_bshk.shape[-1]), "seed": 0, "dropout_rate": 0.0,
+              "variadic_args": (False, False), "mask_type": fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK,
+              "layout": fa.AttentionLayout.BTNH.value, "sliding_window_length": None, "score_mod": None,
+              "cudnn_version": version, "is_training": version, "return_residual": True}
+    forward = list(inspect.signature(fa._dot_product_attention_fwd_rule).parameters)[3:]
+    backward = list(inspect.signature(fa._dot_product_attention_bwd_rule).parameters)[:-2]  # less res, grads
+    return (fa, [values[n] for n in forward], [values[n] for n in forward[:forward.index("scale")]],
+            [values[n] for n in backward])
 
 
 def _cudnn_block_forward(q_bshk, k_btgk, v_btgk, causal):
-    fa, unused, static = _cudnn_call_args(q_bshk, causal)
-    (out, stats), _ = fa._dot_product_attention_fwd_rule(q_bshk, k_btgk, v_btgk, *unused, *static)
+    fa, forward, _, _ = _cudnn_rules(q_bshk, causal)
+    (out, stats), _ = fa._dot_product_attention_fwd_rule(q_bshk, k_btgk, v_btgk, *forward)
     return out, stats.astype(jnp.float32)  # stats: [b, h, s], the log-sum-exp of the scaled scores
 
 
 def _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bshk):
-    fa, unused, static = _cudnn_call_args(q_bshk, causal)
-    residuals = (q_bshk, k_btgk, v_btgk, *unused, lse_bhs, o_bshk)
+    fa, _, operands, static = _cudnn_rules(q_bshk, causal)
+    residuals = (q_bshk, k_btgk, v_btgk, *operands, lse_bhs, o_bshk)  # the forward rule's, in its order
     grads = fa._dot_product_attention_bwd_rule(*static, residuals, (do_bshk, None))
     return grads[0], grads[1], grads[2]
 

@@ -6,8 +6,9 @@ recomputed in the backward pass instead of kept from the forward.
   selective  attention's [b, h, s, t] probabilities are recomputed: what every run does here
              (no attention backend keeps them for the backward, see models/attention.py);
   dots       (mlm_jax) every matmul output with no batch dims (the q/k/v, output, MLP and
-             head projections) is kept; everything else (norms, GELU, attention scores and
-             softmax, dropout) is recomputed: most of full's saving for a fraction of its cost;
+             head projections) and the attention's output and log-sum-exp are kept; everything
+             else (norms, GELU, rotary, dropout) is recomputed, the attention's forward not:
+             most of full's saving for a fraction of its cost;
   offload    (mlm_jax) as `dots`, with the kept matmul outputs moved to host memory (pinned)
              and brought back for the backward: needs a GPU or TPU backend.
 `--recompute-method` with `full` (Megatron's):
@@ -16,8 +17,11 @@ recomputed in the backward pass instead of kept from the forward.
   block      only the first `--recompute-num-layers` layers (of each pipeline stage) are
              checkpointed; the rest keep everything.
 
-Inside the scan `prevent_cse=False`: the scan already keeps XLA from merging the recomputation
-with the forward (the reason for jax.checkpoint's default), and the barrier would only cost.
+Inside a scan of two or more rows `prevent_cse=False`: the loop already keeps XLA from merging
+the recomputation with the forward (the reason for jax.checkpoint's default), and the barrier
+would only cost. A scan of one row is no such loop (XLA inlines a loop of one trip, then merges
+the recomputation away: `--recompute-method block --recompute-num-layers 1` recomputed nothing on
+GPUs), nor is a remainder group called outside any scan: those keep jax's barrier.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
@@ -44,17 +49,47 @@ def check_offload_platform(cfg: ModelConfig, platform: str | None = None) -> Non
             f"the {platform} backend does not support; use it on a GPU, or choose dots | full | selective")
 
 
+# The attention's output and its softmax's log-sum-exp: what a fused (flash) backward needs
+# besides q, k and v. `dots` and `offload` keep them with the matmul outputs; otherwise the
+# attention, whose products have batch dims, would run its forward again inside the backward
+# just to make them (cuDNN's kernel twice per layer: seq 8192's Llama-3 8B step 4% longer).
+# Named where the XLA core and the context-parallel ring make them (`keep_attention`); cuDNN's
+# are the outputs of jax's fused-attention forward primitive, found by its name (both the
+# oldest and the newest jax: the GPU-compile tier counts the kernels).
+ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
+_FUSED_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper")
+
+
+def keep_attention(out, lse):
+    """`out` and `lse` named as the attention values `dots` and `offload` keep."""
+    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
+
+
+def _is_attention_value(prim, params) -> bool:
+    if prim.name == "name":  # checkpoint_name's primitive
+        return params.get("name") in (ATTENTION_OUT, ATTENTION_LSE)
+    return prim.name in _FUSED_ATTENTION_FORWARD
+
+
 def _policy(granularity: str):
     cp = jax.checkpoint_policies
     if granularity == "dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if granularity == "offload":
-        return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
-    return cp.nothing_saveable
+        matmuls = cp.dots_with_no_batch_dims_saveable
+    elif granularity == "offload":  # the attention's values stay on the device (small beside the matmuls')
+        matmuls = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+    else:
+        return cp.nothing_saveable
+
+    def policy(prim, *args, **params):
+        return True if _is_attention_value(prim, params) else matmuls(prim, *args, **params)
+
+    return policy
 
 
-def _remat(fn: Callable, granularity: str) -> Callable:
-    return jax.checkpoint(fn, policy=_policy(granularity), prevent_cse=False)
+def _remat(fn: Callable, granularity: str, scanned_rows: int = 0) -> Callable:
+    """`fn` recomputed per `granularity`, to run as the body of a scan of `scanned_rows` rows (0:
+    called outside any scan)."""
+    return jax.checkpoint(fn, policy=_policy(granularity), prevent_cse=scanned_rows < 2)
 
 
 def _rows(xs, start: int, stop: int):
@@ -68,17 +103,17 @@ def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig):
     if g in (None, "selective"):
         return _scan_sum(body, x, xs, unroll=unrolled(n, g))
     if g in ("dots", "offload"):
-        return _scan_sum(_remat(body, g), x, xs)
+        return _scan_sum(_remat(body, g, n), x, xs)
     k = cfg.recompute_num_layers or 1
     if cfg.recompute_method == "block":
         k = min(k, n)
-        x, stats = _scan_sum(_remat(body, "full"), x, _rows(xs, 0, k))
+        x, stats = _scan_sum(_remat(body, "full", k), x, _rows(xs, 0, k))
         if k < n:
             x, rest = _scan_sum(body, x, _rows(xs, k, n))
             stats = jax.tree.map(jnp.add, stats, rest)
         return x, stats
     if k == 1:
-        return _scan_sum(_remat(body, "full"), x, xs)
+        return _scan_sum(_remat(body, "full", n), x, xs)
     groups = n // k
 
     def group(x, xs_group):  # k layers; only the group's input is kept
@@ -87,7 +122,7 @@ def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig):
     stats = None
     if groups:
         grouped = jax.tree.map(lambda a: a[: groups * k].reshape(groups, k, *a.shape[1:]), xs)  # [G, k, ...]
-        x, stats = _scan_sum(_remat(group, "full"), x, grouped)
+        x, stats = _scan_sum(_remat(group, "full", groups), x, grouped)
     if groups * k < n:  # an uneven pipeline stage: the remainder as one more group
         x, rest = _remat(group, "full")(x, _rows(xs, groups * k, n))
         stats = rest if stats is None else jax.tree.map(jnp.add, stats, rest)

@@ -47,6 +47,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from mlm_jax.models.attention import XLA, attention, block_backward, block_forward, causal_mask
 from mlm_jax.models.layers import dropout, fp32_einsum
+from mlm_jax.models.recompute import keep_attention
 from mlm_jax.parallel.chunks import local_order, seq_order
 from mlm_jax.sharding.mesh import CONTEXT, PIPE
 from mlm_jax.sharding.rules import spec_on_axes
@@ -263,7 +264,7 @@ def _fused_ring_fwd(backend, c, q, k, v):
     # (zeros_like: the carry varies over the manual axes as q does)
     acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(jnp.einsum("bshk->bhs", q[..., :1]), NEG, jnp.float32))
     (_, (o, lse)), _ = jax.lax.scan(ring_step, ((k, v), acc), jnp.arange(c))
-    out = o.astype(q.dtype)
+    out, lse = keep_attention(o.astype(q.dtype), lse)
     return out, (q, k, v, out, lse)
 
 

@@ -9,7 +9,7 @@ import os
 
 from mlm_jax.config import data_parallel_size
 from mlm_jax.parallel.data import overlaps_grad_reduce
-from mlm_jax.xla_flags import MEM_FRACTION, MEM_FRACTION_ENV
+from mlm_jax.xla_flags import MEM_FRACTION, MEM_FRACTION_ENV, NO_COMPILER_RECOMPUTE, compiler_recompute
 from mlm_jax.plan import gpu_hlo
 from mlm_jax.plan.compile import Compiled
 from mlm_jax.plan.targets import Gpu
@@ -76,6 +76,7 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         },
         "attention_backend": attention_backend(c, program),
         "cudnn_attention_calls": program.cudnn_attention,
+        "cudnn_attention_runs": program.cudnn_attention_runs,
         "collectives": gpu_hlo.by_axes(program.collectives),
         "sent_bytes_per_axis": gpu_hlo.sent_per_axis(program.collectives, mesh_shape),
         "collectives_async": sum(col.is_async for col in program.collectives),
@@ -88,6 +89,7 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "lower_seconds": round(c.lower_seconds, 2),
         "compile_seconds": round(c.compile_seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_rematerialization": compiler_recompute(os.environ.get("XLA_FLAGS", "")),
     }
 
 
@@ -148,6 +150,10 @@ def text(r: dict) -> str:
         + (f" ({', '.join(f'{k} x{v}' for k, v in r['cudnn_attention_calls'].items())})"
            if r["cudnn_attention_calls"] else ""),
         f"matmul operand types: {', '.join(f'{k} ({v})' for k, v in r['matmul_dtypes'].items()) or 'none'}",
+        "XLA's own rematerialization: " + (
+            f"ON (XLA_FLAGS' --xla_disable_hlo_passes leaves it out): near the memory limit XLA may recompute "
+            f"on its own, beyond --recompute-granularity (add {NO_COMPILER_RECOMPUTE.split('=')[1]} to that list)"
+            if r["xla_rematerialization"] else "off (the recompute flags alone decide what is recomputed)"),
         f"collectives: {r['collectives_total']}, {r['collectives_async']} async, "
         f"{r['collectives_overlapped']} overlapped with compute",
     ]

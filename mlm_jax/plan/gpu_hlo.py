@@ -10,7 +10,8 @@ attention kernels, as `mlm_jax.plan` reports them and the GPU-compile tests asse
   inside a branch of a conditional in a loop, `in_branch`, an upper bound: e.g. the last
   microbatch's branch of --overlap-grad-reduce runs once per step, not once per microbatch).
 - Matmuls: the element types of both operands of every cuBLAS call and `dot` (in fusions too).
-- Attention: cuDNN's fused kernels (`__cudnn$fmha...` custom calls).
+- Attention: cuDNN's fused kernels (`__cudnn$fmha...` custom calls), as instructions and as
+  executions per step.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Program:
     collectives: list[Collective]
     matmul_dtypes: dict[tuple[str, str], int]  # (lhs, rhs) element types -> count
     cudnn_attention: dict[str, int]  # custom-call target -> count
+    cudnn_attention_runs: dict[str, int]  # custom-call target -> executions per step (loops' trips)
 
 
 def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -250,16 +252,19 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
                                 is_async, overlapped, n, looped, op_name.group(1) if op_name else "", branched))
     matmuls: dict[tuple[str, str], int] = {}
     attention: dict[str, int] = {}
+    attention_runs: dict[str, int] = {}
     for ins in instrs.values():
         target = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):
             attention[target.group(1)] = attention.get(target.group(1), 0) + 1
+            attention_runs[target.group(1)] = attention_runs.get(target.group(1), 0) + runs.get(ins.computation,
+                                                                                                (1,))[0]
         if ins.opcode == "dot" or (target and target.group(1) in _GEMMS):
             ops = [instrs[o] for o in ins.operands[:2] if o in instrs]
             types = tuple(_arrays(o.type_text)[0][0] if _arrays(o.type_text) else "?" for o in ops)
             if len(types) == 2:
                 matmuls[types] = matmuls.get(types, 0) + 1
-    return Program(found, matmuls, attention)
+    return Program(found, matmuls, attention, attention_runs)
 
 
 def by_axes(collectives: list[Collective]) -> dict[str, dict]:

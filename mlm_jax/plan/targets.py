@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import shutil
 
 from mlm_jax.errors import UsageError
@@ -64,6 +65,45 @@ def _ptxas_found() -> bool:
     return any(d and os.access(os.path.join(d, "bin", "ptxas"), os.X_OK) for d in dirs)
 
 
+# The wheels whose versions a GPU run's program depends on: cuDNN (XLA gates fused kernels on
+# its version) and the CUDA runtime (below 12 XLA emits no fp8 cuBLASLt GEMM), `jax[cuda12]`'s
+# and `.[gpu-compile]`'s (which has nvcc's wheel, of the runtime's release, in its place).
+_CUDNN_WHEELS = ("nvidia-cudnn-cu12", "nvidia-cudnn-cu13")
+_CUDA_WHEELS = ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvcc-cu13")
+
+
+def installed_version(wheels) -> tuple[int, int] | None:
+    """(major, minor) of the first of `wheels` installed here, None if none is."""
+    from importlib import metadata
+
+    for name in wheels:
+        try:
+            major, minor = metadata.version(name).split(".")[:2]
+            return int(major), int(minor)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue
+    return None
+
+
+def _with_version(text: str, field: str, version: tuple[int, int] | None) -> str:
+    if version is None:
+        return text
+    block = f"{field} {{\n  major: {version[0]}\n  minor: {version[1]}\n}}"
+    return re.sub(field + r" \{[^}]*\}", block, text) if field + " {" in text else text + block + "\n"
+
+
+def target_text(target: Gpu) -> str:
+    """`target`'s description for XLA: its file (mlm_jax/targets/), whose cuDNN and CUDA runtime
+    versions are replaced by those of the wheels installed here, as a GPU node that installs
+    `.[cuda12]` at the same time gets them: XLA gates features on both, so a target claiming
+    older ones compiles a different program from the one that runs (the files' own, 9.28 and
+    12.9, are `jax[cuda12]`'s of 2026-12, for machines without the wheels)."""
+    with open(target.target_file) as f:
+        text = f.read()
+    text = _with_version(text, "dnn_version_info", installed_version(_CUDNN_WHEELS))
+    return _with_version(text, "runtime_version", installed_version(_CUDA_WHEELS))
+
+
 def gpu(name: str) -> Gpu:
     if name not in GPUS:
         raise UsageError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}")
@@ -88,8 +128,6 @@ def devices(target: Gpu, count: int, per_node: int = 8) -> list:
     per_node = check_cluster(count, per_node)
     from jax.experimental import topologies
 
-    with open(target.target_file) as f:
-        text = f.read()
-    topo = topologies.get_topology_desc(platform="cuda", target_config=text,
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_text(target),
                                         topology=f"1x{count // per_node}x{per_node}")
     return list(topo.devices)
