@@ -253,6 +253,70 @@ def test_plan_reports_what_the_schedule_shows(plans):
             assert r["data_parallel"]["gradient reduction"]["count"] >= 1, name
 
 
+# --------------------------------------------------------------------------- the step time
+
+def _ratio_band(name: str) -> tuple[float, float]:
+    """The executed matmul FLOPs / model FLOPs a layout's program should show (the report's
+    ratio: the matmul and attention kernels' FLOPs, per device times the 8 devices, against
+    `metrics.flops_per_token`'s model, causal attention halved), as a (low, high) band.
+
+    Worked out from the config: cuDNN's attention backward recomputes the scores, 0.5 of the
+    causal forward's `2*s*a*d` FLOPs per token and layer (step_time's convention); XLA attention
+    computes the masked half of the scores and values too, in the forward and twice in the
+    backward; full recompute runs each rematerialized group's forward again except its last
+    matmul, whose output the backward does not need (XLA drops it: fc2 of the group's last
+    layer); dots, selective (fused attention keeps no scores) and offload recompute no matmul.
+    Without a pipeline or context parallelism the band is 0.3% wide around that figure. A
+    pipeline runs every lockstep tick's slots on every stage, masked or not, and recomputes its
+    stage's forward in each backward tick: between `lockstep_cost(F=1, B=2)` and `(F=1, B=3)`
+    over the useful 3m units, the head and embedding left out. Context parallelism's ring may
+    run attention again in its backward and at block granularity: up to twice attention's
+    share more."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.metrics import flops_per_token
+    from mlm_jax.pipeline import lockstep
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
+    m, L = cfg.model, analytic.layout_of(cfg, 8)
+    s, h, a, g, d = cfg.train.seq_length, m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    model = flops_per_token(m, s)  # per token
+    attention = 2 * s * a * d * m.num_layers  # the causal forward's scores and values
+    extra = 0.5 * attention if LAYOUTS[name][1] else 3 * attention
+    if m.recompute_granularity == "full":
+        k = m.recompute_num_layers or 1
+        layers = min(k, m.num_layers) if m.recompute_method == "block" else m.num_layers
+        last = layers if m.recompute_method == "block" else -(-m.num_layers // k)  # groups' last fc2
+        layer = 2 * (h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h)
+        extra += layers * layer - last * 2 * m.ffn_size * h
+        extra += layers / m.num_layers * attention * (1 if LAYOUTS[name][1] else 2)
+    low = high = 1 + extra / model
+    if L.pp > 1:
+        table = lockstep.two_slot(L.schedule or ("interleaved" if L.vp > 1 else "1f1b"), L.pp, L.microbatches, L.vp)
+        low = lockstep.lockstep_cost(table, L.vp, 1, 2) / (3 * L.microbatches) + extra / model
+        high = lockstep.lockstep_cost(table, L.vp, 1, 3) / (3 * L.microbatches) + extra / model
+    if L.cp > 1:
+        high += 2 * 3 * attention / model
+    if L.pp == 1 and L.cp == 1:
+        low, high = low - 0.0015 * low, high + 0.0015 * high
+    return low, high
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_step_time_estimate_and_executed_flops(plans, name):
+    """The plan's estimated step time is there, and the program's matmuls and attention execute
+    what the layout should (`_ratio_band`): not the attention forward twice under
+    --recompute-granularity dots (it keeps the attention's output and statistics), not a
+    microbatch's work twice."""
+    t = _plan(plans, name)["step_time"]
+    assert t["seconds"] > 0 and t["tokens_per_second"] > 0 and 0 < t["mfu"] < 1, t
+    top = [k["seconds"] for k in t["top_kernels"]]
+    assert t["compute_seconds"] <= t["seconds"] and len(top) == 10 and top == sorted(top, reverse=True), t
+    low, high = _ratio_band(name)
+    assert low <= t["executed_matmul_flops_ratio"] <= high, (t["executed_matmul_flops_ratio"], low, high)
+
+
 # --------------------------------------------------------------------------- the command
 
 def _plan_cli(tmp_path, *args, timeout=600):
@@ -283,6 +347,10 @@ def test_plan_cli_reports_and_writes_json_and_hlo(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in r["xla_flags"]
     hlo = (tmp_path / "step.hlo").read_text()
     assert "__cudnn$fmhaSoftmax" in hlo and "is_scheduled=true" in hlo
+    assert "step time: estimated from the compiled program" in p.stdout and "analytic model" in p.stdout, p.stdout
+    assert "executed matmul FLOPs / model FLOPs: 1.0" in p.stdout and "top kernels" in p.stdout, p.stdout
+    t = r["step_time"]
+    assert t["seconds"] > 0 and t["analytic"]["seconds"] > 0 and len(t["top_kernels"]) == 10
 
 
 def test_plan_cli_exit_1_when_it_does_not_fit(tmp_path):

@@ -82,6 +82,12 @@ def _ptxas_found() -> bool:
     return any(d and os.access(os.path.join(d, "bin", "ptxas"), os.X_OK) for d in dirs)
 
 
+def by_device_kind(kind: str) -> Gpu | None:
+    """The target whose devices report `kind` (jax's `device_kind`), or None: the part is not
+    described here (a PCIe or NVL card, another memory size, a CPU)."""
+    return next((g for g in GPUS.values() if g.description == kind), None)
+
+
 def gpu(name: str) -> Gpu:
     if name not in GPUS:
         raise UsageError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}")
