@@ -37,10 +37,17 @@ A while loop costs its trip count times its body (and the condition once more); 
 its most expensive branch (an upper bound where a loop runs a cheaper branch most times, e.g.
 the microbatch loop of --overlap-grad-reduce runs its reductions' branch once); calls nest.
 
+The FLOPs the program executes are its matmul and cuDNN attention kernels' FLOPs times their
+runs, one device's program (every device runs the same one); `report` compares them, times the
+devices, with the model's (`metrics.flops_per_token`, attention halved as causal: so 1.0 means
+nothing is computed twice, a cuDNN backward's recompute of the scores aside, which it states);
+its MFU counts model FLOPs as the analytic model's does (`analytic.step_flops`).
+
 Limits (it is a model read from a program, not a measurement):
 
-- no autotuning: every GEMM at the datasheet peak (real GEMMs reach 60-80% of it, small and
-  skinny ones less), every memory-bound kernel at the datasheet bandwidth; no cache effects;
+- no autotuning: every GEMM at the datasheet peak (real ones reach less of it, small and skinny
+  ones much less; the analytic model assumes 60%), every memory-bound kernel at the datasheet
+  bandwidth; no cache effects (L2 reuse between kernels is not credited);
 - no concurrency between compute kernels (XLA's GPU runtime runs one stream for them here), only
   between compute and transfers; transfers on one link run one after another, and a transfer in
   flight across a loop does not slow the loop's own;
@@ -77,7 +84,7 @@ class Kernel:
     """One instruction that costs time, as the step runs it."""
 
     name: str
-    kind: str  # matmul, attention, memory, a collective's kind (all-gather, ...), transfer, async
+    kind: str  # matmul, attention, a collective's kind (all-gather, ...), transfer, async; else its opcode (fusion, copy, ...): memory-bound
     op_name: str  # the source op (metadata)
     seconds: float  # one run's cost to the step (a collective or transfer: its exposed wait)
     flops: float = 0.0  # one run (matmul and attention)
