@@ -105,6 +105,33 @@ def test_dot_in_a_triton_gemm_fusion():
     assert k.seconds == pytest.approx(1_610_612_736 / PEAK + LAUNCH, rel=1e-12)
 
 
+def test_gemm_inside_a_dynamic_slice_fusion():
+    """Newer XLA wraps a cuBLAS call that reads one layer of a stacked buffer in a
+    `__custom_fusion` (dynamic_slice_fusion): the GEMM counts, at the slice's bytes."""
+    comp = """%dynamic-slice-fusion.1 (p0.1: bf16[4,1024,4096], p1.1: s32[], p2.1: bf16[4096,2048]) -> (bf16[1024,2048], s8[33554432]) {
+  %p0.1 = bf16[4,1024,4096]{2,1,0} parameter(0)
+  %p1.1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %dynamic-slice.1 = bf16[1,1024,4096]{2,1,0} dynamic-slice(%p0.1, %p1.1, %zero.1, %zero.1), dynamic_slice_sizes={1,1024,4096}
+  %bitcast.1 = bf16[1024,4096]{1,0} bitcast(%dynamic-slice.1)
+  %p2.1 = bf16[4096,2048]{1,0} parameter(2)
+""" + gemm("gemm.1", 1024, 4096, 2048).replace("%gemm.1_a, %gemm.1_b", "%bitcast.1, %p2.1").replace(
+        "s8[4194304]", "s8[33554432]").replace("  %gemm.1 =", "  ROOT %gemm.1 =") + "\n}"
+    entry = """ENTRY %main (x: bf16[4,1024,4096], i: s32[], w: bf16[4096,2048]) -> (bf16[1024,2048], s8[33554432]) {
+  %x = bf16[4,1024,4096]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = bf16[4096,2048]{1,0} parameter(2)
+  ROOT %dynamic_slice_fusion = (bf16[1024,2048]{1,0}, s8[33554432]{0}) fusion(%x, %i, %w), kind=kCustom, calls=%dynamic-slice-fusion.1, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion"}}}
+}"""
+    k = kernel(estimate(module(comp, entry=entry)), "dynamic_slice_fusion")
+    # 2 * 1024 * 2048 * 4096 = 17,179,869,184 FLOPs; read: the slice 8 MiB, the index, the weight
+    # 16 MiB; written: the 4 MiB product (not the 32 MiB workspace).
+    assert k.kind == "matmul" and k.flops == 17_179_869_184
+    assert k.bytes == 8 * 2**20 + 4 + 16 * 2**20 + 4 * 2**20
+    assert k.op_name == "jit(train_step)/gemm.1/dot_general"  # the call's, the fusion having none
+    assert k.seconds == pytest.approx(17_179_869_184 / PEAK + LAUNCH, rel=1e-12)
+
+
 ADD = """%fused_add (param_0.2: f32[1024,1024], param_1.2: f32[1024,1024]) -> f32[1024,1024] {
   %param_0.2 = f32[1024,1024]{1,0} parameter(0)
   %param_1.2 = f32[1024,1024]{1,0} parameter(1)

@@ -128,6 +128,15 @@ def _shape(ins: Instr | None) -> tuple[str, tuple[int, ...]] | None:
     return arrays[0] if arrays else None
 
 
+def _results(ins: Instr) -> list:
+    """The arrays an instruction returns, less a custom call's workspace (cuBLAS's s8[...],
+    cuDNN's u8[...], the last of its results): scratch, not traffic."""
+    arrays = _arrays(ins.type_text)
+    if ins.opcode == "custom-call" and len(arrays) > 1 and arrays[-1][0] in ("s8", "u8"):
+        return arrays[:-1]
+    return arrays
+
+
 class _Program:
     def __init__(self, text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: int,
                  hw: analytic.Hardware):
@@ -168,15 +177,28 @@ class _Program:
     def _called(self, ins: Instr) -> list[str]:
         return re.findall(r"calls=%([\w.\-]+)", ins.rest)
 
-    def _dots(self, comp: str) -> list[Instr]:
-        """The dots of a fused computation, nested fusions included."""
+    def _target(self, ins: Instr) -> str:
+        m = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
+        return m.group(1) if m else ""
+
+    def _matmuls(self, comp: str) -> list[Instr]:
+        """The dots, GEMM and attention calls of a fused computation (a Triton GEMM fusion's dot,
+        a dynamic-slice fusion's cuBLAS call), nested fusions included."""
         out = []
         for ins in self.by_comp.get(comp, []):
-            if ins.opcode == "dot":
+            if ins.opcode == "dot" or self._target(ins).startswith((_GEMM, _ATTENTION)):
                 out.append(ins)
             for inner in self._called(ins):
-                out += self._dots(inner)
+                out += self._matmuls(inner)
         return out
+
+    def _flops(self, ins: Instr) -> tuple[float, float, float]:
+        """(FLOPs, seconds at peak, of which an attention backward's recompute) of a dot, GEMM
+        or attention call."""
+        target = self._target(ins)
+        if target.startswith(_ATTENTION):
+            return self._attention(ins, target)
+        return (*self._dot_cost(ins), 0.0)
 
     def _peak(self, types: list[str], attrs: str) -> float:
         """FLOP/s of a matmul with these operand types and attributes (module docstring)."""
@@ -246,7 +268,7 @@ class _Program:
             return self._written(comp_instrs[ins.operands[0]], comp_instrs)
         if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
             return _nbytes(_arrays(self.instrs[ins.operands[1]].type_text))
-        return _nbytes(_arrays(ins.type_text))
+        return _nbytes(_results(ins))
 
     def _fusion_bytes(self, ins: Instr, comp: str) -> float:
         """Bytes a fusion (or a wrapped computation) reads and writes."""
@@ -264,39 +286,34 @@ class _Program:
         root = next((i for i in body if i.name in self.roots), body[-1] if body else None)
         return read + (self._written(root, local) if root is not None else _nbytes(_arrays(ins.type_text)))
 
-    def _plain_bytes(self, ins: Instr, results: int | None = None) -> float:
-        """Bytes an unfused instruction reads and writes (the first `results` arrays it returns)."""
+    def _plain_bytes(self, ins: Instr) -> float:
+        """Bytes an unfused instruction reads and writes."""
         if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
             return 2.0 * _nbytes(_arrays(self.instrs[ins.operands[1]].type_text))
         if ins.opcode in ("dynamic-slice", "slice", "copy"):
             return 2.0 * _nbytes(_arrays(ins.type_text))
         read = sum(_nbytes(_arrays(self.instrs[o].type_text)) for o in ins.operands if o in self.instrs)
-        return read + _nbytes(_arrays(ins.type_text)[:results])
+        return read + _nbytes(_results(ins))
 
     def kernel(self, ins: Instr) -> Kernel:
         """The cost of one compute instruction, one run (memoized)."""
         if ins.name in self.kernels:
             return self.kernels[ins.name]
-        op_name = re.search(r'op_name="([^"]*)"', ins.rest)
         kind, flops, compute, recompute = ins.opcode, 0.0, 0.0, 0.0  # memory-bound unless a matmul
-        target = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
-        if ins.opcode == "fusion":  # a matmul when it holds a dot (a Triton or cuDNN GEMM fusion)
+        source = ins
+        if ins.opcode == "fusion":  # a matmul when it holds one (a Triton GEMM, a dynamic-slice fusion)
             comp = self._called(ins)[0]
             nbytes = self._fusion_bytes(ins, comp)
-            for dot in self._dots(comp):
-                kind = "matmul"
-                f, s = self._dot_cost(dot)
-                flops, compute = flops + f, compute + s
-        elif ins.opcode == "dot" or (target and target.group(1).startswith(_GEMM)):
-            kind = "matmul"
-            flops, compute = self._dot_cost(ins)
-            nbytes = self._plain_bytes(ins, results=1)  # not cuBLAS's workspace
-        elif target and target.group(1).startswith(_ATTENTION):
-            kind = "attention"
-            flops, compute, recompute = self._attention(ins, target.group(1))
-            nbytes = self._plain_bytes(ins)
+            inner = self._matmuls(comp)
         else:
             nbytes = self._plain_bytes(ins)
+            inner = [ins] if ins.opcode == "dot" or self._target(ins).startswith((_GEMM, _ATTENTION)) else []
+        for mm in inner:
+            f, s, r = self._flops(mm)
+            flops, compute, recompute = flops + f, compute + s, recompute + r
+            kind = "attention" if self._target(mm).startswith(_ATTENTION) else "matmul"
+            source = ins if 'op_name="' in ins.rest else mm  # a wrapping fusion may carry none
+        op_name = re.search(r'op_name="([^"]*)"', source.rest)
         seconds = max(compute, nbytes / self.bandwidth) + LAUNCH_SECONDS
         k = Kernel(ins.name, kind, op_name.group(1) if op_name else "", seconds, flops, nbytes,
                    recompute_flops=recompute)
