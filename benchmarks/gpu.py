@@ -1,5 +1,7 @@
 """GPT 125M / 350M / 1.3B in bf16 at seq 2048 on one GPU: tokens/s, MFU, peak memory, the
-attention backend and its time, recompute off and on. One command, no installs:
+attention backend and its time, recompute off and on, and beside the measured step the step time
+`python -m mlm_jax.plan` estimates from the same compiled program (mlm_jax/plan/step_time.py) with
+its executed matmul FLOPs / model FLOPs. One command, no installs:
 
     python benchmarks/gpu.py                       # all three, recompute off and full (< 10 min, one H200)
     python benchmarks/gpu.py --models 1.3b --recompute off,dots --steps 20
@@ -13,7 +15,9 @@ model FLOPs (causal attention halved; Megatron's full-attention count beside it)
 datasheet dense bf16 peak of the device (`mlm_jax.metrics.DATASHEET_PEAKS`), or a measured
 sustained matmul peak where the device is not in that table. The attention time is the
 attention call alone (forward + backward at the model's shape, backend as the model picks it),
-times the layers. Writes benchmarks/results/gpu-<time>.json and prints a markdown table.
+times the layers. The estimate needs the device's target description (mlm_jax/targets/: H100 SXM,
+H200, A100 SXM 80 GB, B200); on any other device, a CPU included, it is skipped with a note.
+Writes benchmarks/results/gpu-<time>.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ def attention_ms(cfg, micro: int) -> tuple[str, float]:
         out = f(q, k, v)
     jax.block_until_ready(out)
     return backend, 1000 * (time.perf_counter() - t) / reps
+
+
+def estimate(compiled, cfg, mesh) -> dict:
+    """The plan's step-time estimate of the compiled step for this device's target (one GPU), or
+    a note saying why there is none."""
+    import jax
+
+    from mlm_jax.metrics import flops_per_token
+    from mlm_jax.plan import step_time
+    from mlm_jax.plan.targets import by_device_kind
+
+    kind = jax.devices()[0].device_kind
+    target = by_device_kind(kind)
+    if target is None:
+        return {"estimate_note": f"not applicable: no target description for device {kind!r}"}
+    est = step_time.estimate(compiled.as_text(), target, dict(mesh.shape), gpus_per_node=1)
+    model = flops_per_token(cfg.model, cfg.train.seq_length) * cfg.train.global_batch_size * cfg.train.seq_length
+    return {"estimated_step_ms": 1000 * est.seconds, "executed_matmul_flops_ratio": est.matmul_flops / model}
 
 
 def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> dict:
@@ -114,6 +136,7 @@ def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> d
         "attention_backend": backend, "attention_ms_per_layer": attn_ms,
         "attention_ms_per_step": attn_ms * cfg.model.num_layers * pz.num_microbatches,
         "lm_loss": float(metrics["lm_loss"]), "device": jax.devices()[0].device_kind,
+        **estimate(compiled, cfg, mesh),
     }
 
 
@@ -159,13 +182,16 @@ def check_fused_blocks(fused: str | None = None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | recompute | params | step ms | tokens/s | MFU | MFU (Megatron) | peak GiB | attention | attn ms/step | compile s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | recompute | params | step ms | estimated ms | executed / model FLOPs | tokens/s | MFU | "
+           "MFU (Megatron) | peak GiB | attention | attn ms/step | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['recompute']} | {r['error']} |||||||||")
+            out.append(f"| {r['model']} | {r['recompute']} | {r['error']} |||||||||||")
             continue
-        out.append(f"| {r['model']} | {r['recompute']} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | "
+        est = (f"{r['estimated_step_ms']:.1f} | {r['executed_matmul_flops_ratio']:.3f}" if "estimated_step_ms" in r
+               else "n/a | n/a")
+        out.append(f"| {r['model']} | {r['recompute']} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | {est} | "
                    f"{r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_megatron_full_attention']:.1f}% | "
                    f"{r['peak_memory_gib']:.2f} | {r['attention_backend']} | {r['attention_ms_per_step']:.1f} | "
                    f"{r['compile_s']:.1f} |")

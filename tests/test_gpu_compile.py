@@ -350,6 +350,79 @@ print(json.dumps(sorted(set(re.findall(r'custom_call_target="([^"]*)"', jax.jit(
     assert got == ["__cublas$lt$matmul$f8"], got
 
 
+# --------------------------------------------------------------------------- the step time
+
+def _ratio_band(name: str) -> tuple[float, float]:
+    """The executed matmul FLOPs / model FLOPs a layout's program should show (the report's
+    ratio: the matmul and attention kernels' FLOPs, per device times the 8 devices, against
+    `metrics.flops_per_token`'s model: causal attention's `A = 2*s*a*d` per token and layer in
+    the forward, 2A in the backward), as a (low, high) band, worked out from the config:
+
+    - cuDNN attention's backward recomputes the scores: +0.5 A (step_time's convention); XLA
+      attention computes the masked half too (2A forward, 4A backward) and recomputes the
+      probabilities in its backward like a flash kernel (+A): +4 A in all;
+    - full recompute runs each rematerialized group's forward again except its last matmul,
+      whose output the backward does not need (XLA drops it: fc2 of the group's last layer);
+      dots, selective (fused attention keeps no scores) and offload recompute no matmul;
+    - a pipeline runs its phases' slots on every stage, masked or not (mlm_jax/pipeline/lockstep.py):
+      F forward-slot and B backward-slot ticks of one chunk each, a backward slot recomputing
+      its chunk's forward and computing 1/P of the head (forward and backward) on every stage,
+      against m microbatches through V chunks: layers (F + B)/(mV) forwards and B/(mV)
+      backwards, the head B/m times;
+    - context parallelism's ring may compute masked blocks whole and run attention's forward
+      again in its backward: up to 12 A more (attention at most five times its model count).
+
+    Exact figures within 0.15% (the program has no other matmul); with context parallelism the
+    band runs from the figure without it to those 12 A more."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.metrics import flops_per_token
+    from mlm_jax.pipeline import lockstep
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
+    m, L = cfg.model, analytic.layout_of(cfg, 8)
+    s, h, a, g, d = cfg.train.seq_length, m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    model = flops_per_token(m, s)  # per token: 3 x (layers' forward + head)
+    head = 2 * h * m.vocab
+    attention = 2 * s * a * d * m.num_layers  # A, all layers
+    cudnn = LAYOUTS[name][1]
+    forward = model / 3 - head + (0 if cudnn else attention)  # the layers' forward as executed
+    backward = 2 * (model / 3 - head) + (0.5 if cudnn else 3) * attention
+    if m.recompute_granularity == "full":
+        k = m.recompute_num_layers or 1
+        layers = min(k, m.num_layers) if m.recompute_method == "block" else m.num_layers
+        last = layers if m.recompute_method == "block" else -(-m.num_layers // k)  # groups' last fc2
+        layer = 2 * (h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h)
+        backward += layers * layer - last * 2 * m.ffn_size * h + layers / m.num_layers * attention * (1 if cudnn else 2)
+    runs = {"forward": 1.0, "backward": 1.0, "head": 1.0}
+    if L.pp > 1:
+        table = lockstep.two_slot(L.schedule or ("interleaved" if L.vp > 1 else "1f1b"), L.pp, L.microbatches, L.vp)
+        ticks = lockstep.phases(table)
+        f_ticks = sum(p.ticks for p in ticks if p.forward)
+        b_ticks = sum(p.ticks for p in ticks if p.backward)
+        units = L.microbatches * L.vp
+        runs = {"forward": (f_ticks + b_ticks) / units, "backward": b_ticks / units, "head": b_ticks / L.microbatches}
+    expected = (runs["forward"] * forward + runs["backward"] * backward + runs["head"] * 3 * head) / model
+    if L.cp > 1:
+        return expected * (1 - 0.0015), expected + 12 * attention * runs["backward"] / model
+    return expected * (1 - 0.0015), expected * (1 + 0.0015)
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_step_time_estimate_and_executed_flops(plans, name):
+    """The plan's estimated step time is there, and the program's matmuls and attention execute
+    what the layout should (`_ratio_band`): not the attention forward twice under
+    --recompute-granularity dots (it keeps the attention's output and statistics), not a
+    microbatch's work twice."""
+    t = _plan(plans, name)["step_time"]
+    assert t["seconds"] > 0 and t["tokens_per_second"] > 0 and 0 < t["mfu"] < 1, t
+    top = [k["seconds"] for k in t["top_kernels"]]
+    assert t["compute_seconds"] <= t["seconds"] and len(top) == 10 and top == sorted(top, reverse=True), t
+    low, high = _ratio_band(name)
+    assert low <= t["executed_matmul_flops_ratio"] <= high, (t["executed_matmul_flops_ratio"], low, high)
+
+
 # --------------------------------------------------------------------------- the command
 
 def _plan_cli(tmp_path, *args, timeout=600):
@@ -380,6 +453,10 @@ def test_plan_cli_reports_and_writes_json_and_hlo(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in r["xla_flags"]
     hlo = (tmp_path / "step.hlo").read_text()
     assert "__cudnn$fmhaSoftmax" in hlo and "is_scheduled=true" in hlo
+    assert "step time: estimated from the compiled program" in p.stdout and "analytic model" in p.stdout, p.stdout
+    assert "executed matmul FLOPs / model FLOPs: 1.0" in p.stdout and "top kernels" in p.stdout, p.stdout
+    t = r["step_time"]
+    assert t["seconds"] > 0 and t["analytic"]["seconds"] > 0 and len(t["top_kernels"]) == 10
 
 
 def test_plan_cli_exit_1_when_it_does_not_fit(tmp_path):

@@ -233,6 +233,9 @@ def test_gpu_benchmark_smoke_configuration_runs_and_reports_every_figure():
     assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] < row["mfu_megatron_full_attention"] <= 1
     assert row["peak_memory_gib"] > 0 and row["attention_ms_per_step"] > 0 and np.isfinite(row["lm_loss"])
     assert "| tiny | full |" in gpu.table([row])
+    # No target description for a CPU: the compiled program's estimate is skipped, with a note.
+    assert row["estimate_note"] == f"not applicable: no target description for device {row['device']!r}"
+    assert "estimated_step_ms" not in row and "| n/a | n/a |" in gpu.table([row])
     assert gpu.flags("1.3b", "off", smoke=False, micro=8)[:6] == [
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
 

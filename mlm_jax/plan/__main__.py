@@ -1,6 +1,7 @@
 """`python -m mlm_jax.plan --gpu h100 --gpus 8 [--gpus-per-node 8] [--json FILE] [--dump-hlo FILE]
 <the training flags>`: compile, on this machine and without a GPU, exactly the train step that
-`python -m mlm_jax.train` with the same flags compiles on that cluster, and say whether it fits.
+`python -m mlm_jax.train` with the same flags compiles on that cluster, say whether it fits, and
+estimate its step time from the compiled program's kernels beside the analytic model's.
 
 `--search` (pure Python, no compile but the confirmations): every valid layout of the model on the
 cluster ranked by the analytic model (mlm_jax/plan/analytic.py) among those predicted to fit; the

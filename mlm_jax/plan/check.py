@@ -1,6 +1,7 @@
 """What a compiled GPU train step says about a cluster configuration: memory per device against
 the GPU's, the attention backend, collectives per mesh axis (bytes, async, overlapped), matmul
-operand types; fits or not, and what would help when it does not."""
+operand types, the step time estimated from its kernels (mlm_jax/plan/step_time.py) beside the
+analytic model's; fits or not, and what would help when it does not."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from mlm_jax.config import data_parallel_size
 from mlm_jax.parallel.data import overlaps_grad_reduce
 from mlm_jax.xla_flags import MEM_FRACTION, MEM_FRACTION_ENV, NO_COMPILER_RECOMPUTE, compiler_recompute
-from mlm_jax.plan import gpu_hlo
+from mlm_jax.plan import gpu_hlo, step_time
 from mlm_jax.plan.compile import Compiled
 from mlm_jax.plan.targets import Gpu
 
@@ -86,6 +87,8 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "matmul_dtypes": {f"{a} x {b}": n for (a, b), n in sorted(program.matmul_dtypes.items())},
         "collective_list": [dataclasses.asdict(col) for col in program.collectives],
         "overlap_hint": _overlap_hint(c.cfg, c.pz.mesh, dp_kinds.get("gradient reduction")),
+        "step_time": step_time.report(step_time.estimate(c.text, target, mesh_shape, gpus_per_node), c.cfg, target,
+                                      gpus, gpus_per_node),
         "lower_seconds": round(c.lower_seconds, 2),
         "compile_seconds": round(c.compile_seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -167,4 +170,5 @@ def text(r: dict) -> str:
                      f"{row['overlapped']} overlapped with compute")
     if r.get("overlap_hint"):
         lines.append(f"  {r['overlap_hint']}")
+    lines.append(step_time.text(r["step_time"]))
     return "\n".join(lines)

@@ -103,8 +103,7 @@ def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool, bool]]:
         if ins.opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", ins.rest)
             cond = re.search(r"condition=%([\w.\-]+)", ins.rest)
-            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.rest)
-            n = int(trips.group(1)) if trips else _counted_trips(ins, instrs)
+            n = trip_count(ins, instrs)
             for target in (body, cond):
                 if target:
                     calls.setdefault(ins.computation, []).append((target.group(1), n, True, False))
@@ -125,6 +124,12 @@ def _loop_runs(instrs: dict[str, Instr]) -> dict[str, tuple[int, bool, bool]]:
         runs[comp] = (n, looped, branched)
         stack += [(t, n * k, looped or loop, branched or (branch and looped)) for t, k, loop, branch in calls.get(comp, [])]
     return runs
+
+
+def trip_count(loop: Instr, instrs: dict[str, Instr]) -> int:
+    """Iterations of a `while`: XLA's `known_trip_count`, else counted from its induction variable."""
+    trips = re.search(r'known_trip_count":\{"n":"(\d+)"', loop.rest)
+    return int(trips.group(1)) if trips else _counted_trips(loop, instrs)
 
 
 def _constant(instrs: dict[str, Instr], name: str) -> int | None:
@@ -210,13 +215,30 @@ def _group_size(groups) -> int:
     return max((len(g) for g in groups), default=1) if groups else 1
 
 
-def read(text: str, mesh_shape: dict[str, int]) -> Program:
-    """The collectives, matmul operand types and cuDNN attention calls of a compiled program."""
-    instrs = parse(text)
-    runs = _loop_runs(instrs)
+def computations(instrs: dict[str, Instr]) -> dict[str, list[Instr]]:
+    """computation -> its instructions in schedule order."""
     by_comp: dict[str, list[Instr]] = {}
     for ins in instrs.values():
         by_comp.setdefault(ins.computation, []).append(ins)
+    return by_comp
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction: its start (the instruction itself when synchronous), its done
+    (None when synchronous or not found), what `read` reports of it and its device groups."""
+
+    start: Instr
+    done: Instr | None
+    collective: Collective
+    groups: list[list[int]] | None
+
+
+def collective_ops(instrs: dict[str, Instr], mesh_shape: dict[str, int]) -> list[CollectiveOp]:
+    """Every collective of the module (async `-start`/`-done` pairs, `async-start` wrappers of
+    one, synchronous ones), in text order."""
+    runs = _loop_runs(instrs)
+    by_comp = computations(instrs)
     done_of = {}
     for ins in instrs.values():
         if ins.opcode.endswith("-done") and ins.operands:
@@ -226,15 +248,13 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
         kind = ins.opcode.removesuffix("-start")
         wrapped = None
         if ins.opcode == "async-start":  # e.g. an all-to-all wrapped in an async computation
-            target = re.search(r"calls=%([\w.\-]+)", ins.rest)
-            inner = [i for i in by_comp.get(target.group(1), [])] if target else []
-            wrapped = next((i for i in inner if i.opcode in COLLECTIVES), None)
+            wrapped = wrapped_collective(ins, by_comp)
             kind = wrapped.opcode if wrapped else kind
         if kind not in COLLECTIVES or ins.opcode.endswith("-done") or ins.computation.startswith("async"):
             continue
         source = wrapped or ins
         is_async = ins.opcode.endswith("-start")
-        done = done_of.get(ins.name)
+        done = done_of.get(ins.name) if is_async else None
         result = _arrays((done or ins).type_text) if is_async and done else _arrays(source.type_text)
         groups = _groups(source.rest)
         scale = _group_size(groups) if kind == "reduce-scatter" else 1
@@ -248,8 +268,23 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
             overlapped = any(b.opcode in _COMPUTE for b in between)
         n, looped, branched = runs.get(ins.computation, (1, False, False))
         op_name = re.search(r'op_name="([^"]*)"', ins.rest)
-        found.append(Collective(kind, _axes(groups, mesh_shape), size, tuple(sorted(by_dtype)), by_dtype,
-                                is_async, overlapped, n, looped, op_name.group(1) if op_name else "", branched))
+        col = Collective(kind, _axes(groups, mesh_shape), size, tuple(sorted(by_dtype)), by_dtype,
+                         is_async, overlapped, n, looped, op_name.group(1) if op_name else "", branched)
+        found.append(CollectiveOp(ins, done, col, groups))
+    return found
+
+
+def wrapped_collective(start: Instr, by_comp: dict[str, list[Instr]]) -> Instr | None:
+    """The collective an `async-start` runs (None: it wraps something else)."""
+    target = re.search(r"calls=%([\w.\-]+)", start.rest)
+    inner = by_comp.get(target.group(1), []) if target else []
+    return next((i for i in inner if i.opcode in COLLECTIVES), None)
+
+
+def read(text: str, mesh_shape: dict[str, int]) -> Program:
+    """The collectives, matmul operand types and cuDNN attention calls of a compiled program."""
+    instrs = parse(text)
+    found = [op.collective for op in collective_ops(instrs, mesh_shape)]
     matmuls: dict[tuple[str, str], int] = {}
     attention: dict[str, int] = {}
     attention_runs: dict[str, int] = {}

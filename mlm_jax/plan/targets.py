@@ -9,6 +9,7 @@ compiles for, as on the cluster. Nothing can run on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -25,18 +26,34 @@ class Gpu:
     description: str  # the device kind the devices report
     memory_bytes: int  # device memory (what the program must fit in)
     bf16_tflops: float  # dense bf16 tensor-core peak (datasheet, without sparsity)
+    fp32_tflops: float  # fp32 on the CUDA cores, not the tensor cores (datasheet)
 
     @property
     def target_file(self) -> str:
         return os.path.join(TARGET_DIR, f"{self.name}.txtpb")
 
+    @property
+    def memory_bandwidth(self) -> float:
+        """HBM bytes/s: the target description's `memory_bandwidth` (what XLA's cost model reads)."""
+        return _bandwidth(self.target_file)
 
-# Device memory as CUDA reports it (cudaMemGetInfo's total); peaks from NVIDIA's datasheets (SXM).
+
+@functools.cache
+def _bandwidth(path: str) -> float:
+    with open(path) as f:
+        m = re.search(r"^\s*memory_bandwidth:\s*(\d+)", f.read(), re.M)
+    if not m:
+        raise ValueError(f"{path}: no memory_bandwidth")
+    return float(m.group(1))
+
+
+# Device memory as CUDA reports it (cudaMemGetInfo's total); peaks from NVIDIA's datasheets (SXM;
+# B200's fp32: the HGX B200 sheet's 600 TFLOPS for 8 GPUs).
 GPUS = {
-    "h100": Gpu("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989.0),
-    "h200": Gpu("h200", "NVIDIA H200", 150_754_820_096, 989.0),
-    "a100": Gpu("a100", "NVIDIA A100-SXM4-80GB", 85_198_045_184, 312.0),
-    "b200": Gpu("b200", "NVIDIA B200", 191_537_889_280, 2250.0),
+    "h100": Gpu("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989.0, 67.0),
+    "h200": Gpu("h200", "NVIDIA H200", 150_754_820_096, 989.0, 67.0),
+    "a100": Gpu("a100", "NVIDIA A100-SXM4-80GB", 85_198_045_184, 312.0, 19.5),
+    "b200": Gpu("b200", "NVIDIA B200", 191_537_889_280, 2250.0, 75.0),
 }
 
 
@@ -102,6 +119,12 @@ def target_text(target: Gpu) -> str:
         text = f.read()
     text = _with_version(text, "dnn_version_info", installed_version(_CUDNN_WHEELS))
     return _with_version(text, "runtime_version", installed_version(_CUDA_WHEELS))
+
+
+def by_device_kind(kind: str) -> Gpu | None:
+    """The target whose devices report `kind` (jax's `device_kind`), or None: the part is not
+    described here (a PCIe or NVL card, another memory size, a CPU)."""
+    return next((g for g in GPUS.values() if g.description == kind), None)
 
 
 def gpu(name: str) -> Gpu:
