@@ -35,8 +35,9 @@ and one of mlm_jax's own, `NO_COMPILER_RECOMPUTE`:
 
 and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device memory by default).
 
-Under --sequence-parallel the pipelined all-gather is left out, --overlap-param-gather or not:
-the all-gathers it pipelines are then the sequence gathers inside every layer, and to run them a
+Under --sequence-parallel and under context parallelism the pipelined all-gather is left out,
+--overlap-param-gather or not: the all-gathers it pipelines are then the sequence gathers (SP) or
+the key/value gathers and ring blocks (context) inside every layer, and to run them a
 step early XLA's collective pipeliner hoists the *next microbatch's* forward into the
 microbatch loop's body (inside a pipeline, the next tick's stage recompute into the tick loop),
 keeping two microbatches' activations alive. ZeRO's parameter all-gather, the one
@@ -45,7 +46,9 @@ where the scheduler overlaps it and the pipeliner has nothing to do. Measured, H
 deviceless: GPT 1.3B shapes, 4 layers, tp2 SP dp4 ZeRO, micro 2: 3.56 GiB of temporaries with
 it, 2.08 without (2.25 without SP); Llama-3 70B tp4 x pp4 SP ZeRO (Megatron's Llama-3 script,
 --overlap-param-gather on): 81.74 GiB per device with it, 58.27 without; no layout without SP
-changes (benchmarks/RESULTS.md).
+changes (benchmarks/RESULTS.md). Context parallelism: the tiny cp2 x tp2 p2p step ran every
+microbatch's matmuls twice with it (2.000 x 6NT, the estimated step 22.9 ms, 29.1 MiB of
+temporaries), 1.048 x 6NT, 12.9 ms and 17.8 MiB without; allgather and a2a likewise.
 
 Not set: `--xla_gpu_enable_while_loop_double_buffering` (unrolls the layer scan twice: twice the
 compile time, more temporaries). Megatron's --overlap-grad-reduce / --overlap-param-gather ask for
@@ -111,10 +114,11 @@ _PIPELINED_ALL_GATHER = "--xla_gpu_enable_pipelined_all_gather=true"
 
 def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     """Every XLA flag a GPU run sets (`GPU_TRAINING`, the overlap switches' among them; under
-    --sequence-parallel without the pipelined all-gather, see above), less those `existing`
-    (XLA_FLAGS) already sets."""
+    --sequence-parallel or context parallelism without the pipelined all-gather, see above),
+    less those `existing` (XLA_FLAGS) already sets."""
     flags = GPU_TRAINING + tuple(overlap_flags(parallel))
-    return _not_given([f for f in flags if not (parallel.sequence_parallel and f == _PIPELINED_ALL_GATHER)], existing)
+    gathers_in_layers = parallel.sequence_parallel or parallel.context_parallel_size > 1
+    return _not_given([f for f in flags if not (gathers_in_layers and f == _PIPELINED_ALL_GATHER)], existing)
 
 
 def compiler_recompute(xla_flags: str) -> bool:

@@ -445,6 +445,15 @@ def test_overlap_flags_set_on_a_gpu_run_only(monkeypatch):
     zero_gather = parse_args(["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                               "--overlap-param-gather"]).parallel
     assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.gpu_flags(zero_gather)
+    # Context parallelism likewise (its key/value gathers and ring blocks inside every layer: each
+    # microbatch's matmuls ran twice with it, benchmarks/RESULTS.md).
+    cp = parse_args(["--context-parallel-size", "2", "--use-distributed-optimizer", "--overlap-param-gather"]).parallel
+    assert xla_flags.gpu_flags(cp) == got
+    # XLA's own rematerialization off (a user's --xla_disable_hlo_passes list replaces ours)
+    assert xla_flags.NO_COMPILER_RECOMPUTE in xla_flags.GPU_TRAINING
+    assert not xla_flags.compiler_recompute(" ".join(xla_flags.GPU_TRAINING))
+    assert xla_flags.compiler_recompute("--xla_disable_hlo_passes=foo") and xla_flags.compiler_recompute("")
+    assert not xla_flags.compiler_recompute("--xla_disable_hlo_passes=foo,rematerialization")
 
 
 def test_overlap_xla_flags_are_known_to_xla():

@@ -284,6 +284,7 @@ def wrapped_collective(start: Instr, by_comp: dict[str, list[Instr]]) -> Instr |
 def read(text: str, mesh_shape: dict[str, int]) -> Program:
     """The collectives, matmul operand types and cuDNN attention calls of a compiled program."""
     instrs = parse(text)
+    runs = _loop_runs(instrs)
     found = [op.collective for op in collective_ops(instrs, mesh_shape)]
     matmuls: dict[tuple[str, str], int] = {}
     attention: dict[str, int] = {}

@@ -40,7 +40,9 @@ the microbatch loop of --overlap-grad-reduce runs its reductions' branch once); 
 The FLOPs the program executes are its matmul and cuDNN attention kernels' FLOPs times their
 runs, one device's program (every device runs the same one); `report` compares them, times the
 devices, with the model's (`metrics.flops_per_token`, attention halved as causal: so 1.0 means
-nothing is computed twice, a cuDNN backward's recompute of the scores aside, which it states);
+nothing is computed twice, a cuDNN backward's recompute of the scores aside, which it states), and
+the matmuls alone (the weights' products: every kernel but attention's) with 6NT (the model's less
+attention's scores and weighted sum: 6 FLOPs per matmul weight per token);
 its MFU counts model FLOPs as the analytic model's does (`analytic.step_flops`).
 
 Limits (it is a model read from a program, not a measurement):
@@ -108,6 +110,7 @@ class Estimate:
     exposed_seconds: float  # waits for collectives and transfers
     collective_seconds: float  # every collective's and transfer's duration, hidden or not
     matmul_flops: float  # matmul and attention kernels' FLOPs times their runs
+    gemm_flops: float  # of which the matmuls' (GEMMs and dots: the weights' products, not attention)
     attention_recompute_flops: float  # of which cuDNN backwards recompute the scores (0.5 x forward)
     kernels: list[Kernel]  # those that run, most expensive first
     peak_flops: float  # the bf16 peak assumed, FLOP/s
@@ -446,8 +449,10 @@ def estimate(text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: 
     ran.sort(key=lambda k: k.total, reverse=True)
     flops = sum(k.flops * k.runs for k in ran)
     recompute = sum(k.recompute_flops * k.runs for k in ran)
+    gemms = sum(k.flops * k.runs for k in ran if k.kind == "matmul")
     moving = sum(k.duration * k.runs for k in ran if k.queue in ("nvlink", "network", "host"))
-    return Estimate(top.seconds, top.compute, top.exposed, moving, flops, recompute, ran, p.bf16, p.bandwidth, p.links)
+    return Estimate(top.seconds, top.compute, top.exposed, moving, flops, gemms, recompute, ran, p.bf16, p.bandwidth,
+                    p.links)
 
 
 # --------------------------------------------------------------------------- the plan's report
@@ -468,6 +473,9 @@ def report(est: Estimate, cfg, target: Gpu, gpus: int, gpus_per_node: int, top: 
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     mfu_flops = analytic.step_flops(cfg, layout)
     model = flops_per_token(cfg.model, cfg.train.seq_length) * tokens
+    # 6NT: the same without attention's scores and weighted sum (causal: half the square)
+    attention = 3 * 2.0 * cfg.train.seq_length * cfg.model.num_attention_heads * cfg.model.head_dim \
+        * cfg.model.num_layers * tokens
     executed = est.matmul_flops * gpus
     pred = analytic.predict(cfg, layout, hw, gpus, gpus_per_node)
     by_kind: dict[str, float] = {}
@@ -480,6 +488,8 @@ def report(est: Estimate, cfg, target: Gpu, gpus: int, gpus_per_node: int, top: 
         "collective_seconds": est.collective_seconds, "seconds_by_kind": by_kind,
         "executed_matmul_flops": executed, "model_flops": model, "mfu_model_flops": mfu_flops,
         "executed_matmul_flops_ratio": executed / model,
+        "executed_gemm_flops": est.gemm_flops * gpus, "model_gemm_flops": model - attention,
+        "executed_gemm_flops_ratio": est.gemm_flops * gpus / (model - attention),
         "attention_recompute_flops": est.attention_recompute_flops * gpus,
         "kernels": len(est.kernels),
         "analytic": {"seconds": pred["step_seconds"], "tokens_per_second": pred["tokens_per_second"],
@@ -515,7 +525,8 @@ def text(r: dict) -> str:
         f"{assumed['launch_seconds'] * 1e6:.0f} us a kernel",
         f"executed matmul FLOPs / model FLOPs: {r['executed_matmul_flops_ratio']:.3f}"
         + (f" (cuDNN attention's backward recomputing the scores: "
-           f"{r['attention_recompute_flops'] / r['model_flops']:.3f} of it)" if r["attention_recompute_flops"] else ""),
+           f"{r['attention_recompute_flops'] / r['model_flops']:.3f} of it)" if r["attention_recompute_flops"] else "")
+        + f"; the weights' matmuls alone / 6NT: {r['executed_gemm_flops_ratio']:.3f}",
         "top kernels (per step, share of the step, kind, runs, source):",
     ]
     for k in r["top_kernels"]:
