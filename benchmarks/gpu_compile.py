@@ -1,7 +1,9 @@
 """Full-size deviceless GPU compiles: the README's GPU example and Megatron-LM's example scripts
 at their real sizes and GPU counts, each through `python -m mlm_jax.plan` (the exact train step
 of `mlm_jax.train`), one process per case. Prints a table (model, GPUs, layout, GiB per device,
-fits, compile s) and writes the plans' JSON.
+fits, compile s, the estimated and analytic step times, executed matmul FLOPs against the model's
+and the weights' matmuls against 6NT, cuDNN forward/backward kernel runs) and writes the plans'
+JSON (the top kernels among them).
 
     python benchmarks/gpu_compile.py [--cases gpt_1p3b,llama3_8b,...] [--gpu h100] [--out runs/benchmarks]
 
@@ -67,6 +69,13 @@ def script_args(name: str, overrides: dict[str, str] | None = None) -> list[str]
     return argv
 
 
+LLAMA3_8B_DOTS = (
+    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+    "--num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope --swiglu "
+    "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
+    "--global-batch-size 8 --bf16 --use-distributed-optimizer --recompute-granularity dots --vocab-size 128256 "
+    "--mock-data --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 10")
+
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 # name -> (what, GPUs, GPUs per node, argv)
@@ -87,6 +96,11 @@ CASES = {
     "mixtral_8x7b_recompute": ("the same + full recompute", 64, 8, script_args("mixtral_8x7b") + RECOMPUTE),
     "gpt3_175b": ("Megatron GPT-3 175B script (tp8 x pp16, fp16), 1024 GPUs", 1024, 8,
                   script_args("pretrain_gpt3_175B")),
+    # Issue 48's comparison with MaxText's compiled step: Llama-3 8B, dp8 ZeRO, micro 1 (one
+    # microbatch a step: no fp32 gradient accumulator), `dots` (the nearest to MaxText's
+    # minimal_with_context remat policy).
+    "llama3_8b_dots": ("Llama-3 8B, dp8 ZeRO, micro 1, global 8, --recompute-granularity dots", 8, 8,
+                       LLAMA3_8B_DOTS.split()),
 }
 
 
@@ -120,6 +134,13 @@ def run_case(name: str, gpu: str, out: Path) -> dict:
         row.update(layout=" x ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1),
                    gib=r["per_device_bytes"]["total"] / 2**30, usable_gib=r["usable_bytes"] / 2**30,
                    fits=r["fits"], compile_seconds=r["compile_seconds"], attention=r["attention_backend"])
+        t = r["step_time"]
+        runs = r["cudnn_attention_runs"]
+        row.update(estimated_ms=1000 * t["seconds"], estimated_mfu=t["mfu"], analytic_ms=1000 * t["analytic"]["seconds"],
+                   executed_ratio=t["executed_matmul_flops_ratio"], gemm_ratio=t["executed_gemm_flops_ratio"],
+                   cudnn_fwd_bwd=(f"{sum(n for k, n in runs.items() if k.endswith('Softmax'))}/"
+                                  f"{sum(n for k, n in runs.items() if k.endswith('SoftmaxBackward'))}"),
+                   top_kernels=t["top_kernels"])
         reduction = r["data_parallel"].get("gradient reduction")
         if reduction:  # the data-parallel gradient reduction's collectives: overlapped / all
             row["grad_reduce_overlap"] = f"{reduction['overlapped']}/{reduction['count']}"
@@ -149,13 +170,16 @@ def main() -> int:
     out = out_dir(a)
     rows = []
     print(f"{'case':<24} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9} "
-          f"{'dp grads overlapped':>19}  attention")
+          f"{'dp grads overlapped':>19} {'est. ms':>9} {'analytic ms':>11} {'est. MFU':>8} {'FLOPs/model':>11} "
+          f"{'GEMM/6NT':>8} {'cuDNN f/b':>9}  attention")
     for name in a.cases.split(","):
         row = run_case(name, a.gpu, out)
         rows.append(row)
         if "gib" in row:
             print(f"{name:<24} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
-                  f"{row['compile_seconds']:>9.1f} {row.get('grad_reduce_overlap', '-'):>19}  {row['attention']}",
+                  f"{row['compile_seconds']:>9.1f} {row.get('grad_reduce_overlap', '-'):>19} {row['estimated_ms']:>9.1f} "
+                  f"{row['analytic_ms']:>11.1f} {row['estimated_mfu']:>8.1%} {row['executed_ratio']:>11.3f} "
+                  f"{row['gemm_ratio']:>8.3f} {row['cudnn_fwd_bwd']:>9}  {row['attention']}",
                   flush=True)
         else:
             print(f"{name:<24} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)
