@@ -21,6 +21,7 @@ k head dim, d embed.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -385,28 +386,40 @@ def _lse_bhs(lse_bgq1, shape):
 
 
 def _cudnn_call_args(q_bshk, causal):
-    """The internal cuDNN fused-attention rules' static arguments (jax._src: checked against
-    jax 0.10; `benchmarks/gpu.py` checks the kernels' numbers against `block_forward`'s XLA
-    path on a real GPU)."""
+    """(the module, the forward rule's arguments after q, k, v by name) of the internal cuDNN
+    fused-attention rules (jax._src; `benchmarks/gpu.py` checks the kernels' numbers against
+    `block_forward`'s XLA path on a real GPU). The rules' parameters change between jax
+    versions (0.12 added score_mod_args and score_mod, and its backward takes cudnn_version where
+    0.10's took is_training): each rule is called with the names its signature has."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     unused = jnp.zeros(0, q_bshk.dtype)
     mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    static = (1.0 / math.sqrt(q_bshk.shape[-1]), 0, 0.0, (False, False), mask, fa.AttentionLayout.BTNH.value,
-              None, fa.check_cudnn_version(), True)
-    return fa, (unused,) * 7, static
+    named = dict(
+        bias=unused, q_seqlen=unused, kv_seqlen=unused, q_offsets=unused, kv_offsets=unused,
+        page_table_k=unused, page_table_v=unused, score_mod_args=(),
+        scale=1.0 / math.sqrt(q_bshk.shape[-1]), seed=0, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=mask, layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, score_mod=None,
+        cudnn_version=fa.check_cudnn_version(), is_training=True, return_residual=True)
+    forward = list(inspect.signature(fa._dot_product_attention_fwd_rule).parameters)[3:]
+    return fa, {name: named[name] for name in forward}, named
 
 
 def _cudnn_block_forward(q_bshk, k_btgk, v_btgk, causal):
-    fa, unused, static = _cudnn_call_args(q_bshk, causal)
-    (out, stats), _ = fa._dot_product_attention_fwd_rule(q_bshk, k_btgk, v_btgk, *unused, *static)
+    fa, args, _ = _cudnn_call_args(q_bshk, causal)
+    (out, stats), _ = fa._dot_product_attention_fwd_rule(q_bshk, k_btgk, v_btgk, **args)
     return out, stats.astype(jnp.float32)  # stats: [b, h, s], the log-sum-exp of the scaled scores
 
 
 def _cudnn_block_backward(q_bshk, k_btgk, v_btgk, causal, o_bshk, lse_bhs, do_bshk):
-    fa, unused, static = _cudnn_call_args(q_bshk, causal)
-    residuals = (q_bshk, k_btgk, v_btgk, *unused, lse_bhs, o_bshk)
-    grads = fa._dot_product_attention_bwd_rule(*static, residuals, (do_bshk, None))
+    fa, args, named = _cudnn_call_args(q_bshk, causal)
+    # The forward rule's residuals: q, k, v, its array arguments (those before `scale`), the
+    # statistics and the output; here the merged ones of all blocks.
+    arrays = list(args)[:list(args).index("scale")]
+    residuals = (q_bshk, k_btgk, v_btgk, *(args[name] for name in arrays), lse_bhs, o_bshk)
+    backward = [name for name in inspect.signature(fa._dot_product_attention_bwd_rule).parameters
+                if name not in ("res", "grad_output")]
+    grads = fa._dot_product_attention_bwd_rule(*(named[name] for name in backward), residuals, (do_bshk, None))
     return grads[0], grads[1], grads[2]
 
 
