@@ -18,12 +18,14 @@ import subprocess
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
-from mlm_jax.models.attention import CUDNN, XLA, attention, choose_backend
+from mlm_jax.models.attention import CUDNN, XLA, attention, block_backward, block_forward, choose_backend
+from mlm_jax.plan.targets import plugin_missing
 from mlm_jax.validation import finalize
 from tests.parallel_util import tiny_config
 
@@ -175,22 +177,35 @@ def test_causal_query_blocks_equal_the_square():
     np.testing.assert_allclose(attention(q, k, v, None, None, seg, seg), want, atol=1e-5)
 
 
-def _f32_dots(fn, *args) -> list:
-    """dot_generals of fn's gradient jaxpr with an fp32 operand (XLA computes a mixed
-    fp32 x bf16 dot in fp32)."""
+def _f32_dots(fn, *args) -> tuple[list, int]:
+    """(dot_generals of fn's gradient jaxpr with an fp32 operand (XLA computes a mixed
+    fp32 x bf16 dot in fp32), how many dot_generals the walk saw in all)."""
     jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(*args)
-    found = []
+    found, seen = [], 0
+
+    # The inner jaxprs of an equation's params, open and closed (a scan's, a call's): jax.core's
+    # jaxprs_in_params is gone in jax 0.12, and jax.extend.core's yields the open ones only.
+    def inner(params):
+        for value in params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, jax.extend.core.ClosedJaxpr):
+                    yield v.jaxpr
+                elif isinstance(v, jax.extend.core.Jaxpr):
+                    yield v
 
     def visit(jx):
+        nonlocal seen
         for eqn in jx.eqns:
             if eqn.primitive.name == "dot_general":
+                seen += 1
                 if any(x.aval.dtype == jnp.float32 for x in eqn.invars):
                     found.append(eqn)
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in inner(eqn.params):
                 visit(sub)
 
     visit(jaxpr.jaxpr)
-    return found
+    assert seen >= str(jaxpr).count("dot_general["), jaxpr  # the walk reached every product printed
+    return found, seen
 
 
 def test_bf16_score_matmuls_compute_in_bf16_forward_and_backward():
@@ -199,9 +214,11 @@ def test_bf16_score_matmuls_compute_in_bf16_forward_and_backward():
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2)
 
-    assert _f32_dots(loss, q, k, v) == []
+    found, seen = _f32_dots(loss, q, k, v)
+    assert found == [] and seen >= 6  # the forward's 2 products, the backward's 4 at least
     # The same check sees fp32 x fp32 when it is there.
-    assert _f32_dots(loss, *(x.astype(jnp.float32) for x in (q, k, v)))
+    found, seen = _f32_dots(loss, *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert len(found) == seen
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -252,6 +269,21 @@ def test_flash_off_a_gpu_runs_xla_attention(flag):
     assert choose_backend(cfg, jnp.bfloat16, documents=False, aligned=True, dropout_on=False) == XLA
     assert choose_backend(cfg, jnp.bfloat16, documents=False, aligned=True, dropout_on=False,
                           nvidia_gpu=False) == XLA
+
+
+@pytest.mark.skipif(plugin_missing() is not None, reason=str(plugin_missing()))
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_block_kernels_take_the_installed_jaxs_arguments(causal):
+    """Ring attention's cuDNN blocks call jax's internal fused-attention rules, whose parameters
+    change between versions (jax 0.12 added two): traced (no GPU needed), each block gives the
+    shapes and dtypes block_forward and block_backward promise."""
+    b, s, h, g, k = 2, 128, 4, 2, 64
+    q = jax.ShapeDtypeStruct((b, s, h, k), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, g, k), jnp.bfloat16)
+    out, lse = jax.eval_shape(lambda q, k, v: block_forward(q, k, v, causal, CUDNN), q, kv, kv)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (b, h, s), jnp.float32)
+    grads = jax.eval_shape(lambda *a: block_backward(*a[:3], causal, *a[3:], backend=CUDNN), q, kv, kv, out, lse, q)
+    assert [(x.shape, x.dtype) for x in grads] == [(q.shape, q.dtype), (kv.shape, kv.dtype), (kv.shape, kv.dtype)]
 
 
 def _finalize(reset_attention_mask=False, **model):

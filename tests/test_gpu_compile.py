@@ -10,7 +10,8 @@ same path as `python -m mlm_jax.plan`, and what each compiled program shows asse
 - ZeRO's parameter all-gather sends bf16 under --bf16;
 - the data-parallel gradient reduction runs once, outside every loop; with --overlap-grad-reduce
   inside the last microbatch's backward, layer by layer, overlapping compute;
-- every collective is asynchronous, and the data-parallel ones overlap compute.
+- collectives run asynchronously beside compute in every layout, each kind somewhere (XLA runs
+  synchronously those it finds nothing to overlap); the data-parallel ones overlap compute.
 
 The compiles run in worker processes started with the XLA flags a GPU run sets (the suite's own
 XLA_FLAGS are for the CPU); skipped, with the reason, only when the CUDA plugin is absent.
@@ -252,11 +253,27 @@ def test_overlap_grad_reduce_reduces_each_layer_in_the_backward_overlapping_comp
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_collectives_are_async(plans, name):
+def test_collectives_run_async_beside_compute(plans, name):
+    """XLA runs a collective asynchronously where its scheduler finds compute to put beside it,
+    synchronously where it finds none (`"is_sync":true`: e.g. the loss's few-byte all-reduce after
+    the backward): in every layout some run async, overlapping compute. (jax 0.10's XLA kept its
+    synchronous collectives as start/done pairs, which `mlm_jax.plan` read as async until jax
+    0.12's wrote them as plain instructions.)"""
     r = _plan(plans, name)
-    sync = [c for c in r["collective_list"] if not c["is_async"]]
-    assert not sync, [(c["kind"], c["axes"], c["op_name"]) for c in sync]
-    assert r["collectives_async"] == r["collectives_total"] > 0
+    assert r["collectives_total"] > 0
+    assert r["collectives_async"] >= r["collectives_overlapped"] > 0, r["collective_list"]
+
+
+def test_every_kind_of_collective_runs_async_somewhere(plans):
+    """XLA turns async collectives off kind by kind (--xla_gpu_disable_async_collectives): every
+    kind the layouts use runs async in one of them."""
+    used, run_async = set(), set()
+    for name in LAYOUTS:
+        for c in _plan(plans, name)["collective_list"]:
+            used.add(c["kind"])
+            if c["is_async"]:
+                run_async.add(c["kind"])
+    assert used == run_async == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
 
 
 @pytest.mark.parametrize("name", ZERO)

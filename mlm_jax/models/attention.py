@@ -21,6 +21,7 @@ k head dim, d embed.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -395,8 +396,6 @@ def _cudnn_rules(q_bshk, causal):
     are matched by name: the GPU-compile tier compiles them on the oldest and the newest jax,
     and `benchmarks/gpu.py --check-blocks` checks the kernels' numbers against
     `block_forward`'s XLA path on a real GPU."""
-    import inspect
-
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     unused = jnp.zeros(0, q_bshk.dtype)

@@ -3,9 +3,10 @@ attention kernels, as `mlm_jax.plan` reports them and the GPU-compile tests asse
 
 - Collectives: kind, the mesh axes their device groups span (from `replica_groups` /
   `source_target_pairs`, over the mesh's logical device order), bytes of the whole buffer (an
-  all-gather's or all-reduce's result, a reduce-scatter's input), whether asynchronous
-  (`-start`/`-done` pair) and overlapped (compute scheduled between start and done: in a
-  scheduled module the instructions of a computation are listed in execution order), and how
+  all-gather's or all-reduce's result, a reduce-scatter's input), whether asynchronous (a
+  `-start`/`-done` pair XLA runs as one: its backend config not `"is_sync":true`, see `_SYNC`)
+  and overlapped (compute scheduled between start and done: in a scheduled module the
+  instructions of a computation are listed in execution order), and how
   many times a step runs them (trip counts of the enclosing while loops, e.g. the layer scan;
   inside a branch of a conditional in a loop, `in_branch`, an upper bound: e.g. the last
   microbatch's branch of --overlap-grad-reduce runs once per step, not once per microbatch).
@@ -31,6 +32,10 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e
 # Instructions that do work on the device (what overlapping a collective means).
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "call", "conditional")
 _GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+# A collective XLA runs synchronously (on the compute stream): one the scheduler put nothing
+# beside (XLA's async-to-sync conversion) or with async collectives off. XLA of jax 0.10 left it
+# a -start/-done pair, XLA of jax 0.12 the plain instruction; both say so in the backend config.
+_SYNC = re.compile(r'"is_sync":\s*true')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,9 +258,10 @@ def collective_ops(instrs: dict[str, Instr], mesh_shape: dict[str, int]) -> list
         if kind not in COLLECTIVES or ins.opcode.endswith("-done") or ins.computation.startswith("async"):
             continue
         source = wrapped or ins
-        is_async = ins.opcode.endswith("-start")
-        done = done_of.get(ins.name) if is_async else None
-        result = _arrays((done or ins).type_text) if is_async and done else _arrays(source.type_text)
+        started = ins.opcode.endswith("-start")
+        is_async = started and not any(_SYNC.search(i.rest) for i in (ins, source))
+        done = done_of.get(ins.name) if started else None
+        result = _arrays((done or ins).type_text) if started and done else _arrays(source.type_text)
         groups = _groups(source.rest)
         scale = _group_size(groups) if kind == "reduce-scatter" else 1
         by_dtype: dict[str, int] = {}

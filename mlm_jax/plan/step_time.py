@@ -157,7 +157,10 @@ class _Program:
                       "host": HOST_BYTES_PER_S.get(target.name, 64e9)}
         devices = math.prod(mesh_shape.values())
         self.collectives = {}  # start name -> (link, bytes sent, kind, mesh axes)
+        synchronous = set()  # start/done pairs XLA runs on the compute stream ("is_sync", jax 0.10's XLA)
         for op in gpu_hlo.collective_ops(self.instrs, mesh_shape):
+            if op.done is not None and not op.collective.is_async:
+                synchronous.add(op.start.name)
             groups = op.groups or [list(range(devices))]
             n = max(len(g) for g in groups)
             across = any(len({d // gpus_per_node for d in g}) > 1 for g in groups)
@@ -171,7 +174,7 @@ class _Program:
                 start = self.instrs.get(ins.operands[0])
                 if start is not None and start.computation == ins.computation:
                     self.start_of[ins.name] = start.name
-        self.paired = set(self.start_of.values())
+        self.paired = set(self.start_of.values()) - synchronous
         self.kernels: dict[str, Kernel] = {}
         self.runs: dict[str, _Run] = {}
 
