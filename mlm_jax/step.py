@@ -251,7 +251,7 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
         else:
             loss, grads, aux = loss_and_grads(params, batch, key, state[ls.KEY]["scale"])
             loss, grads, found_inf = ls.unscale(loss, grads, state[ls.KEY]["scale"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         lr = lr_for(cfg, state["schedule_samples"])
         updates = apply_lr(updates, lr, decoupled_lr_for(cfg, state["schedule_samples"]))
