@@ -11,7 +11,7 @@ import numpy as np
 from mlm_jax.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.parallel.chunks import sharding_seq_order
 from mlm_jax.parallelize import parallelize
-from mlm_jax.sharding import make_mesh
+from mlm_jax.sharding import make_mesh, trace
 from mlm_jax.validation import finalize
 
 VOCAB = 500  # padded to 512 for tp <= 4 but to 1024 for tp = 8: padding must not matter
@@ -89,12 +89,16 @@ def _build(parallel, micro_batch, devices, model_class, data, model):
 
 @functools.cache
 def grads_for(parallel: ParallelConfig, micro_batch: int, single_device: bool = False,
-              model: tuple = ()):
+              model: tuple = (), route_groups: int = 1):
     """(loss, grads as numpy, in the plain layer order) of the fixed batch at the seed-0 init, for
-    one layout (cached). An interleaved pipeline stores its layers permuted: `plain` undoes it."""
-    pz = build(parallel, micro_batch, jax.devices()[:1] if single_device else None, **dict(model))
-    state = pz.init(0)
-    loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
+    one layout (cached). An interleaved pipeline stores its layers permuted: `plain` undoes it.
+    `route_groups` (one device): a MoE router gives that many equal blocks of each microbatch's
+    rows a capacity of their own, as a layout with that many ranks of batch rows does."""
+    devices = jax.devices()[:1] if single_device else None
+    with trace.using(route_groups=route_groups):
+        pz = build(parallel, micro_batch, devices, fresh=route_groups > 1, **dict(model))
+        state = pz.init(0)
+        loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
     return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
 
 

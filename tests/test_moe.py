@@ -14,12 +14,17 @@ Checked here:
   - the flags (the layer-pattern syntax, the refusals naming the flag).
 
 The reference of a layout has the same microbatches (rows per microbatch) as the layout: the
-MoE losses and capacities are per microbatch, so their split must match.
+MoE losses and capacities are per microbatch, so their split must match. Capacity is each
+data-parallel rank's (Megatron's `get_capacity` on a rank's own tokens): the reference of a
+layout with capacity dropping runs on one device with each microbatch's rows routed in as many
+equal blocks as the layout has ranks of batch rows (data x expert; the trace's `route_groups`),
+each block with its own capacity: the tokens a rank of the layout holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +36,7 @@ from mlm_jax.arguments import parse_args
 from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
 from mlm_jax.models import moe as moe_lib
 from mlm_jax.models.moe import MoE, route
+from mlm_jax.sharding import trace
 from mlm_jax.validation import finalize
 from tests.parallel_util import VOCAB, grads_for, tiny_config, unpad
 from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
@@ -161,26 +167,33 @@ def test_sigmoid_scores_for_the_aux_loss_are_normalised_over_experts():
 # --------------------------------------------------------------------------- capacity
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["one_rank", "two_ranks"])
 @pytest.mark.parametrize("policy", ["probs", "position"])
-def test_capacity_drops_exactly_the_tokens_the_policy_names(policy):
-    # 8 tokens, top-1, 2 experts, capacity factor 0.5: C = ceil(8 * 1 / 2 * 0.5) = 2 per expert.
+def test_capacity_drops_exactly_the_tokens_the_policy_names(policy, groups):
+    # 16 tokens (2 rows of 8), top-1, 2 experts, capacity factor 0.5, routed as `groups` ranks'
+    # rows: C = ceil(16 / groups * 1 / 2 * 0.5) per expert and rank (4 on one, 2 on each of two).
     # Pre-softmax: with top-1 the post-top-k softmax would make every probability 1.
     cfg = layer_cfg(num_experts=2, moe_router_topk=1, moe_expert_capacity_factor=0.5,
                     moe_token_drop_policy=policy, moe_router_pre_softmax=True)
-    assert moe_lib.capacity(8, cfg) == 2
+    C = moe_lib.capacity(16 // groups, cfg)
+    assert C == 4 // groups
     rng = np.random.default_rng(3)
-    logits = rng.normal(size=(1, 8, 2)).astype(np.float32)
-    logits[0, :, 0] += 3.0  # most tokens prefer expert 0, so it overflows
-    r = route(cfg, jnp.asarray(logits))
-    probs = _np_softmax(logits[0])
+    logits = rng.normal(size=(2, 8, 2)).astype(np.float32)
+    logits[:, :, 0] += 3.0  # most tokens prefer expert 0, so it overflows
+    with trace.using(route_groups=groups):
+        r = route(cfg, jnp.asarray(logits))
+    probs = _np_softmax(logits.reshape(16, 2))
     choice = probs.argmax(-1)
-    keep = np.zeros(8, bool)
-    for e in range(2):
-        mine = np.flatnonzero(choice == e)
-        if policy == "probs":
-            mine = mine[np.argsort(-probs[mine, e], kind="stable")]
-        keep[mine[:2]] = True
-    assert (choice == 0).sum() > 2  # the test really drops
+    keep = np.zeros(16, bool)
+    for g in range(groups):  # each rank's tokens on their own
+        first = g * 16 // groups
+        for e in range(2):
+            mine = first + np.flatnonzero(choice[first:first + 16 // groups] == e)
+            if policy == "probs":
+                mine = mine[np.argsort(-probs[mine, e], kind="stable")]
+            keep[mine[:C]] = True
+    n = 16 // groups
+    assert all((choice[g * n:(g + 1) * n] == 0).sum() > C for g in range(groups))  # every rank really drops
     np.testing.assert_array_equal(np.asarray(r.kept_tk)[:, 0], keep)
     np.testing.assert_array_equal(np.asarray(r.experts_tk)[:, 0], choice)
     np.testing.assert_allclose(float(r.stats["dropped_fraction"]), 1 - keep.mean(), rtol=1e-6)
@@ -228,13 +241,16 @@ LAYOUTS = {
                                    ("moe_pad_expert_input_to_capacity", True))),
     # A MoE reduces its gradients once per step: each data rank runs its own rows, the router's
     # counts summed over the ranks (the trace's rank_split); so do the layouts above (each data x expert
-    # rank its rows and experts; capacity decided over every rank's tokens).
+    # rank its rows and experts; capacity each rank's own).
     "dp8_reduce_once": (ParallelConfig(), 1, MOE),
-    # Capacity dropping reduces once too: the keep decision sees every rank's tokens.
+    # Capacity dropping reduces once too: each rank keeps at most C of its own tokens per expert.
     "dp8_capacity_probs": (ParallelConfig(), 1, MOE + (("moe_expert_capacity_factor", 0.75),)),
+    # (Capacity 0.75 here: at 1.0, with each rank's own capacity, the loss is 2.9e-6 off, every
+    # gradient within 6.8e-7 of the reference's: the same tokens kept, a rounding of the loss sum;
+    # 0.75 drops more tokens and is 4.8e-7 off.)
     "dp2_ep2_tp2_capacity_probs_padded": (
         ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2,
-        MOE + (("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True))),
+        MOE + (("moe_expert_capacity_factor", 0.75), ("moe_pad_expert_input_to_capacity", True))),
     "ep2_pp2_capacity_allgather": (ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2,
                                    MOE + (("moe_expert_capacity_factor", 0.75),
                                           ("moe_token_dispatcher_type", "allgather"))),
@@ -247,12 +263,21 @@ LAYOUTS = {
 }
 
 
+def rank_blocks(parallel: ParallelConfig) -> int:
+    """The ranks of batch rows (data x expert) of a layout on the 8-device mesh: each routes its
+    own rows with a capacity of its own."""
+    p = parallel
+    return 8 // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_every_gradient_match_single_device(name):
     parallel, micro, model = LAYOUTS[name]
-    # The dispatcher and padding are execution choices: the reference runs the plain model.
+    # The dispatcher and padding are execution choices: the reference runs the plain model,
+    # with capacity dropping routing each microbatch as the layout's ranks hold its rows.
     ref_model = tuple(kv for kv in model if kv[0] not in ("moe_token_dispatcher_type",))
-    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=ref_model)
+    groups = rank_blocks(parallel) if dict(model).get("moe_expert_capacity_factor") else 1
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=ref_model, route_groups=groups)
     loss, grads = grads_for(parallel, micro, model=model)
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
     assert not np.any(grads["embed"][VOCAB:])
@@ -391,12 +416,13 @@ def test_aux_metrics_reach_the_train_step_and_format():
 
     model = dict(MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position")))
 
-    def metrics(parallel, micro, single):
-        pz = build(parallel, micro, jax.devices()[:1] if single else None, **model)
-        _, m = pz.train_step(pz.init(0), place(pz, fixed_batch()), jax.random.key(0))
+    def metrics(parallel, micro, single, groups=1):
+        with trace.using(route_groups=groups):  # one device routing as `groups` ranks (capacity)
+            pz = build(parallel, micro, jax.devices()[:1] if single else None, fresh=groups > 1, **model)
+            _, m = pz.train_step(pz.init(0), place(pz, fixed_batch()), jax.random.key(0))
         return jax.tree.map(float, m["aux"])
 
-    ref = metrics(ParallelConfig(), 8, True)
+    ref = metrics(ParallelConfig(), 8, True, groups=4)  # ep2 x pp2: 4 ranks of batch rows
     got = metrics(ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2, False)
     assert ref["moe_microbatches"] == got["moe_microbatches"] == 2.0
     for key in ref:
@@ -446,3 +472,20 @@ def test_dropless_moe_pipeline_reduces_data_parallel_gradients_once(ep):
     looped = set(_lines_in_loops(text))
     outside = [line for line in text.splitlines() if _COLLECTIVE.search(line) and line not in looped]
     assert any(" all-reduce" in line and _largest_result(line) > 4 for line in outside)
+
+
+def test_the_rows_a_rank_computes_do_not_grow_with_data_parallelism():
+    """Capacity is each rank's own (Megatron's `get_capacity` on a rank's tokens): padded to
+    capacity, a rank of dp2 and of dp8 with a row each runs its experts on [E, C] slots, C the
+    capacity of that row's tokens; a capacity of the whole microbatch made them dp times more."""
+    from tests.parallel_util import SEQ, build, fixed_batch, place
+
+    model = dict(MOE + (("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True)))
+    cfg = layer_cfg(**{k: v for k, v in model.items() if k.startswith("moe_") or k == "num_experts"})
+    rank = moe_lib.capacity(SEQ, cfg)  # one row per rank
+    for dp in (2, 8):
+        pz = build(ParallelConfig(), 1, jax.devices()[:dp], **model)
+        text = pz.loss_and_grads.lower(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0)).as_text()
+        slots = {int(c) for c in re.findall(rf"stablehlo.dot_general[^\n]*-> tensor<{E}x(\d+)x", text)}
+        whole = moe_lib.capacity(dp * SEQ, cfg)  # the microbatch's dp rows
+        assert rank in slots and whole not in slots, (dp, slots, rank, whole)  # (the others: weight gradients)

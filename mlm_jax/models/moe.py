@@ -1,11 +1,15 @@
 """Mixture of experts: Megatron's router (softmax or sigmoid scores, top-k, load-balancing and
 z losses, capacity dropping) and grouped experts, optionally with a shared expert.
 
-The router runs on every token of the microbatch (GSPMD: the statistics and the capacity are
-those of the whole microbatch, so every parallel layout computes the same function; where the
-step runs each data-parallel rank's rows on their own to reduce gradients once, it
-sums the router's counts over the ranks (the trace's `rank_split`) so that the statistics stay the
-whole microbatch's). The experts' grouped matmul is here (`expert_ffn`); the token dispatch to
+The router runs on every token of the microbatch. Its statistics (load-balancing loss, load,
+dropped fraction) are those of the whole microbatch, so every parallel layout computes the same
+function; where the step runs each data-parallel rank's rows on their own to reduce gradients
+once, it sums the router's counts over the ranks (the trace's `rank_split`). Capacity, as
+Megatron sizes it (`moe_utils.get_capacity` on each rank's own tokens), is each data-parallel
+rank's: the microbatch's rows route in the trace's `route_groups` equal blocks (one per rank of
+the batch rows, data x expert), each block keeping at most C = capacity(its tokens) rows per
+expert. A single device routes as one block unless the trace says otherwise (a test's
+reference for a layout). The experts' grouped matmul is here (`expert_ffn`); the token dispatch to
 expert-parallel ranks and the combine (shard_map over `expert`, all-to-all or all-gather) are
 `mlm_jax/parallel/experts.py`'s, installed in the trace context by the step.
 
@@ -18,9 +22,10 @@ E experts, top-k K, router logits z [T, E]:
   z-loss:        coeff * mean_t logsumexp(z_t)^2
   scores for the aux losses: softmax(z) over all experts (sigmoid: s / sum_e s), counts from the
   top-k choice before any drop.
-  capacity:      C = ceil(T K / E * capacity factor); per expert, the C tokens with the highest
-                 probability (policy probs) or the first C in token order (policy position)
-                 are kept, the rest dropped (their weight 0: the residual carries them).
+  capacity:      C = ceil(T K / E * capacity factor), T a routing group's tokens (a data-parallel
+                 rank's); per expert and group, the C tokens with the highest probability
+                 (policy probs) or the first C in token order (policy position) are kept, the
+                 rest dropped (their weight 0: the residual carries them).
 
 Shape letters: t token, e expert, k top-k choice, d embed, f expert mlp, b batch, s seq.
 """
@@ -61,8 +66,7 @@ class Routing:
 # whole microbatch: the counts the losses need are summed over the ranks (a psum of a few
 # scalars per layer, no gradient through it) and every reported loss and metric becomes this
 # rank's share, so that summing the ranks' losses, gradients and metrics gives the whole
-# microbatch's. Capacity too: the keep decision counts the earlier ranks' rows first (position
-# policy) or ranks every rank's router scores (probs policy).
+# microbatch's. Capacity is the rank's own: its rows are one routing group.
 
 
 def _split_axes():
@@ -83,28 +87,19 @@ def _ranks() -> int:
     return 1 if split is None else split[1]
 
 
-def _ranks_before(x):
-    """The sum of a per-rank statistic `x` over the ranks holding earlier rows (no gradient)."""
-    axis = _split_axes()
-    if axis is None:
-        return jnp.zeros_like(x)
-    every = jax.lax.all_gather(jax.lax.stop_gradient(x), axis)  # [ranks, ...] in row order
-    before = jnp.arange(every.shape[0]) < jax.lax.axis_index(axis)
-    return jnp.sum(jnp.where(before.reshape(-1, *([1] * x.ndim)), every, 0), axis=0)
-
-
-def _rows_of_all_ranks(x_et):
-    """[E, T] per rank -> [E, ranks * T]: every rank's columns, in row order (no gradient)."""
-    axes = _split_axes()
-    if axes is None:
-        return x_et
-    return jax.lax.all_gather(jax.lax.stop_gradient(x_et), axes, axis=1, tiled=True)
-
-
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
-    """Megatron's per-expert capacity: ceil(tokens x top-k / experts x capacity factor)."""
+    """Megatron's per-expert capacity of a routing group of `num_tokens` tokens: ceil(tokens x
+    top-k / experts x capacity factor)."""
     K, E = cfg.moe_router_topk, cfg.num_experts
     return int(math.ceil(num_tokens * K / E * cfg.moe_expert_capacity_factor))
+
+
+def route_groups(rows: int) -> int:
+    """How many routing groups (each with its own capacity) `rows` batch rows here hold: the
+    trace's `route_groups` (1 in a per-rank body, whose rows are one rank's), or 1 where the rows
+    do not split evenly into them (decoding a few prompts)."""
+    groups = trace.current().route_groups
+    return groups if rows % groups == 0 else 1
 
 
 def _scores_and_choice(cfg: ModelConfig, logits_te):
@@ -150,29 +145,28 @@ def z_loss(cfg: ModelConfig, logits_te) -> jax.Array:
     return cfg.moe_z_loss_coeff * jnp.sum(lse_sq) / (lse_sq.shape[0] * _ranks())
 
 
-def keep_mask(cfg: ModelConfig, probs_tk, experts_tk) -> jax.Array:
-    """[T, K] bool: True where the choice survives the capacity (all True when dropless)."""
+def keep_mask(cfg: ModelConfig, probs_tk, experts_tk, groups: int = 1) -> jax.Array:
+    """[T, K] bool: True where the choice survives the capacity (all True when dropless). The T
+    tokens (b-major) route in `groups` equal blocks of consecutive tokens, each with capacity C of
+    its own tokens."""
     if cfg.moe_expert_capacity_factor is None:
         return jnp.ones(experts_tk.shape, bool)
     T, E = experts_tk.shape[0], cfg.num_experts
-    C = capacity(T * _ranks(), cfg)  # the whole microbatch's (rank_split: this rank holds T of them)
-    onehot_tke = jax.nn.one_hot(experts_tk, E, dtype=jnp.int32)  # [T, K, E]
-    chosen_te = jnp.sum(onehot_tke, axis=1)  # [T, E]
+    n = T // groups  # a group's tokens
+    C = capacity(n, cfg)
+    onehot_gne = jax.nn.one_hot(experts_tk, E, dtype=jnp.int32).reshape(groups, n, -1, E)  # [g, n, K, E]
+    chosen_gne = jnp.sum(onehot_gne, axis=2)  # [g, n, E]
     if cfg.moe_token_drop_policy == "position":
-        # 1-based arrival order per expert, counting the earlier ranks' rows first
-        rank_te = jnp.cumsum(chosen_te, axis=0) + _ranks_before(jnp.sum(chosen_te, axis=0))
-        keep_te = (chosen_te > 0) & (rank_te <= C)
-    else:
-        prob_te = jnp.sum(onehot_tke * probs_tk[..., None], axis=1)  # [T, E]; 0 where not chosen
-        # The C most probable chosen tokens per expert over the whole microbatch (every rank's
-        # columns: a [E, tokens] gather of router scores per layer when the rows are split).
-        score_et = _rows_of_all_ranks(jnp.where(chosen_te > 0, prob_te, -1.0).T)  # [E, all tokens]
-        _, top_ec = jax.lax.top_k(score_et, min(C, score_et.shape[1]))  # [E, C]
-        keep_et = jnp.zeros(score_et.shape, bool).at[jnp.arange(E)[:, None], top_ec].set(True)
-        axes = _split_axes()
-        first = 0 if axes is None else T * jax.lax.axis_index(axes)  # this rank's columns
-        keep_te = jax.lax.dynamic_slice_in_dim(keep_et, first, T, axis=1).T & (chosen_te > 0)
-    return jnp.take_along_axis(keep_te, experts_tk, axis=1)  # [T, K]
+        arrival_gne = jnp.cumsum(chosen_gne, axis=1)  # 1-based arrival order per expert and group
+        keep_gne = (chosen_gne > 0) & (arrival_gne <= C)
+    else:  # the C most probable chosen tokens per expert and group
+        prob_gne = jnp.sum(onehot_gne * probs_tk.reshape(groups, n, -1, 1), axis=2)  # 0 where not chosen
+        score_gen = jnp.swapaxes(jnp.where(chosen_gne > 0, prob_gne, -1.0), 1, 2)  # [g, E, n]
+        _, top_gec = jax.lax.top_k(score_gen, min(C, n))  # [g, E, C]
+        keep_gen = jnp.zeros(score_gen.shape, bool).at[
+            jnp.arange(groups)[:, None, None], jnp.arange(E)[None, :, None], top_gec].set(True)
+        keep_gne = jnp.swapaxes(keep_gen, 1, 2) & (chosen_gne > 0)
+    return jnp.take_along_axis(keep_gne.reshape(T, E), experts_tk, axis=1)  # [T, K]
 
 
 def route(cfg: ModelConfig, logits_bse) -> Routing:
@@ -182,7 +176,7 @@ def route(cfg: ModelConfig, logits_bse) -> Routing:
     probs_tk, experts_tk, scores_te = _scores_and_choice(cfg, logits_te)
     chosen_te = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32), axis=1)  # [T, E]
     lb = load_balancing_loss(cfg, scores_te.reshape(b, s, E), chosen_te.reshape(b, s, E))
-    kept_tk = keep_mask(cfg, probs_tk, experts_tk)
+    kept_tk = keep_mask(cfg, probs_tk, experts_tk, route_groups(b))
     counts_e = _whole(jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1)))
     total = float(b * s * cfg.moe_router_topk * _ranks())
     share = 1.0 / _ranks()  # the whole microbatch's figures below, split evenly over the ranks
@@ -333,11 +327,12 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
     return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
 
 
-def row_capacity(cfg: ModelConfig, tokens_per_group: int) -> int | None:
-    """Slots per expert with --moe-pad-expert-input-to-capacity (capacity of the microbatch)."""
+def row_capacity(cfg: ModelConfig, tokens_per_group: int, groups: int = 1) -> int | None:
+    """Slots per expert with --moe-pad-expert-input-to-capacity: the capacity of `groups` routing
+    groups of `tokens_per_group` tokens each (an expert receives at most C rows from each)."""
     if not cfg.moe_pad_expert_input_to_capacity:
         return None
-    return capacity(tokens_per_group * _ranks(), cfg)  # a per-rank body holds 1/ranks of them
+    return groups * capacity(tokens_per_group, cfg)
 
 
 def local_experts(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
@@ -351,7 +346,8 @@ def local_experts(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
 def all_experts_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
     """Every expert on every token, here: [b, s, d] -> [b, s, d] (no mesh, or nothing to split)."""
     b, s, d = y_bsd.shape
-    cap = row_capacity(cfg, b * s)
+    groups = route_groups(b)
+    cap = row_capacity(cfg, b * s // groups, groups)
     out = local_experts(cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1),
                  weights_bsk.reshape(b * s, -1), w1, w2, b1, cap)
     return out.reshape(b, s, d)

@@ -39,8 +39,7 @@ def reduces_once(mesh: Mesh, aux_names=()) -> bool:
     them. Context parallelism's ring attention is a shard_map over every axis not yet manual, so
     it nests in the per-rank body as it nests in the pipeline's. A MoE router keeps its
     whole-microbatch statistics and decisions there (the trace's `rank_split`: the counts are
-    summed over the ranks, a few scalars per layer; capacity dropping counts the earlier ranks'
-    tokens or ranks every rank's scores). With expert parallelism the per-rank body is manual
+    summed over the ranks, a few scalars per layer; capacity is each rank's own, as Megatron's). With expert parallelism the per-rank body is manual
     over `expert` too: each rank holds its own experts and rows, and the dispatch's all-to-all
     (tokens, not gradients) runs in it (`parallel/experts.py`).
     """
@@ -68,7 +67,7 @@ def per_rank_trace(mesh: Mesh, ranks: tuple[str, ...], rows_here: int):
     inner = tuple((name, without_manual(axes, ranks)) for name, axes in active_rules())
     num_ranks = math.prod(dict(mesh.shape)[a] for a in ranks)
     first_row = jax.lax.axis_index(ranks) * rows_here
-    with trace.using(rules=inner, row_offset=first_row, rank_split=(ranks, num_ranks)):
+    with trace.using(rules=inner, row_offset=first_row, rank_split=(ranks, num_ranks), route_groups=1):
         yield
 
 

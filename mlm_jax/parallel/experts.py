@@ -8,7 +8,8 @@ shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/e
              with one all_to_all over `expert`, the experts run, a second all_to_all returns
              the outputs. XLA:CPU has no ragged all-to-all, so every destination's block is
              padded to its worst case (T*K rows dropless; min(T*K, experts per rank x capacity)
-             with a capacity factor).
+             with a capacity factor). Capacity is each rank's (a routing group's, see
+             models/moe.py): an expert receives at most C rows from each of the ep sources.
   allgather  every device all-gathers the tokens of its `expert` group, runs its own experts on
              the rows routed to them, and a reduce-scatter over `expert` returns each device's
              tokens (Megatron's allgather dispatcher).
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, row_capacity
+from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, route_groups, row_capacity
 from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
@@ -60,8 +61,8 @@ def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     # [ep (destination), per_dest, d] -> [ep (source), per_dest, d]
     recv = jax.lax.all_to_all(send, EXPERT, 0, 0, tiled=True)
     recv_ids = jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True)
-    # Drops are decided over the whole microbatch, so an expert receives at most `cap` rows.
-    y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1, cap)
+    y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1,
+                   None if cap is None else ep * cap)  # at most `cap` rows per expert from each source
     back = jax.lax.all_to_all(y.reshape(ep, per_dest, -1), EXPERT, 0, 0, tiled=True)  # [dest, per_dest, d]
     y_s = back.at[dest, pos].get(mode="fill", fill_value=0)  # [R, d] in sorted order
     y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
@@ -77,7 +78,8 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     w_all = jax.lax.all_gather(w_tk, EXPERT, axis=0, tiled=True)
     mine = (e_all // n_local == me) & (w_all != 0)
     local_e = jnp.where(mine, e_all - me * n_local, 0)
-    y_all = local_experts(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1, cap)  # [ep*T, d]
+    y_all = local_experts(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1,
+                          None if cap is None else ep * cap)  # [ep*T, d]: ep groups' rows
     return jax.lax.psum_scatter(y_all, EXPERT, scatter_dimension=0, tiled=True)  # [T, d]
 
 
@@ -117,13 +119,14 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         # device runs every expert on the microbatch: the same function, without expert
         # parallelism's savings.
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
-        out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),
+        out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),  # every group
                                whole(w1), whole(w2), whole(b1))
         return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
     ep = sizes[EXPERT]
-    # Capacity is the microbatch's (b*s tokens); a device's block holds at most that many rows
-    # per expert.
-    cap = row_capacity(cfg, b * s)
+    # A device's rows below are one routing group (a rank's), or all of them on one device
+    # routing as a layout's ranks do: at most `cap` rows per expert.
+    groups = route_groups(b)
+    cap = row_capacity(cfg, b * s // groups, max(groups // math.prod(sizes[a] for a in row_axes), 1))
     if per_rank and PIPE in outer:
         # The pipeline's per-rank schedule: a shard_map nested in the layer scan there fails
         # Shardy's verifier, so the dispatch's collectives run right here and `tensor` stays

@@ -10,6 +10,9 @@ imports `parallel/` or names a mesh axis. The fields:
                      rows from there on): dropout masks are a function of the global index;
   rank_split         (manual axes, ranks): this program holds one of `ranks` row blocks of each
                      microbatch (the MoE router sums its statistics over them); None: all rows;
+  route_groups       the equal blocks of batch rows here that a MoE router gives a capacity of
+                     their own: each data-parallel rank's rows (Megatron sizes capacity from a
+                     rank's own tokens); 1 in a per-rank body and on one device;
   context_attention  the context-parallel attention (`parallel/context.py`, with the run's
                      --cp-comm-type) where the mesh splits the sequence and the batch is in the
                      chunk order; None: attention runs on the whole sequence;
@@ -34,6 +37,7 @@ class Trace:
     rules: tuple = ()
     row_offset: Any = None
     rank_split: tuple | None = None
+    route_groups: int = 1
     context_attention: Callable | None = None
     expert_dispatch: Callable | None = None
     platform: str | None = None
