@@ -125,6 +125,13 @@ def test_the_implementation_follows_the_platform():
         lambda x, w: grouped_matmul(x, w, sizes, implementation="pallas"))(x, w))
 
 
+def test_no_rows():
+    w = jnp.ones((2, 8, 4), jnp.float32)
+    total, dw = jax.value_and_grad(lambda w: grouped_matmul(jnp.zeros((0, 8)), w, jnp.zeros((2,), jnp.int32),
+                                                          implementation="pallas").sum())(w)
+    assert total == 0 and not dw.any()
+
+
 def test_bad_arguments_are_named():
     x, w, _ = _inputs(16, 8, 8, 2, jnp.float32)
     sizes = jnp.array([9, 7], jnp.int32)
