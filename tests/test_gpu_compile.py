@@ -13,6 +13,9 @@ same path as `python -m mlm_jax.plan`, and what each compiled program shows asse
 - collectives run asynchronously beside compute in every layout, each kind somewhere (XLA runs
   synchronously those it finds nothing to overlap); the data-parallel ones overlap compute.
 
+Beside the layouts: the MoE grouped matmul's Pallas kernels compile to Triton custom calls that
+execute close to the useful FLOPs (XLA's own ragged_dot runs G times them).
+
 The compiles run in worker processes started with the XLA flags a GPU run sets (the suite's own
 XLA_FLAGS are for the CPU); skipped, with the reason, only when the CUDA plugin is absent.
 """
@@ -365,6 +368,59 @@ f = lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_e
 print(json.dumps(sorted(set(re.findall(r'custom_call_target="([^"]*)"', jax.jit(f).lower(a, b).compile().as_text())))))
 """)
     assert got == ["__cublas$lt$matmul$f8"], got
+
+
+# --------------------------------------------------------------------------- the MoE grouped matmul
+
+def test_grouped_matmul_compiles_to_triton_kernels_doing_the_useful_work():
+    """`mlm_jax.kernels.grouped_matmul`'s value and gradients at Mixtral's expert sizes (R = 2 x
+    4096 rows, G = 8 experts, k = 4096, n = 14336, bf16) compile for an H100 to its three Pallas
+    kernels as Triton custom calls: no dot anywhere, so none over all G experts as XLA's
+    ragged_dot expansion runs (a masked [R, G, k] copy of the rows: G times the useful FLOPs), no
+    buffer with both an R and a G dim. The kernels' grids bound the FLOPs they execute: every
+    program of the row-wise kernels a whole [tm, tn] tile through the whole contraction, the
+    weight gradient's ceil(size_g / tk) row steps per group; at most 1.25 x the useful 3 x 2 R k n
+    (1.094 x here: the forward and input gradient 71 row tiles for 64 rows' worth, group edges
+    inside tiles; the weight gradient up to tk - 1 rows more per group)."""
+    R, G, k, n = 2 * 4096, 8, 4096, 14336
+    got = _gpu_process(f"""
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+from mlm_jax import platform
+from mlm_jax.kernels import grouped_matmul
+from mlm_jax.plan.targets import devices, gpu
+from mlm_jax.sharding import trace
+dev = devices(gpu("h100"), 1, 1)[0]
+on = SingleDeviceSharding(dev)
+x = jax.ShapeDtypeStruct(({R}, {k}), jnp.bfloat16, sharding=on)
+w = jax.ShapeDtypeStruct(({G}, {k}, {n}), jnp.bfloat16, sharding=on)
+sizes = jax.ShapeDtypeStruct(({G},), jnp.int32, sharding=on)
+loss = lambda x, w, sizes: grouped_matmul(x, w, sizes).astype(jnp.float32).sum()
+# Lowered in the compile-only devices' mesh, as a step is (parallelize): jax 0.12's Triton
+# lowering asks it which GPU it compiles for (the default device here is a CPU).
+with jax.set_mesh(Mesh(np.array([dev]), ("x",))), trace.using(platform=platform.CUDA):
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w, sizes).compile().as_text()
+kernels = []
+for line in text.splitlines():
+    if 'custom_call_target="__gpu$xla.gpu.triton"' in line:
+        grid = [int(g) for g in re.findall(r"grid_[xyz] = (\\d+)", line)]
+        kernels.append([re.search(r'name = "([^"]+)"', line).group(1), int(np.prod(grid))])
+shapes = sorted({{s for s in re.findall(r"\\w+\\[([\\d,]+)\\]", text)}})
+print(json.dumps({{"kernels": kernels, "matmuls": len(re.findall({_MATMULS!r}, text)), "shapes": shapes}}))
+""")
+    from mlm_jax.kernels import Tiles
+
+    t = Tiles()
+    programs = dict(got["kernels"])
+    assert sorted(programs) == ["grouped_matmul", "grouped_matmul_dw", "grouped_matmul_wt"], got["kernels"]
+    assert got["matmuls"] == 0, got["matmuls"]
+    assert not [s for s in got["shapes"] if {R, G} <= {int(d) for d in s.split(",")}], got["shapes"]
+    assert programs["grouped_matmul"] == (-(-R // t.tm) + G - 1) * -(-n // t.tn)
+    tile = 2 * t.tm * t.tn
+    executed = (programs["grouped_matmul"] * tile * k + programs["grouped_matmul_wt"] * tile * n
+                + programs["grouped_matmul_dw"] // G * tile * (R + G * (t.tk - 1)))
+    useful = 3 * 2 * R * k * n
+    assert useful < executed <= 1.25 * useful, executed / useful
 
 
 # --------------------------------------------------------------------------- the step time
