@@ -77,7 +77,7 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    moe_grouped_gemm: bool = True  # experts always run as one grouped matmul here
+    moe_grouped_gemm: bool = True  # the experts' grouped-GEMM kernel on NVIDIA GPUs (else XLA's ragged_dot)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (0-based) is a mixture-of-experts layer (--moe-layer-freq)."""

@@ -97,7 +97,25 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str | None = None, tile
     if x.shape[0] == 0:  # no rows, no kernel (and zero gradients)
         return jnp.zeros((0, w.shape[2]), x.dtype)
     interpret = platform.current() not in (platform.CUDA, platform.ROCM)
-    return _pallas_gmm(x, w, group_sizes.astype(jnp.int32), tiles or Tiles(), interpret)
+    x, w, group_sizes = _varying_alike(x, w, group_sizes.astype(jnp.int32))
+    return _pallas_gmm(x, w, group_sizes, tiles or Tiles(), interpret)
+
+
+def _varying_alike(*arrays):
+    """The arrays cast to vary over the same manual axes (inside a shard_map that checks them, a
+    kernel's operands and result must agree on it): the union of theirs. Outside one: as they are."""
+    axes = frozenset().union(*(_varying(a) for a in arrays))
+    return tuple(jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") if axes - _varying(a) else a
+                 for a in arrays)
+
+
+def _varying(a) -> frozenset:
+    return jax.typeof(a).manual_axis_type.varying
+
+
+def _result(shape, dtype, like):
+    """A kernel's result type: `shape` and `dtype`, varying over the manual axes `like` does."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -162,7 +180,7 @@ def _gmm(x_rk, w, sizes_g, tiles: Tiles, interpret: bool, *, transpose_w: bool =
     table = tile_table(sizes_g, R, tiles.tm)
     kernel = functools.partial(_gmm_kernel, tiles=tiles, transpose_w=transpose_w)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((R, N), x_rk.dtype),
+        kernel, out_shape=_result((R, N), x_rk.dtype, x_rk),
         grid=(table.shape[1] * pl.cdiv(N, tiles.tn),), name="grouped_matmul" + ("_wt" if transpose_w else ""),
         **_params(tiles, interpret))(table, x_rk, w)
 
@@ -204,7 +222,7 @@ def _tgmm(x_rk, dy_rn, sizes_g, tiles: Tiles, interpret: bool):
     starts_g, ends_g = _group_bounds(sizes_g, R)
     bounds = jnp.stack([starts_g, ends_g])  # [2, g]
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, tiles=tiles), out_shape=jax.ShapeDtypeStruct((G, K, N), x_rk.dtype),
+        functools.partial(_tgmm_kernel, tiles=tiles), out_shape=_result((G, K, N), x_rk.dtype, x_rk),
         grid=(G * pl.cdiv(K, tiles.tm) * pl.cdiv(N, tiles.tn),), name="grouped_matmul_dw",
         **_params(tiles, interpret))(bounds, x_rk, dy_rn)
 

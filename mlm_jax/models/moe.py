@@ -33,6 +33,7 @@ Shape letters: t token, e expert, k top-k choice, d embed, f expert mlp, b batch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.kernels.grouped_matmul import XLA, grouped_matmul
 from mlm_jax.models.layers import cast, mlp_activation, normal, param, zeros
 from mlm_jax.models.mlp import MLP
 from mlm_jax.sharding import trace
@@ -289,8 +291,10 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 
 
 # --------------------------------------------------------------------------- the experts' compute
-# The experts run as one grouped matmul (`jax.lax.ragged_dot`) over rows sorted by expert, or,
-# with --moe-pad-expert-input-to-capacity, as a batched matmul over [experts, capacity] slots.
+# The experts run as one grouped matmul over rows sorted by expert (`kernels.grouped_matmul`: a
+# Pallas kernel on NVIDIA GPUs, where XLA's `ragged_dot` is a dense product over every expert;
+# `ragged_dot` elsewhere), or, with --moe-pad-expert-input-to-capacity, as a batched matmul over
+# [experts, capacity] slots.
 # Shape letters here: r row (= token x choice). The dispatch of tokens to expert-parallel ranks
 # (shard_map over `expert`) is `parallel/experts.py`'s, installed in the trace context.
 
@@ -308,12 +312,13 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
     sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
     valid = ids_s < n_local
     if cap is None:
+        gmm = functools.partial(grouped_matmul, implementation=None if cfg.moe_grouped_gemm else XLA)
         w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
-        h = jax.lax.ragged_dot(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
+        h = gmm(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
         u = jnp.where(valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0)  # [r, f]
-        ys = jax.lax.ragged_dot(u, w2, sizes)  # [r, d]
+        ys = gmm(u, w2, sizes)  # [r, d]
     else:
         starts = jnp.cumsum(sizes) - sizes
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
