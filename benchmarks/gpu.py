@@ -79,7 +79,8 @@ def estimate(compiled, cfg, mesh) -> dict:
     target = by_device_kind(kind)
     if target is None:
         return {"estimate_note": f"not applicable: no target description for device {kind!r}"}
-    est = step_time.estimate(compiled.as_text(), target, dict(mesh.shape), gpus_per_node=1)
+    est = step_time.estimate(compiled.as_text(), target, dict(mesh.shape), gpus_per_node=1,
+                             grouped_rows=step_time.grouped_rows(cfg))
     model = flops_per_token(cfg.model, cfg.train.seq_length) * cfg.train.global_batch_size * cfg.train.seq_length
     return {"estimated_step_ms": 1000 * est.seconds, "executed_matmul_flops_ratio": est.matmul_flops / model}
 

@@ -16,6 +16,13 @@ Each kernel gets a time:
   V), halved under a causal `mask_type`; the backward 2.5 x its forward (FlashAttention's
   convention: five matmuls of the forward's size, one of them recomputing the scores, against
   the forward's two), at the same peaks;
+- the experts' grouped matmul (`kernels.grouped_matmul`'s Pallas/Triton kernels, a
+  `__gpu$xla.gpu.triton` call named `grouped_matmul*`): 2 x rows x k x n FLOPs plus the row tiles
+  its group edges waste, at the bf16 peak; rows are the ones its groups hold, not its buffer's:
+  the kernel computes only those, and a dispatch's receive buffer is sized to the worst case
+  (`grouped_rows`: the rows the router sends a device's experts in a balanced routing, from the
+  config; the buffer's rows where not given); its bytes the rows read, the weights, and its
+  whole output (the rows past the groups are written as zeros);
 - every other kernel (fusion, copy, reduce, custom call): (bytes its operands are read + bytes it
   writes) / HBM bandwidth (`memory_bandwidth` of the target description); a parameter that a
   fusion only slices counts the slices' bytes, and a buffer updated in place (a
@@ -58,7 +65,8 @@ Limits (it is a model read from a program, not a measurement):
 - collectives at the links' nominal bandwidth with no latency term beyond the launch: small
   collectives, and NCCL's tree algorithms across nodes, are modelled only roughly;
 - cuDNN attention's FLOPs from its shape (sliding windows and padding masks not subtracted);
-  Pallas/Triton custom kernels and other custom calls as memory-bound kernels.
+  the experts' grouped matmul at its balanced-routing rows (an imbalanced routing makes the
+  busiest expert's rank slower); other Pallas/Triton kernels and custom calls as memory-bound.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ import re
 
 from mlm_jax.plan import analytic, gpu_hlo
 from mlm_jax.plan.gpu_hlo import Instr, _arrays, _nbytes
+from mlm_jax.kernels.grouped_matmul import Tiles
 from mlm_jax.plan.targets import Gpu
 
 LAUNCH_SECONDS = 3e-6  # per kernel and per collective (an assumption: a few microseconds)
@@ -79,6 +88,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "part
          "after-all", "add-dependency", "opt-barrier", "domain"}
 _GEMM = "__cublas$"
 _ATTENTION = "__cudnn$fmha"
+_TRITON = "__gpu$xla.gpu.triton"
+_GROUPED = re.compile(r"grouped_matmul(_wt|_dw)?\b")  # the kernels' names, in their op_name
 
 
 @dataclasses.dataclass
@@ -142,7 +153,8 @@ def _results(ins: Instr) -> list:
 
 class _Program:
     def __init__(self, text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: int,
-                 hw: analytic.Hardware):
+                 hw: analytic.Hardware, grouped_rows: int | None = None):
+        self.grouped_rows = grouped_rows
         self.instrs = gpu_hlo.parse(text)
         self.by_comp = gpu_hlo.computations(self.instrs)
         entry = re.search(r"^ENTRY\s+%(\S+)", text, re.M)
@@ -301,10 +313,36 @@ class _Program:
         read = sum(_nbytes(_arrays(self.instrs[o].type_text)) for o in ins.operands if o in self.instrs)
         return read + _nbytes(_results(ins))
 
+    def _grouped(self, ins: Instr, op_name: str) -> Kernel | None:
+        """The experts' grouped matmul kernel's cost (module docstring), or None for another."""
+        name = _GROUPED.search(op_name) if self._target(ins) == _TRITON else None
+        operands = [_shape(self.instrs.get(o)) for o in ins.operands[:3]]
+        out = _shape(ins)
+        if name is None or out is None or None in operands:
+            return None
+        (dtype, (R, K)), w, N = operands[1], operands[2], out[1][-1]
+        rows = R if self.grouped_rows is None else min(R, self.grouped_rows)
+        tiles = Tiles()
+        if name.group(1) == "_dw":  # dw [G, K, N] = x_g^T dy_g over the groups' rows, tk at a time
+            waste = out[1][0] * tiles.tk
+            read = rows * (K + N) * _nbytes([(dtype, (1,))])
+        else:  # out [R, N] = x [R, K] @ w[g]: a row tile per group edge
+            waste = (w[1][0] - 1) * tiles.tm
+            read = rows * K * _nbytes([(dtype, (1,))]) + _nbytes([w])
+        flops = 2.0 * (rows + min(waste, rows)) * K * N
+        nbytes = read + _nbytes([out])
+        seconds = max(flops / self._peak([dtype, w[0]], ""), nbytes / self.bandwidth) + LAUNCH_SECONDS
+        return Kernel(ins.name, "matmul", op_name, seconds, flops, nbytes)
+
     def kernel(self, ins: Instr) -> Kernel:
         """The cost of one compute instruction, one run (memoized)."""
         if ins.name in self.kernels:
             return self.kernels[ins.name]
+        op = re.search(r'op_name="([^"]*)"', ins.rest)
+        grouped = self._grouped(ins, op.group(1) if op else "")
+        if grouped is not None:
+            self.kernels[ins.name] = grouped
+            return grouped
         kind, flops, compute, recompute = ins.opcode, 0.0, 0.0, 0.0  # memory-bound unless a matmul
         source = ins
         if ins.opcode == "fusion":  # a matmul when it holds one (a Triton GEMM, a dynamic-slice fusion)
@@ -442,10 +480,12 @@ class _Program:
 
 
 def estimate(text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: int = 8,
-             hw: analytic.Hardware | None = None) -> Estimate:
-    """The step time of a compiled program (`compiled.as_text()`) on `target`, per device."""
+             hw: analytic.Hardware | None = None, grouped_rows: int | None = None) -> Estimate:
+    """The step time of a compiled program (`compiled.as_text()`) on `target`, per device.
+    `grouped_rows`: the rows each of the experts' grouped matmul kernels computes (`grouped_rows`
+    of the config); None: its buffer's."""
     hw = hw or analytic.hardware(target)
-    p = _Program(text, target, mesh_shape, gpus_per_node, hw)
+    p = _Program(text, target, mesh_shape, gpus_per_node, hw, grouped_rows)
     top = p.run(p.entry)
     p.count(p.entry, 1)
     ran = [k for k in p.kernels.values() if k.runs]
@@ -456,6 +496,18 @@ def estimate(text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: 
     moving = sum(k.duration * k.runs for k in ran if k.queue in ("nvlink", "network", "host"))
     return Estimate(top.seconds, top.compute, top.exposed, moving, flops, gemms, recompute, ran, p.bf16, p.bandwidth,
                     p.links)
+
+
+def grouped_rows(cfg) -> int | None:
+    """The rows a device's experts receive per MoE layer and microbatch in a balanced routing:
+    its tokens (a rank's rows x the sequence over context parallelism) x top-k, at most the
+    capacity factor's share of them; every expert-parallel dispatch gives a rank's experts that
+    many on average. None for a dense model."""
+    m = cfg.model
+    if not m.num_experts:
+        return None
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_length // cfg.parallel.context_parallel_size
+    return math.ceil(min(1.0, m.moe_expert_capacity_factor or 1.0) * tokens * m.moe_router_topk)
 
 
 # --------------------------------------------------------------------------- the plan's report
