@@ -150,7 +150,7 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         return (_sum_over_tensor(out) if outer else jax.lax.psum(out, TENSOR)).reshape(bl, s, d)
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
-    fn = _recomputing_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
+    fn = _saving_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
     # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
     # manual computation an operand sharded over a free axis ahead of the manual ones.
     pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
@@ -169,40 +169,68 @@ def _sum_over_tensor(partial):
 _sum_over_tensor.defvjp(lambda partial: (jax.lax.psum(partial, TENSOR), None), lambda _, g: (g,))
 
 
-def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
-    """shard_map(body) whose backward is a second shard_map that recomputes the forward
-    (jax.vjp inside it) instead of passing residuals between the two. Nested in the pipeline's
-    shard_map, jax gives residuals a sharding Shardy rejects (the outer manual axis `pipe` as a
-    free axis ahead of `data`); recomputing also keeps the [rows, d] buffers out of memory.
-    Argument 1 (expert ids, integers) gets no cotangent. check_vma False: nested in a shard_map
-    that does not check them (parallelize's per-rank body)."""
-    fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual,
-                            check_vma=check_vma)
-
+def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
+    """shard_map(body) whose forward also returns, per device, the residuals of its own jax.vjp
+    (each stacked on a new leading dim split over the manual axes it varies over, so that their
+    sharding is ours, not jax's partial evaluation's: nested in a shard_map, jax gave residuals a
+    sharding Shardy rejects, the outer manual axis `pipe` as a free axis ahead of `data`; the
+    first trace, abstract, learns which axes each varies over), and whose backward is a
+    second shard_map applying that vjp: the experts' forward runs once (recomputing it in the
+    backward cost a third more expert FLOPs). Residuals that are the body's own inputs (the
+    weights, the tokens) are not stored again. Argument 1 (expert ids, integers) gets no
+    cotangent. check_vma False: nested in a shard_map that does not check them (parallelize's
+    per-rank body)."""
     diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
+    kept = {}  # the vjp's structure, which of its leaves are inputs, the others' specs (from the trace)
 
-    def bwd_body(args, g):
-        x, e, w, w1, w2, b1 = args
-        _, vjp = jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
-        grads = vjp(g)
+    def vjp_of(x, e, w, w1, w2, b1):
+        return jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
+
+    def fwd_body(x, e, w, w1, w2, b1):
+        out, vjp = vjp_of(x, e, w, w1, w2, b1)
+        leaves, kept["tree"] = jax.tree.flatten(vjp)
+        inputs = (x, w, w1, w2, b1)
+        kept["input_of"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
+        stored = [leaf for leaf, i in zip(leaves, kept["input_of"]) if i is None]
+        kept["varying"] = [tuple(sorted(jax.typeof(leaf).manual_axis_type.varying)) for leaf in stored]
+        return out, [leaf[None] for leaf in stored]
+
+    def bwd_body(args, residuals, g):
+        x, _, w, w1, w2, b1 = args
+        inputs, stored = (x, w, w1, w2, b1), iter(residuals)
+        leaves = [next(stored)[0] if i is None else inputs[i] for i in kept["input_of"]]
+        grads = jax.tree.unflatten(kept["tree"], leaves)(g)
         if check_vma:
             return grads
         # Unchecked, the sum over the ranks of an input they all hold whole is ours to take.
         return tuple(None if d is None else _sum_over(d, manual - _spec_axes(sp))
                      for d, sp in zip(grads, diff_specs))
 
-    bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
-                            axis_names=manual, check_vma=check_vma)
+    def stacked():
+        # a residual per device (unchecked: every manual axis), on a new leading dim
+        return [P(axes if check_vma else tuple(sorted(manual))) for axes in kept["varying"]]
+
+    def fwd_map(*args):
+        every = P(tuple(sorted(manual)))
+        jax.eval_shape(lambda *a: jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, every),
+                                                axis_names=manual, check_vma=check_vma)(*a), *args)
+        return jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, stacked()), axis_names=manual,
+                             check_vma=check_vma)(*args)
+
+    def bwd_map(args, residuals, g):
+        return jax.shard_map(bwd_body, in_specs=(in_specs, stacked(), out_spec), out_specs=diff_specs,
+                             axis_names=manual, check_vma=check_vma)(args, residuals, g)
 
     @jax.custom_vjp
     def fn(*args):
-        return fwd_map(*args)
+        return fwd_map(*args)[0]
 
     def fwd(*args):
-        return fwd_map(*args), args
+        out, residuals = fwd_map(*args)
+        return out, (args, residuals)
 
-    def bwd(args, g):
-        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(args, g)
+    def bwd(saved, g):
+        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(*saved, g)
         return d_x, None, d_w, d_w1, d_w2, d_b1
 
     fn.defvjp(fwd, bwd)
