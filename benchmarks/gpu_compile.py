@@ -79,6 +79,17 @@ LLAMA3_8B_DOTS = (
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 # name -> (what, GPUs, GPUs per node, argv)
+# Issue 49's comparison with MaxText's compiled Mixtral step: Megatron's Mixtral 8x7B shape on 8 GPUs
+# (seq 4096, bf16, ZeRO), the experts with and without expert parallelism.
+MIXTRAL_8GPU = (
+    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+    "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 --position-embedding-type rope "
+    "--rotary-base 1000000 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+    "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm "
+    "--vocab-size 32000 --bf16 --use-distributed-optimizer --mock-data --tokenizer-type NullTokenizer "
+    "--attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 10")
+CAPACITY = " --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
+
 CASES = {
     "gpt_1p3b": ("README GPT 1.3B (dp8, ZeRO, micro 8)", 8, 8, README_GPT_1P3B.format(micro=8).split()),
     "gpt_1p3b_micro4": ("README GPT 1.3B (dp8, ZeRO, micro 4)", 8, 8, README_GPT_1P3B.format(micro=4).split()),
@@ -101,6 +112,15 @@ CASES = {
     # minimal_with_context remat policy).
     "llama3_8b_dots": ("Llama-3 8B, dp8 ZeRO, micro 1, global 8, --recompute-granularity dots", 8, 8,
                        LLAMA3_8B_DOTS.split()),
+    "mixtral_ep8": ("Mixtral 8x7B shape, ep8 alltoall, dropless, micro 1", 8, 8,
+                    (MIXTRAL_8GPU + " --expert-model-parallel-size 8 --micro-batch-size 1 --global-batch-size 8").split()),
+    "mixtral_dp8": ("Mixtral 8x7B shape, dp8 (no EP), dropless, micro 1", 8, 8,
+                    (MIXTRAL_8GPU + " --micro-batch-size 1 --global-batch-size 8").split()),
+    "mixtral_dp8_micro12_capacity": ("Mixtral 8x7B shape, dp8, micro 12, capacity 1.0 padded (issue 49's)", 8, 8,
+                                     (MIXTRAL_8GPU + CAPACITY + " --micro-batch-size 12 --global-batch-size 96").split()),
+    "mixtral_ep8_micro12_capacity": ("Mixtral 8x7B shape, ep8, micro 12, capacity 1.0 padded", 8, 8,
+                                     (MIXTRAL_8GPU + CAPACITY + " --expert-model-parallel-size 8 --micro-batch-size 12 "
+                                      "--global-batch-size 96").split()),
 }
 
 

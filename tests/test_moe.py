@@ -489,3 +489,25 @@ def test_the_rows_a_rank_computes_do_not_grow_with_data_parallelism():
         slots = {int(c) for c in re.findall(rf"stablehlo.dot_general[^\n]*-> tensor<{E}x(\d+)x", text)}
         whole = moe_lib.capacity(dp * SEQ, cfg)  # the microbatch's dp rows
         assert rank in slots and whole not in slots, (dp, slots, rank, whole)  # (the others: weight gradients)
+
+
+@pytest.mark.parametrize("name", ["ep2_alltoall", "ep2_tp2_dp2_sp_zero"])
+def test_the_grouped_matmul_kernel_in_the_dispatch_equals_one_device(name, monkeypatch):
+    """The experts' Pallas grouped matmul (what NVIDIA GPUs run, here in interpret mode) inside the
+    expert-parallel dispatch, its shard_map and its saved residuals: loss and every gradient equal
+    the single device's (which runs `ragged_dot`)."""
+    import importlib
+
+    from tests.parallel_util import build, fixed_batch, place
+
+    gmm = importlib.import_module("mlm_jax.kernels.grouped_matmul")  # the module (the package exports the function)
+    parallel, micro, model = LAYOUTS[name]
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model)
+    monkeypatch.setattr(gmm, "default_implementation", lambda: gmm.PALLAS)
+    pz = build(parallel, micro, fresh=True, **dict(model))
+    lowered = pz.loss_and_grads.lower(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
+    text = lowered.as_text(debug_info=True)
+    assert "grouped_matmul_dw" in text and "ragged_dot" not in text  # the kernels (by name), not ragged_dot
+    loss, grads = pz.loss_and_grads(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
+    assert abs(float(loss) - ref_loss) <= LOSS_ATOL, (float(loss), ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(jax.tree.map(np.asarray, pz.plain(grads))), GRAD_RTOL)
