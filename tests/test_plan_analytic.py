@@ -5,6 +5,8 @@ no jax is imported by the model or the search."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -193,15 +195,18 @@ SMALL_MOE = SMALL_LLAMA + " --num-experts 8 --moe-router-topk 2 --ffn-hidden-siz
 
 
 @pytest.mark.parametrize("layout", ["--expert-model-parallel-size 1", "--expert-model-parallel-size 4"])
-def test_dropless_experts_execute_every_expert_on_gpus(layout):
-    """XLA's GPU compiler runs the grouped matmul densely over a rank's E/ep experts, on rows
-    padded to ep x T*K: a dropless step executes each (token, choice) through all E = 8 experts'
-    SwiGLU MLPs, 3 x 2 x (h*2f + f*h) FLOPs each, where the model counts one; padded to capacity
-    it does not."""
+def test_dropless_experts_execute_the_model_s_flops_with_the_grouped_kernel(layout):
+    """The grouped matmul kernel (the default on GPUs) runs each (token, choice) through its own
+    expert only: executed FLOPs are the model's, dropless or padded to capacity. Without it, XLA's
+    GPU compiler runs `ragged_dot` densely over a rank's E/ep experts, on rows padded to ep x T*K:
+    each (token, choice) through all E = 8 experts' SwiGLU MLPs, 3 x 2 x (h*2f + f*h) FLOPs each."""
     cfg, L = _layout(f"{SMALL_MOE} {layout}", 8)
+    assert cfg.model.moe_grouped_gemm
+    assert analytic.executed_flops(cfg, L) == pytest.approx(analytic.step_flops(cfg, L), rel=1e-12)
     B, s, Ln, h, f, k, E = 8, 1024, 8, 1024, 2048, 2, 8
     extra = 3 * (E - 1) * k * 2 * (h * 2 * f + f * h) * Ln * B * s
-    assert analytic.executed_flops(cfg, L) == pytest.approx(analytic.step_flops(cfg, L) + extra, rel=1e-12)
+    xla = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_grouped_gemm=False))
+    assert analytic.executed_flops(xla, L) == pytest.approx(analytic.step_flops(cfg, L) + extra, rel=1e-12)
     padded, L = _layout(f"{SMALL_MOE} {layout} --moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity", 8)
     assert analytic.executed_flops(padded, L) == pytest.approx(analytic.step_flops(padded, L), rel=1e-12)
 

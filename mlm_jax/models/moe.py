@@ -39,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.kernels.grouped_matmul import XLA, grouped_matmul
@@ -299,6 +300,12 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 # (shard_map over `expert`) is `parallel/experts.py`'s, installed in the trace context.
 
 
+# What the expert-parallel dispatch keeps for its backward (parallel/experts.py): the experts'
+# first product (the second's input is one activation of it; the products' own inputs are the rows
+# it received, kept under EXPERT_ROWS) and nothing else, so no matmul or collective runs twice.
+EXPERT_HIDDEN, EXPERT_ROWS = "moe_expert_hidden", "moe_expert_rows"
+
+
 def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
     """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
 
@@ -314,7 +321,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
     if cap is None:
         gmm = functools.partial(grouped_matmul, implementation=None if cfg.moe_grouped_gemm else XLA)
         w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
-        h = gmm(xs, w1_flat, sizes).reshape(R, *w1.shape[2:])  # [r, (2,) f]
+        h = checkpoint_name(gmm(xs, w1_flat, sizes), EXPERT_HIDDEN).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
         u = jnp.where(valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0)  # [r, f]
@@ -324,7 +331,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
         e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
         buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
-        h = jnp.einsum("ecd,ed...->ec...", buf, w1)  # [e, c, (2,) f]
+        h = checkpoint_name(jnp.einsum("ecd,ed...->ec...", buf, w1), EXPERT_HIDDEN)  # [e, c, (2,) f]
         if b1 is not None:
             h = h + b1[:, None]
         y_ecd = jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2)

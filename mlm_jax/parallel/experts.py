@@ -33,10 +33,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, route_groups, row_capacity
+from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_ROWS, all_experts_here, expert_ffn, local_experts,
+                                 route_groups, row_capacity)
 from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
@@ -59,8 +61,8 @@ def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     send_ids = jnp.full((ep, per_dest), n_local, jnp.int32).at[dest, pos].set(
         (ids_s - dest * n_local).astype(jnp.int32), mode="drop")
     # [ep (destination), per_dest, d] -> [ep (source), per_dest, d]
-    recv = jax.lax.all_to_all(send, EXPERT, 0, 0, tiled=True)
-    recv_ids = jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True)
+    recv = checkpoint_name(jax.lax.all_to_all(send, EXPERT, 0, 0, tiled=True), EXPERT_ROWS)
+    recv_ids = checkpoint_name(jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True), EXPERT_ROWS)
     y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1,
                    None if cap is None else ep * cap)  # at most `cap` rows per expert from each source
     back = jax.lax.all_to_all(y.reshape(ep, per_dest, -1), EXPERT, 0, 0, tiled=True)  # [dest, per_dest, d]
@@ -73,9 +75,8 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     """All-gather the expert group's tokens, run the local experts, reduce-scatter back."""
     n_local = w1.shape[0]
     me = jax.lax.axis_index(EXPERT)
-    x_all = jax.lax.all_gather(x_td, EXPERT, axis=0, tiled=True)  # [ep*T, d]
-    e_all = jax.lax.all_gather(e_tk, EXPERT, axis=0, tiled=True)  # [ep*T, K]
-    w_all = jax.lax.all_gather(w_tk, EXPERT, axis=0, tiled=True)
+    x_all, e_all, w_all = (checkpoint_name(jax.lax.all_gather(a, EXPERT, axis=0, tiled=True), EXPERT_ROWS)
+                           for a in (x_td, e_tk, w_tk))  # [ep*T, d], [ep*T, K] x 2
     mine = (e_all // n_local == me) & (w_all != 0)
     local_e = jnp.where(mine, e_all - me * n_local, 0)
     y_all = local_experts(cfg, x_all, local_e, jnp.where(mine, w_all, 0), w1, w2, b1,
@@ -175,16 +176,21 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     sharding is ours, not jax's partial evaluation's: nested in a shard_map, jax gave residuals a
     sharding Shardy rejects, the outer manual axis `pipe` as a free axis ahead of `data`; the
     first trace, abstract, learns which axes each varies over), and whose backward is a
-    second shard_map applying that vjp: the experts' forward runs once (recomputing it in the
-    backward cost a third more expert FLOPs). Residuals that are the body's own inputs (the
-    weights, the tokens) are not stored again. Argument 1 (expert ids, integers) gets no
+    second shard_map applying that vjp: the experts' products and the dispatch's collectives run
+    once (recomputing them in the backward cost a third more expert FLOPs). The vjp keeps the
+    values named EXPERT_HIDDEN and EXPERT_ROWS (models/moe.py: the first product, the rows
+    received) and recomputes the rest (sorts, gathers, the activation); residuals that are the
+    body's own inputs (the weights, the tokens) are not stored again. Argument 1 (expert ids, integers) gets no
     cotangent. check_vma False: nested in a shard_map that does not check them (parallelize's
     per-rank body)."""
     diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
     kept = {}  # the vjp's structure, which of its leaves are inputs, the others' specs (from the trace)
 
+    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_HIDDEN, EXPERT_ROWS)
+
     def vjp_of(x, e, w, w1, w2, b1):
-        return jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
+        fn = jax.checkpoint(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), policy=keep)
+        return jax.vjp(fn, x, w, w1, w2, b1)
 
     def fwd_body(x, e, w, w1, w2, b1):
         out, vjp = vjp_of(x, e, w, w1, w2, b1)

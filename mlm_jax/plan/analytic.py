@@ -355,10 +355,10 @@ def activation_bytes(cfg, L: Layout) -> dict:
         # The one layer's recomputed activations exist only in the backward (of the step, or of a
         # pipeline's backward slot), after the head's chunks (their gradient computed in the
         # forward) are freed: the peak holds the larger. A MoE layer's are held while its
-        # experts run, inside the dense experts' working set (`dense_expert_bytes`): the larger
+        # experts run, inside the experts' working set (`expert_working_bytes`): the larger
         # again (Mixtral pp4 x ep8, full recompute, 64 H100: 37.94 GiB compiled, 43.85 with the
         # sum, 37.64 with the larger).
-        layers_bytes -= min(per_layer, max(logits, dense_expert_bytes(cfg, L)))
+        layers_bytes -= min(per_layer, max(logits, expert_working_bytes(cfg, L)))
     return {"layers": layers_bytes, "per_layer": per_layer, "stash_slots": slots, "logits": logits}
 
 
@@ -400,10 +400,33 @@ def memory(cfg, L: Layout) -> dict:
         "overlap_shares": _overlap_shares(cfg, L, n["compute"]),
         "activations": act["layers"],
         "logits": act["logits"],
-        "dense_experts": dense_expert_bytes(cfg, L),
+        "expert_working_set": expert_working_bytes(cfg, L),
     }
     out["total"] = sum(out.values())
     return out
+
+
+def expert_working_bytes(cfg, L: Layout) -> float:
+    """The working set of one MoE layer's experts at the step's peak (one layer at a time, in its
+    backward): XLA's dense product over the experts without the grouped matmul kernel
+    (`dense_expert_bytes`); with it (`--moe-grouped-gemm`, the default) the rows a device's
+    experts run (padded as the dispatch pads them, `expert_padding` x T*K) in, out and their
+    gradient (3 x 2h bytes a row), the first product and its gradient (2 x 2 x 2f/t, SwiGLU's
+    gate and up), the activation and its gradient (2 x 2f/t), and the layer's experts' weight
+    gradients in fp32 (4 x E/ep x h x 3f/t with SwiGLU) (fitted to Mixtral 8x7B's layers, 4 of
+    them, tp8 x dp8 SP ZeRO at micro 2 on 64 H100: 9.56 GiB compiled, 9.19 predicted, 7.83
+    without this term; tests/test_plan_calibration.py). Padded to capacity: none."""
+    m = cfg.model
+    if not m.num_experts or m.moe_pad_expert_input_to_capacity:
+        return 0.0
+    if not m.moe_grouped_gemm:
+        return dense_expert_bytes(cfg, L)
+    rows = expert_padding(cfg, L) * L.micro * cfg.train.seq_length / L.cp * m.moe_router_topk
+    f = m.moe_ffn_size / L.tp  # SP's tokens are whole in the dispatch
+    gate = 2 if m.swiglu else 1
+    per_row = 2 * (3 * m.hidden_size + 2 * gate * f + 2 * f)
+    weights = 4 * m.num_experts / L.ep * m.hidden_size * (gate + 1) * f
+    return rows * per_row + weights
 
 
 def dense_expert_bytes(cfg, L: Layout) -> float:
@@ -414,9 +437,10 @@ def dense_expert_bytes(cfg, L: Layout) -> float:
     input (f/t), in the compute dtype, about 2.2 such buffers alive at the layer's peak (fitted
     to Mixtral 8x7B's layers, 4 of them, tp8 x dp8 SP ZeRO at micro 1, 2 and 4: +3.0 GiB per
     micro batch of 4096 tokens compiled, +0.5 in the model without this term;
-    benchmarks/RESULTS.md). Padded to capacity: none."""
+    benchmarks/RESULTS.md). Padded to capacity, or with the grouped matmul kernel
+    (`--moe-grouped-gemm`, the default: `kernels.grouped_matmul`, no dense product): none."""
     m = cfg.model
-    if not m.num_experts or m.moe_pad_expert_input_to_capacity:
+    if not m.num_experts or m.moe_pad_expert_input_to_capacity or m.moe_grouped_gemm:
         return 0.0
     tokens = L.micro * cfg.train.seq_length / L.cp  # SP's tokens are whole in the dispatch
     f = m.moe_ffn_size / L.tp
@@ -459,14 +483,16 @@ def step_flops(cfg, L: Layout) -> float:
 def dense_expert_flops(cfg, L: Layout) -> float:
     """FLOPs a MoE's expert matmuls execute beyond the model's, per step, on NVIDIA GPUs.
 
-    The grouped matmul (`jax.lax.ragged_dot`, models/moe.py) has no grouped kernel in XLA's GPU
-    compiler: it is rewritten as one dense product of every row with each of the rank's E/ep
+    Without the grouped matmul kernel (`--moe-grouped-gemm` off), `jax.lax.ragged_dot` has no
+    grouped kernel in XLA's GPU compiler: it is rewritten as one dense product of every row with each of the rank's E/ep
     experts (rows masked per expert; read from the optimised H100 HLO, benchmarks/RESULTS.md),
     and the dispatch pads a rank's rows (`expert_padding`: ep x T*K dropless): dropless, every
     (token, choice) runs through E experts' MLPs where the model counts one.
-    `--moe-pad-expert-input-to-capacity` runs [E/ep, capacity] slots instead: not inflated."""
+    `--moe-pad-expert-input-to-capacity` runs [E/ep, capacity] slots instead, and the grouped
+    matmul kernel (`--moe-grouped-gemm`, the default: `kernels.grouped_matmul`) only the rows
+    each expert receives: not inflated."""
     m = cfg.model
-    if not m.num_experts or m.moe_pad_expert_input_to_capacity:
+    if not m.num_experts or m.moe_pad_expert_input_to_capacity or m.moe_grouped_gemm:
         return 0.0
     h, f, k = m.hidden_size, m.moe_ffn_size, m.moe_router_topk
     per_row = 2 * (h * f * (2 if m.swiglu else 1) + f * h)
