@@ -42,7 +42,9 @@ TINY = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-laye
 BF16 = TINY + " --bf16"
 LLAMA = " --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear " \
         "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
-MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+# A MoE's layouts at seq 1024: 4096 (token, choice) rows a device a microbatch, so that the grouped
+# kernel's row tiles (128 rows; one more at each expert's edge) are a small share of its work.
+MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --seq-length 1024 --max-position-embeddings 1024"
 
 # name -> (flags, cuDNN attention expected)
 LAYOUTS = {
@@ -68,6 +70,8 @@ LAYOUTS = {
     "ep2_allgather_tp2": (BF16 + MOE + " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"
                           " --tensor-model-parallel-size 2 --sequence-parallel", True),
     "ep2_pp2": (BF16 + MOE + " --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4", True),
+    "ep4_alltoall_capacity": (BF16 + MOE + " --expert-model-parallel-size 4 --moe-expert-capacity-factor 1.0", True),
+    "dp8_moe": (BF16 + MOE, True),
     "fp16": (TINY + " --fp16 --use-distributed-optimizer", True),
     "fp32": (TINY, False),
     "dropout": (BF16 + " --attention-dropout 0.1 --hidden-dropout 0.1", False),
@@ -449,7 +453,6 @@ def _ratio_band(name: str) -> tuple[float, float]:
     band runs from the figure without it to those 12 A more."""
     from mlm_jax.arguments import parse_args
     from mlm_jax.metrics import flops_per_token
-    from mlm_jax.pipeline import lockstep
     from mlm_jax.plan import analytic
     from mlm_jax.validation import finalize
 
@@ -468,18 +471,49 @@ def _ratio_band(name: str) -> tuple[float, float]:
         last = layers if m.recompute_method == "block" else -(-m.num_layers // k)  # groups' last fc2
         layer = 2 * (h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h)
         backward += layers * layer - last * 2 * m.ffn_size * h + layers / m.num_layers * attention * (1 if cudnn else 2)
-    runs = {"forward": 1.0, "backward": 1.0, "head": 1.0}
-    if L.pp > 1:
-        table = lockstep.two_slot(L.schedule or ("interleaved" if L.vp > 1 else "1f1b"), L.pp, L.microbatches, L.vp)
-        ticks = lockstep.phases(table)
-        f_ticks = sum(p.ticks for p in ticks if p.forward)
-        b_ticks = sum(p.ticks for p in ticks if p.backward)
-        units = L.microbatches * L.vp
-        runs = {"forward": (f_ticks + b_ticks) / units, "backward": b_ticks / units, "head": b_ticks / L.microbatches}
+    runs = _pipeline_runs(L)
     expected = (runs["forward"] * forward + runs["backward"] * backward + runs["head"] * 3 * head) / model
     if L.cp > 1:
         return expected * (1 - 0.0015), expected + 12 * attention * runs["backward"] / model
     return expected * (1 - 0.0015), expected * (1 + 0.0015)
+
+
+def _pipeline_runs(L) -> dict:
+    """How many times a layout's program runs each layer's forward and backward and the head, per
+    microbatch and chunk: once without a pipeline; with one, its phases' slots on every stage
+    (`_ratio_band`)."""
+    from mlm_jax.pipeline import lockstep
+
+    if L.pp == 1:
+        return {"forward": 1.0, "backward": 1.0, "head": 1.0}
+    table = lockstep.two_slot(L.schedule or ("interleaved" if L.vp > 1 else "1f1b"), L.pp, L.microbatches, L.vp)
+    ticks = lockstep.phases(table)
+    f_ticks = sum(p.ticks for p in ticks if p.forward)
+    b_ticks = sum(p.ticks for p in ticks if p.backward)
+    units = L.microbatches * L.vp
+    return {"forward": (f_ticks + b_ticks) / units, "backward": b_ticks / units, "head": b_ticks / L.microbatches}
+
+
+MOE_LAYOUTS = [n for n in LAYOUTS if "--num-experts" in LAYOUTS[n][0]]
+
+
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_experts_run_the_grouped_kernel_at_the_model_s_flops(plans, name):
+    """Every MoE layout (expert parallelism with each dispatcher, the pipeline, capacity and
+    dropless, none) runs its experts through the grouped matmul kernel (kernels.grouped_matmul:
+    each product's forward, input gradient and weight gradient, so at least 6 calls), not XLA's
+    ragged_dot, which runs dense over a rank's experts; and the weights' matmuls execute at most
+    1.25 x 6NT (active parameters; the estimate costs the kernel at the rows a balanced routing
+    gives a device), times what a pipeline's slots run (`_pipeline_runs`: forward, backward)."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    r = _plan(plans, name)
+    assert r["grouped_matmul_kernels"] >= 6, r["grouped_matmul_kernels"]
+    runs = _pipeline_runs(analytic.layout_of(finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8), 8))
+    bound = 1.25 * (runs["forward"] + 2 * runs["backward"]) / 3
+    assert r["step_time"]["executed_gemm_flops_ratio"] <= bound, (r["step_time"]["executed_gemm_flops_ratio"], bound)
 
 
 @pytest.mark.parametrize("name", DENSE)

@@ -301,9 +301,10 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 
 
 # What the expert-parallel dispatch keeps for its backward (parallel/experts.py): the experts'
-# first product (the second's input is one activation of it; the products' own inputs are the rows
-# it received, kept under EXPERT_ROWS) and nothing else, so no matmul or collective runs twice.
-EXPERT_HIDDEN, EXPERT_ROWS = "moe_expert_hidden", "moe_expert_rows"
+# two products (the second's input is one activation of the first; its output the router
+# weights' gradient needs) and the rows it received (EXPERT_ROWS), nothing else, so no matmul or
+# collective runs twice.
+EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS = "moe_expert_hidden", "moe_expert_out", "moe_expert_rows"
 
 
 def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
@@ -325,7 +326,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
         u = jnp.where(valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0)  # [r, f]
-        ys = gmm(u, w2, sizes)  # [r, d]
+        ys = checkpoint_name(gmm(u, w2, sizes), EXPERT_OUT)  # [r, d]
     else:
         starts = jnp.cumsum(sizes) - sizes
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
@@ -334,7 +335,8 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         h = checkpoint_name(jnp.einsum("ecd,ed...->ec...", buf, w1), EXPERT_HIDDEN)  # [e, c, (2,) f]
         if b1 is not None:
             h = h + b1[:, None]
-        y_ecd = jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2)
+        y_ecd = checkpoint_name(jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2),
+                                EXPERT_OUT)
         ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
     return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
 

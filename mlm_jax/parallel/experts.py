@@ -37,8 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_ROWS, all_experts_here, expert_ffn, local_experts,
-                                 route_groups, row_capacity)
+from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS, all_experts_here, expert_ffn,
+                                 local_experts, route_groups, row_capacity)
 from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
@@ -178,15 +178,15 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     first trace, abstract, learns which axes each varies over), and whose backward is a
     second shard_map applying that vjp: the experts' products and the dispatch's collectives run
     once (recomputing them in the backward cost a third more expert FLOPs). The vjp keeps the
-    values named EXPERT_HIDDEN and EXPERT_ROWS (models/moe.py: the first product, the rows
-    received) and recomputes the rest (sorts, gathers, the activation); residuals that are the
+    values named EXPERT_HIDDEN, EXPERT_OUT and EXPERT_ROWS (models/moe.py: the products, the
+    rows received) and recomputes the rest (sorts, gathers, the activation); residuals that are the
     body's own inputs (the weights, the tokens) are not stored again. Argument 1 (expert ids, integers) gets no
     cotangent. check_vma False: nested in a shard_map that does not check them (parallelize's
     per-rank body)."""
     diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
     kept = {}  # the vjp's structure, which of its leaves are inputs, the others' specs (from the trace)
 
-    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_HIDDEN, EXPERT_ROWS)
+    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS)
 
     def vjp_of(x, e, w, w1, w2, b1):
         fn = jax.checkpoint(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), policy=keep)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from mlm_jax.config import data_parallel_size
 from mlm_jax.parallel.data import overlaps_grad_reduce
@@ -85,6 +86,7 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "collectives_total": len(program.collectives),
         "data_parallel": dp_kinds,
         "matmul_dtypes": {f"{a} x {b}": n for (a, b), n in sorted(program.matmul_dtypes.items())},
+        "grouped_matmul_kernels": len(_GROUPED_KERNEL.findall(c.text)),
         "collective_list": [dataclasses.asdict(col) for col in program.collectives],
         "overlap_hint": _overlap_hint(c.cfg, c.pz.mesh, dp_kinds.get("gradient reduction")),
         "step_time": step_time.report(step_time.estimate(c.text, target, mesh_shape, gpus_per_node,
@@ -95,6 +97,11 @@ def report(c: Compiled, target: Gpu, gpus: int, gpus_per_node: int) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "xla_rematerialization": compiler_recompute(os.environ.get("XLA_FLAGS", "")),
     }
+
+
+# The experts' grouped matmul (kernels.grouped_matmul) as the compiled program calls it: a Triton
+# custom call whose source op is one of its kernels.
+_GROUPED_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*op_name="[^"]*grouped_matmul')
 
 
 def _overlap_hint(cfg, mesh, reduction: dict | None) -> str | None:
@@ -154,6 +161,8 @@ def text(r: dict) -> str:
         + (f" ({', '.join(f'{k} x{v}' for k, v in r['cudnn_attention_calls'].items())})"
            if r["cudnn_attention_calls"] else ""),
         f"matmul operand types: {', '.join(f'{k} ({v})' for k, v in r['matmul_dtypes'].items()) or 'none'}",
+        *([f"experts: the grouped matmul kernel (Pallas/Triton), {r['grouped_matmul_kernels']} calls in the program"]
+          if r["grouped_matmul_kernels"] else []),
         "XLA's own rematerialization: " + (
             f"ON (XLA_FLAGS' --xla_disable_hlo_passes leaves it out): near the memory limit XLA may recompute "
             f"on its own, beyond --recompute-granularity (add {NO_COMPILER_RECOMPUTE.split('=')[1]} to that list)"
