@@ -93,7 +93,7 @@ LAYOUTS = {
                                 "--use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
 }
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
-DENSE = [n for n in LAYOUTS if "ep" not in n.split("_")[0] and LAYOUTS[n][0].startswith(BF16)]
+DENSE = [n for n in LAYOUTS if "--num-experts" not in LAYOUTS[n][0] and LAYOUTS[n][0].startswith(BF16)]
 MIB = 2**20
 
 
