@@ -11,7 +11,10 @@ Checked here:
     with sequence parallelism and ZeRO, EP x PP, a mixed dense/MoE pattern, capacity dropping
     with padding under EP (loss and every gradient leaf, fp32, tests/test_parallel.py's
     tolerances);
-  - the flags (the layer-pattern syntax, the refusals naming the flag).
+  - the flags (the layer-pattern syntax, the refusals naming the flag);
+  - the alltoall dispatcher's ragged path (NVIDIA targets; XLA:CPU has no ragged all-to-all):
+    its offsets and sizes against numpy, and the layouts' loss and gradients with the
+    collective emulated (jnp and a dense all_to_all, as jax's docstring defines it).
 
 The reference of a layout has the same microbatches (rows per microbatch) as the layout: the
 MoE losses and capacities are per microbatch, so their split must match. Capacity is each
@@ -511,7 +514,7 @@ def _np_ragged_all_to_all(operands, outputs, offsets):
             results[s // per][out_off[s]:out_off[s] + send[s]] = operands[src][in_off[s]:in_off[s] + send[s]]
     for dst, (*_, recv) in enumerate(offsets):
         per = len(recv) // n
-        assert [recv[s] for s in range(len(recv))] == [offsets[s // per][1][dst * per + s % per] for s in range(len(recv))]
+        assert list(recv) == [offsets[s // per][1][dst * per + s % per] for s in range(len(recv))]
     return results
 
 
@@ -575,8 +578,9 @@ def test_the_emulated_ragged_all_to_all_is_jaxs_docstring_example():
     from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
-    args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate((
-        [[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]]))]
+    per_rank = ([[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2,  # operand, output
+                [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])  # offsets, sizes
+    args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate(per_rank)]
     f = jax.shard_map(lambda *a: _emulated_ragged_all_to_all(*(x[0] for x in a), axis_name="x")[None],
                       mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)), [[1, 3, 0, 0], [2, 2, 4, 0]])

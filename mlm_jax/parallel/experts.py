@@ -5,11 +5,15 @@ Expert parallelism is carved out of data parallelism (Megatron): the batch rows 
 shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/ep experts:
 
   alltoall   each device sorts its T*K (token, expert) rows by destination rank and sends them
-             with one all_to_all over `expert`, the experts run, a second all_to_all returns
-             the outputs. XLA:CPU has no ragged all-to-all, so every destination's block is
-             padded to its worst case (T*K rows dropless; min(T*K, experts per rank x capacity)
-             with a capacity factor). Capacity is each rank's (a routing group's, see
-             models/moe.py): an expert receives at most C rows from each of the ep sources.
+             over `expert`, the experts run, a second exchange returns the outputs. On NVIDIA
+             targets both are ragged all-to-alls: a device sends exactly the rows each
+             destination takes (two small all_to_alls of counts and offsets first), into a
+             receive buffer of static size, the worst case (ep x T*K rows dropless; ep x
+             min(T*K, experts per rank x capacity) with a capacity factor). XLA:CPU has no
+             ragged all-to-all: there one all_to_all each way sends every destination a block
+             padded to that worst case (T*K rows dropless; min(T*K, experts per rank x
+             capacity)). Capacity is each rank's (a routing group's, see models/moe.py): an
+             expert receives at most C rows from each of the ep sources.
   allgather  every device all-gathers the tokens of its `expert` group, runs its own experts on
              the rows routed to them, and a reduce-scatter over `expert` returns each device's
              tokens (Megatron's allgather dispatcher).
