@@ -11,7 +11,10 @@ Checked here:
     with sequence parallelism and ZeRO, EP x PP, a mixed dense/MoE pattern, capacity dropping
     with padding under EP (loss and every gradient leaf, fp32, tests/test_parallel.py's
     tolerances);
-  - the flags (the layer-pattern syntax, the refusals naming the flag).
+  - the flags (the layer-pattern syntax, the refusals naming the flag);
+  - the alltoall dispatcher's ragged path (NVIDIA targets; XLA:CPU has no ragged all-to-all):
+    its offsets and sizes against numpy, and the layouts' loss and gradients with the
+    collective emulated (jnp and a dense all_to_all, as jax's docstring defines it).
 
 The reference of a layout has the same microbatches (rows per microbatch) as the layout: the
 MoE losses and capacities are per microbatch, so their split must match. Capacity is each
@@ -509,5 +512,127 @@ def test_the_grouped_matmul_kernel_in_the_dispatch_equals_one_device(name, monke
     text = lowered.as_text(debug_info=True)
     assert "grouped_matmul_dw" in text and "ragged_dot" not in text  # the kernels (by name), not ragged_dot
     loss, grads = pz.loss_and_grads(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
+    assert abs(float(loss) - ref_loss) <= LOSS_ATOL, (float(loss), ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(jax.tree.map(np.asarray, pz.plain(grads))), GRAD_RTOL)
+
+
+# --------------------------------------------------------------------------- the ragged all-to-all
+# On NVIDIA targets the alltoall dispatcher sends exactly each destination's rows with
+# `jax.lax.ragged_all_to_all` (parallel/experts.py). XLA:CPU has none (jax 0.10 and 0.12:
+# "UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so here its
+# bookkeeping is checked against numpy, and the whole path end to end with the collective
+# emulated as jax's docstring defines it; tests/test_gpu_compile.py compiles the real one.
+
+
+def _np_ragged_all_to_all(operands, outputs, offsets):
+    """`jax.lax.ragged_all_to_all` over len(operands) ranks in numpy, as its docstring defines it
+    (offsets[rank] = (input_offsets, send_sizes, output_offsets, recv_sizes)); the recv sizes
+    checked against what their sources send."""
+    n = len(operands)
+    results = [np.array(o, copy=True) for o in outputs]
+    for src, (in_off, send, out_off, _) in enumerate(offsets):
+        per = len(in_off) // n
+        for s in range(len(in_off)):
+            results[s // per][out_off[s]:out_off[s] + send[s]] = operands[src][in_off[s]:in_off[s] + send[s]]
+    for dst, (*_, recv) in enumerate(offsets):
+        per = len(recv) // n
+        assert list(recv) == [offsets[s // per][1][dst * per + s % per] for s in range(len(recv))]
+    return results
+
+
+@pytest.mark.parametrize("ep, n_local, cap", [(2, 1, None), (4, 1, None), (4, 3, None), (4, 2, 3), (8, 2, 1)])
+def test_ragged_offsets_deliver_every_row_to_its_expert_and_back(ep, n_local, cap):
+    """`experts.ragged_offsets` (vmapped over `expert` ranks) against numpy: every rank's rows,
+    sorted by (destination, local expert), land in each destination's buffer sorted by local
+    expert, each expert's from source 0, 1, ... (at most `cap` of each source's), an empty tail
+    after them; the return brings every row sent back to its place, and nothing else."""
+    from mlm_jax.parallel import experts
+    from mlm_jax.sharding.mesh import EXPERT
+
+    rng = np.random.default_rng(ep * 10 + n_local)
+    counts = rng.integers(0, 6, (ep, ep, n_local)).astype(np.int32)  # [source, dest, e]
+    counts[0, 1] = 0  # a source that sends a destination nothing
+    R = int(counts.sum((1, 2)).max()) + 2  # every source's rows (the last few dropped: sent nowhere)
+    received = ep * (R if cap is None else min(R, n_local * cap))
+    got = jax.vmap(lambda c: experts.ragged_offsets(c, cap), axis_name=EXPERT)(jnp.asarray(counts))
+    dispatch, combine, expert_rows = jax.tree.map(np.asarray, got)
+    on = lambda offsets, rank: tuple(a[rank] for a in offsets)  # noqa: E731
+    rows = [1000 * (i + 1) + np.arange(R, dtype=np.float32)[:, None] for i in range(ep)]  # [R, 1] labels
+    buffers = _np_ragged_all_to_all(rows, [np.zeros((received, 1), np.float32)] * ep,
+                                    [on(dispatch, i) for i in range(ep)])
+    sizes = counts if cap is None else np.minimum(counts, cap)
+    starts = np.cumsum(counts.reshape(ep, -1), 1).reshape(counts.shape) - counts  # in each source's rows
+    for j in range(ep):
+        want = [rows[i][starts[i, j, e]:starts[i, j, e] + sizes[i, j, e]] for e in range(n_local) for i in range(ep)]
+        want = np.concatenate(want) if want else np.zeros((0, 1))
+        np.testing.assert_array_equal(buffers[j][:len(want)], want)
+        assert not buffers[j][len(want):].any()  # the empty tail
+        np.testing.assert_array_equal(expert_rows[j], sizes[:, j].sum(0))
+    back = _np_ragged_all_to_all(buffers, [np.zeros((R, 1), np.float32)] * ep, [on(combine, j) for j in range(ep)])
+    for i in range(ep):
+        sent = np.zeros(R, bool)
+        for j, e in np.ndindex(ep, n_local):
+            sent[starts[i, j, e]:starts[i, j, e] + sizes[i, j, e]] = True
+        np.testing.assert_array_equal(back[i][:, 0], np.where(sent, rows[i][:, 0], 0))
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name, axis_index_groups=None):
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from jnp and a dense all_to_all
+    (XLA:CPU has no ragged one): each rank sends every destination an image of the output rows
+    it writes there, with a mask. Differentiable as any jnp function."""
+    del recv_sizes, axis_index_groups  # (what the sources send: checked by the numpy test above)
+    n = jax.lax.axis_size(axis_name)
+    M, per = output.shape[0], input_offsets.shape[0] // n
+    at = jnp.arange(M)
+    io, ss, oo = (a.reshape(n, per, 1) for a in (input_offsets, send_sizes, output_offsets))
+    hit = (at >= oo) & (at < oo + ss)  # [dest, slice, M]
+    row = jnp.sum(jnp.where(hit, io + at - oo, 0), axis=1)  # [dest, M]: the operand row written there
+    sent = hit.any(1)
+    trailing = (1,) * (operand.ndim - 1)
+    image = jnp.where(sent.reshape(*sent.shape, *trailing), operand[jnp.clip(row, 0, operand.shape[0] - 1)], 0)
+    got = jax.lax.all_to_all(image, axis_name, 0, 0, tiled=True).sum(0)  # [M, ...]: slices never overlap
+    mask = jax.lax.all_to_all(sent.astype(jnp.int32), axis_name, 0, 0, tiled=True).sum(0)
+    return jnp.where(mask.reshape(M, *trailing) > 0, got, output)
+
+
+def test_the_emulated_ragged_all_to_all_is_jaxs_docstring_example():
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    per_rank = ([[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2,  # operand, output
+                [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])  # offsets, sizes
+    args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate(per_rank)]
+    f = jax.shard_map(lambda *a: _emulated_ragged_all_to_all(*(x[0] for x in a), axis_name="x")[None],
+                      mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+RAGGED = ["ep4_alltoall", "ep4_capacity_padded", "ep2_tp2_dp2_sp_zero", "ep2_pp2"]
+
+
+@pytest.mark.parametrize("name", RAGGED)
+def test_ragged_dispatch_matches_single_device(name, monkeypatch):
+    """The alltoall dispatcher's ragged path (NVIDIA targets), the collective emulated: loss and
+    every gradient leaf equal one device's, as the padded path's do (the layouts above: in a
+    shard_map over data, expert and tensor, with capacity padding, in the pipeline's per-rank
+    schedule). The backward is the custom VJP's reverse exchange."""
+    from mlm_jax.parallel import experts
+    from tests.parallel_util import build, fixed_batch, place
+
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return _emulated_ragged_all_to_all(*args, **kw)
+
+    monkeypatch.setattr(experts, "_ragged_here", lambda: True)
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", counted)
+    parallel, micro, model = LAYOUTS[name]
+    groups = rank_blocks(parallel) if dict(model).get("moe_expert_capacity_factor") else 1
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model, route_groups=groups)
+    pz = build(parallel, micro, fresh=True, **dict(model))  # traced anew: the ragged path
+    loss, grads = pz.loss_and_grads(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
+    assert calls, "the ragged path did not run"
     assert abs(float(loss) - ref_loss) <= LOSS_ATOL, (float(loss), ref_loss)
     assert_trees_close(unpad(ref_grads), unpad(jax.tree.map(np.asarray, pz.plain(grads))), GRAD_RTOL)

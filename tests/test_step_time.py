@@ -290,6 +290,19 @@ def test_async_collective_with_nothing_between_start_and_done_is_exposed():
     assert est.exposed_seconds == pytest.approx(exposed, rel=1e-12)
 
 
+def test_a_ragged_all_to_all_costs_the_rows_it_sends():
+    """An expert dispatch and its return (ep4 x dp2, tests/test_gpu_hlo.py's RAGGED): each sends
+    3/4 of a rank's 1024 rows x 256 in bf16 (a quarter stays on the rank), at NVLink's
+    bandwidth: not the return's operand, the receive buffer of 4 x 1024 rows."""
+    from tests.test_gpu_hlo import RAGGED
+
+    est = step_time.estimate(RAGGED, H100, {"data": 2, "expert": 4})
+    for name in ("ragged-all-to-all-start", "ragged-all-to-all-start.1"):
+        k = kernel(est, name)
+        assert k.kind == "ragged-all-to-all" and k.bytes == 3 / 4 * 1024 * 256 * 2, (name, k)
+        assert k.duration == pytest.approx(k.bytes / NVLINK + LAUNCH, rel=1e-12)
+
+
 def test_collective_across_nodes_runs_at_the_network_bandwidth():
     """Sixteen GPUs, eight to a node: the all-reduce's group spans two nodes. Sent 2 * 15/16 of
     32 MiB = 62,914,560 bytes at 50 GB/s: 1,258 us, of which the fusion hides 643.6 us."""

@@ -5,11 +5,15 @@ Expert parallelism is carved out of data parallelism (Megatron): the batch rows 
 shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/ep experts:
 
   alltoall   each device sorts its T*K (token, expert) rows by destination rank and sends them
-             with one all_to_all over `expert`, the experts run, a second all_to_all returns
-             the outputs. XLA:CPU has no ragged all-to-all, so every destination's block is
-             padded to its worst case (T*K rows dropless; min(T*K, experts per rank x capacity)
-             with a capacity factor). Capacity is each rank's (a routing group's, see
-             models/moe.py): an expert receives at most C rows from each of the ep sources.
+             over `expert`, the experts run, a second exchange returns the outputs. On NVIDIA
+             targets both are ragged all-to-alls: a device sends exactly the rows each
+             destination takes (two small all_to_alls of counts and offsets first), into a
+             receive buffer of static size, the worst case (ep x T*K rows dropless; ep x
+             min(T*K, experts per rank x capacity) with a capacity factor). XLA:CPU has no
+             ragged all-to-all: there one all_to_all each way sends every destination a block
+             padded to that worst case (T*K rows dropless; min(T*K, experts per rank x
+             capacity)). Capacity is each rank's (a routing group's, see models/moe.py): an
+             expert receives at most C rows from each of the ep sources.
   allgather  every device all-gathers the tokens of its `expert` group, runs its own experts on
              the rows routed to them, and a reduce-scatter over `expert` returns each device's
              tokens (Megatron's allgather dispatcher).
@@ -29,6 +33,7 @@ k choice, r row (= token x choice), e expert, d embed, f expert mlp, g expert-pa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,28 +41,49 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS, all_experts_here, expert_ffn,
                                  local_experts, route_groups, row_capacity)
-from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
+from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR, varying, varying_axes
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
 def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
-    """Dispatch rows to the rank owning their expert, run, return, combine: [T, d] -> [T, d]."""
+    """Dispatch rows to the rank owning their expert, run, return, combine: [T, d] -> [T, d].
+
+    The T*K rows go sorted by global expert (so by destination, then by its local expert;
+    dropped rows last). On NVIDIA targets (`_ragged_here`) each destination gets exactly its
+    rows (`_ragged_exchange`), elsewhere a block padded to its worst case (`_padded_exchange`)."""
     T, K = e_tk.shape
     n_local, R = w1.shape[0], T * K
     E = n_local * ep
-    per_dest = R if cap is None else min(R, n_local * cap)  # a destination's block, padded
     ids = jnp.where(w_tk != 0, e_tk, E).reshape(R)  # global expert per row; E: dropped
     order = jnp.argsort(ids, stable=True)
     ids_s = ids[order]
+    x_rows = jnp.repeat(x_td, K, axis=0)[order]  # [R, d]
+    exchange = _ragged_exchange if _ragged_here() else _padded_exchange
+    y_s = exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep)  # [R, d] in sorted order; dropped rows 0
+    y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
+    return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1))
+
+
+def _ragged_here() -> bool:
+    """Whether the step is compiled for NVIDIA GPUs, whose XLA has a ragged all-to-all (the
+    trace context's platform: a deviceless GPU compile runs in a CPU process)."""
+    return platform.current() == platform.CUDA
+
+
+def _padded_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int):
+    """Sorted rows [R, d] -> their experts' outputs [R, d], with one all_to_all each way of
+    [ep, per_dest, d] blocks: every destination's block padded to its worst case."""
+    n_local, R = w1.shape[0], x_rows.shape[0]
+    per_dest = R if cap is None else min(R, n_local * cap)  # a destination's block, padded
     dest = ids_s // n_local  # [R]; ep for dropped rows
     per_rank = jnp.bincount(dest, length=ep + 1)
     starts = jnp.cumsum(per_rank) - per_rank  # first sorted row of each destination
     pos = jnp.arange(R) - starts[jnp.minimum(dest, ep)]
-    x_rows = jnp.repeat(x_td, K, axis=0)[order]  # [R, d]
-    send = jnp.zeros((ep, per_dest, x_td.shape[1]), x_td.dtype).at[dest, pos].set(x_rows, mode="drop")
+    send = jnp.zeros((ep, per_dest, x_rows.shape[1]), x_rows.dtype).at[dest, pos].set(x_rows, mode="drop")
     send_ids = jnp.full((ep, per_dest), n_local, jnp.int32).at[dest, pos].set(
         (ids_s - dest * n_local).astype(jnp.int32), mode="drop")
     # [ep (destination), per_dest, d] -> [ep (source), per_dest, d]
@@ -66,9 +92,89 @@ def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1,
                    None if cap is None else ep * cap)  # at most `cap` rows per expert from each source
     back = jax.lax.all_to_all(y.reshape(ep, per_dest, -1), EXPERT, 0, 0, tiled=True)  # [dest, per_dest, d]
-    y_s = back.at[dest, pos].get(mode="fill", fill_value=0)  # [R, d] in sorted order
-    y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
-    return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1))
+    return back.at[dest, pos].get(mode="fill", fill_value=0)
+
+
+def _ragged_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int):
+    """Sorted rows [R, d] -> their experts' outputs [R, d], with one ragged all-to-all each way:
+    a rank sends exactly the rows each destination's experts take (`ragged_offsets`).
+
+    A destination's rows arrive sorted by its local expert, into a receive buffer of static
+    size, the worst case a rank may receive: ep x T*K rows dropless, ep x min(T*K, n_local x
+    capacity) with a capacity factor (each source sends at most `cap` rows per expert: more are
+    dropped, as the padded blocks drop them). The buffer's unused tail is empty (id n_local:
+    the experts skip it). The outputs go back with the reverse offsets."""
+    n_local, R = w1.shape[0], x_rows.shape[0]
+    received = ep * (R if cap is None else min(R, n_local * cap))  # the receive buffer's rows
+    counts = jnp.bincount(ids_s, length=ep * n_local + 1)[:-1].reshape(ep, n_local)  # [dest, e]
+    # (kept for the backward, as the rows received are: no collective runs again there)
+    dispatch, combine, expert_rows = checkpoint_name(ragged_offsets(counts.astype(jnp.int32), cap), EXPERT_ROWS)
+    recv = checkpoint_name(_ragged_all_to_all(x_rows, dispatch, combine, received, R), EXPERT_ROWS)
+    # [received, d]: expert 0's rows from source 0, 1, ..., expert 1's, ...; then the empty tail
+    ids = jnp.sum(jnp.arange(received)[:, None] >= jnp.cumsum(expert_rows)[None, :], axis=1)  # [received]
+    y = expert_ffn(cfg, recv, ids.astype(jnp.int32), w1, w2, b1, None if cap is None else ep * cap)
+    return _ragged_all_to_all(y, combine, dispatch, R, received)  # [R, d] sorted
+
+
+def ragged_offsets(counts, cap: int | None = None):
+    """The offsets and sizes of the dispatch's and the return's ragged all-to-alls, on one rank of
+    `expert` (inside a shard_map or a vmap over it).
+
+    counts [dest, e] int32: this rank's rows for each destination's local experts, its rows
+    sorted by (dest, e). With `cap`, at most `cap` rows of each (dest, e) are sent (the first).
+    A destination's receive buffer holds its expert 0's rows from source 0, 1, ..., then expert
+    1's, ...: where a source's rows land depends on the other sources' counts, so the counts
+    (and where each slice starts in its source's rows, for the return) go to the destinations
+    in one all_to_all of [ep, 2, n_local] int32 and the destinations' offsets come back in a
+    second ([ep, n_local]).
+
+    Returns (dispatch, combine, expert_rows): dispatch and combine are (input_offsets,
+    send_sizes, output_offsets, recv_sizes), each [ep * n_local] int32, one slice per (peer,
+    local expert), as `jax.lax.ragged_all_to_all` takes them; expert_rows [n_local] the rows
+    this rank receives per local expert."""
+    ep, n_local = counts.shape
+    sizes = counts if cap is None else jnp.minimum(counts, cap)  # [dest, e]: rows sent
+    flat = counts.reshape(ep * n_local)
+    send_at = (jnp.cumsum(flat) - flat).reshape(ep, n_local)  # [dest, e]: in my sorted rows
+    # -> [source, 2, e]: what each source sends me, and where it sits in that source's rows
+    got = jax.lax.all_to_all(jnp.stack([sizes, send_at], 1), EXPERT, 0, 0, tiled=True)
+    sizes_in, source_at = got[:, 0], got[:, 1]  # [source, e]
+    expert_rows = sizes_in.sum(0)  # [e]
+    recv_at = (jnp.cumsum(expert_rows) - expert_rows)[None] + jnp.cumsum(sizes_in, 0) - sizes_in  # [source, e]
+    out_at = jax.lax.all_to_all(recv_at, EXPERT, 0, 0, tiled=True)  # [dest, e]: in its buffer
+    flat_ = lambda a: a.reshape(ep * n_local).astype(jnp.int32)  # noqa: E731
+    # Slices (dest, e) of my sorted rows into each destination's buffer; I receive (source, e).
+    dispatch = tuple(map(flat_, (send_at, sizes, out_at, sizes_in)))
+    # Back: slices (source, e) of my buffer to where they came from; I receive (dest, e).
+    combine = tuple(map(flat_, (recv_at, sizes_in, source_at, sizes)))
+    return dispatch, combine, expert_rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_all_to_all(operand, offsets, reverse, rows: int, back_rows: int):
+    """`operand`'s slices sent over `expert` as `offsets` (input_offsets, send_sizes,
+    output_offsets, recv_sizes) say, into `rows` rows of zeros. Its cotangent goes back by the
+    `reverse` exchange into `back_rows` (operand's) rows: the same slices the other way, known
+    here (jax's own transpose rule would all_to_all the offsets again)."""
+    out = _zeros_like_varying((rows, *operand.shape[1:]), operand)
+    return jax.lax.ragged_all_to_all(operand, out, *offsets, axis_name=EXPERT)
+
+
+def _ragged_fwd(operand, offsets, reverse, rows, back_rows):
+    return _ragged_all_to_all(operand, offsets, reverse, rows, back_rows), reverse
+
+
+def _ragged_bwd(rows, back_rows, reverse, g):
+    return _ragged_all_to_all(g, reverse, None, back_rows, rows), None, None
+
+
+_ragged_all_to_all.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _zeros_like_varying(shape, like):
+    """Zeros of `like`'s dtype, varying over the manual axes it does: a ragged all-to-all's
+    result has its `output` operand's type, and must vary over `expert` as its rows do."""
+    return varying(jnp.zeros(shape, like.dtype), sorted(varying_axes(like)))
 
 
 def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):

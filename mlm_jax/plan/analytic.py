@@ -262,8 +262,9 @@ def layer_activation_bytes(cfg, L: Layout, moe: bool = False) -> float:
 def expert_padding(cfg, L: Layout) -> float:
     """How many rows a device's experts run per (token, choice) of its own: mlm_jax's dispatch has
     static shapes, so every destination's block is padded to its worst case
-    (mlm_jax/parallel/experts.py): ep rows dropless (all-to-all: [ep, T*K] rows sent and
-    received; all-gather: the group's ep*T tokens); with a capacity factor cf, at most cf (an
+    (mlm_jax/parallel/experts.py): ep rows dropless (all-to-all: [ep, T*K] rows received, sent
+    too where no ragged all-to-all sends exactly the rows; all-gather: the group's ep*T
+    tokens); with a capacity factor cf, at most cf (an
     approximation of min(T*K, experts per rank x capacity) per destination)."""
     if L.ep == 1:
         return 1.0
@@ -558,8 +559,9 @@ def communication(cfg, L: Layout) -> dict:
       compute dtype (Megatron reduces them once per step over data x context), and per
       microbatch the fused loss's logit gradients and inputs and the embedding's input gradient
       gathered over the blocks;
-    - expert: the token all-to-all, dispatch and combine, of a rank's rows padded to ep x T*K
-      (dropless; `expert_padding`), in forward, in the backward's recompute and in backward;
+    - expert: the token dispatch and combine, in forward, in the backward's recompute and in
+      backward: on NVIDIA GPUs ragged all-to-alls of the rows a rank routes (T*K; at most cf x
+      T*K with a capacity factor cf), not padded (mlm_jax/parallel/experts.py);
     - pipe (mlm_jax/pipeline/runtime.py, lockstep two-slot ticks): every tick of a phase with a
       forward slot sends a stage output, every tick with a backward slot a gradient, idle or not
       (`2*s*b*h` each); a tick with a backward slot also all-reduces the last stage's output
@@ -627,15 +629,17 @@ def communication(cfg, L: Layout) -> dict:
             out["context"] += mb * inputs * frac
     if L.ep > 1:
         # Per MoE layer and microbatch, in the forward, the backward's recompute of the dispatch's
-        # shard_map and the backward: all-to-all, six of a rank's rows padded to
-        # `expert_padding` x T*K (SP's tokens whole: gathered over tensor first); all-gather, the
+        # shard_map and the backward: all-to-all, six ragged all-to-alls of a rank's T*K rows
+        # (min(1, cf) x T*K: dropped rows are not sent; SP's tokens whole: gathered over tensor
+        # first); all-gather, the
         # group's ep x T tokens gathered and their outputs scattered back, five times (the
         # recompute needs only the gather).
         moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
         if cfg.model.moe_token_dispatcher_type == "allgather":
             moved = 5 * L.ep * act
         else:
-            moved = 6 * expert_padding(cfg, L) * m.moe_router_topk * act
+            cf = cfg.model.moe_expert_capacity_factor
+            moved = 6 * (1.0 if cf is None else min(1.0, cf)) * m.moe_router_topk * act
         out["expert"] = moe_layers * mb * moved * (L.ep - 1) / L.ep
     grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
     n = param_counts(m, L)["compute"]

@@ -3,7 +3,8 @@ attention kernels, as `mlm_jax.plan` reports them and the GPU-compile tests asse
 
 - Collectives: kind, the mesh axes their device groups span (from `replica_groups` /
   `source_target_pairs`, over the mesh's logical device order), bytes of the whole buffer (an
-  all-gather's or all-reduce's result, a reduce-scatter's input), whether asynchronous (a
+  all-gather's or all-reduce's result, a reduce-scatter's input; a ragged all-to-all's rows
+  sent, see `_ragged_bytes`), whether asynchronous (a
   `-start`/`-done` pair XLA runs as one: its backend config not `"is_sync":true`, see `_SYNC`)
   and overlapped (compute scheduled between start and done: in a scheduled module the
   instructions of a computation are listed in execution order), and how
@@ -23,7 +24,8 @@ import re
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.+?)\s+([a-z][a-z0-9-]*)\((.*)$")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([0-9,]*)\]")
@@ -262,6 +264,8 @@ def collective_ops(instrs: dict[str, Instr], mesh_shape: dict[str, int]) -> list
         is_async = started and not any(_SYNC.search(i.rest) for i in (ins, source))
         done = done_of.get(ins.name) if started else None
         result = _arrays((done or ins).type_text) if started and done else _arrays(source.type_text)
+        if kind == "ragged-all-to-all":
+            result = _ragged_bytes(ins, result, instrs)
         groups = _groups(source.rest)
         scale = _group_size(groups) if kind == "reduce-scatter" else 1
         by_dtype: dict[str, int] = {}
@@ -278,6 +282,16 @@ def collective_ops(instrs: dict[str, Instr], mesh_shape: dict[str, int]) -> list
                          is_async, overlapped, n, looped, op_name.group(1) if op_name else "", branched)
         found.append(CollectiveOp(ins, done, col, groups))
     return found
+
+
+def _ragged_bytes(ins: Instr, output, instrs: dict[str, Instr]):
+    """The rows a ragged all-to-all sends, as (dtype, shape) arrays: its operand (all a rank may
+    send), or its output buffer where that is smaller: every row sent is received, so averaged
+    over the ranks a rank sends at most what its output holds (an expert-parallel return sends
+    from the receive buffer, sized to the worst case, into the rows the dispatch sent)."""
+    operand = instrs.get(ins.operands[0]) if ins.operands else None
+    sent = _arrays(operand.type_text)[:1] if operand is not None else []
+    return sent if sent and _nbytes(sent) < _nbytes(output[:1]) else output[:1]
 
 
 def wrapped_collective(start: Instr, by_comp: dict[str, list[Instr]]) -> Instr | None:
@@ -329,8 +343,9 @@ def by_axes(collectives: list[Collective]) -> dict[str, dict]:
 
 # Bytes a device sends for one collective of `n` devices over a buffer of B bytes, on a ring:
 # all-reduce 2B(n-1)/n (reduce-scatter then all-gather), all-gather, reduce-scatter and
-# all-to-all B(n-1)/n, a collective-permute its whole buffer (plan/analytic.py counts the same).
-_SENT = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+# all-to-all B(n-1)/n (a ragged one's B: the rows sent), a collective-permute its whole buffer
+# (plan/analytic.py counts the same).
+_SENT = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "ragged-all-to-all": 1.0}
 
 
 def sent_per_axis(collectives: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float]:

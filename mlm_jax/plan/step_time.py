@@ -31,7 +31,8 @@ Each kernel gets a time:
   roofline), and every kernel a fixed launch overhead (`LAUNCH_SECONDS`); parameters, constants,
   bitcasts, tuples and get-tuple-element cost nothing;
 - a collective: the bytes each device sends (`gpu_hlo`'s ring convention: all-reduce 2(n-1)/n of
-  the buffer, all-gather, reduce-scatter, all-to-all (n-1)/n, collective-permute all of it) at
+  the buffer, all-gather, reduce-scatter, all-to-all (n-1)/n, a ragged all-to-all (n-1)/n of the
+  rows it sends, collective-permute all of it) at
   NVLink's bandwidth when its device groups stay inside a node, the network's when not
   (`analytic.hardware`), plus the launch overhead; host-memory offload transfers at the PCIe
   link's bandwidth (`HOST_BYTES_PER_S`).
