@@ -118,6 +118,9 @@ CASES = {
                     (MIXTRAL_8GPU + " --micro-batch-size 1 --global-batch-size 8").split()),
     "mixtral_dp8_micro12_capacity": ("Mixtral 8x7B shape, dp8, micro 12, capacity 1.0 padded (issue 49's)", 8, 8,
                                      (MIXTRAL_8GPU + CAPACITY + " --micro-batch-size 12 --global-batch-size 96").split()),
+    "mixtral_dp8_micro12_capacity_full": ("the same + full recompute", 8, 8,
+                                          (MIXTRAL_8GPU + CAPACITY + " --micro-batch-size 12 --global-batch-size 96").split()
+                                          + RECOMPUTE),
     "mixtral_ep8_micro12_capacity": ("Mixtral 8x7B shape, ep8, micro 12, capacity 1.0 padded", 8, 8,
                                      (MIXTRAL_8GPU + CAPACITY + " --expert-model-parallel-size 8 --micro-batch-size 12 "
                                       "--global-batch-size 96").split()),

@@ -307,16 +307,17 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS = "moe_expert_hidden", "moe_expert_out", "moe_expert_rows"
 
 
-def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
+def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, grouped: bool = False):
     """Rows x [R, d] through expert ids_r (local ids; id == n_local marks an empty row, output 0).
 
     w1 [n_local, d, (2,) f], w2 [n_local, f, d], b1 [n_local, (2,) f] or None. The partial sum
     over a tensor-split f is returned unreduced. `cap`: run as [n_local, cap] slots (padded to
-    capacity) instead of the grouped matmul; every expert must have at most `cap` rows."""
+    capacity) instead of the grouped matmul; every expert must have at most `cap` rows.
+    `grouped`: the rows already come grouped by expert, empty rows last (no sort, no gathers)."""
     n_local, R = w1.shape[0], x_rd.shape[0]
-    order = jnp.argsort(ids_r, stable=True)  # rows grouped by expert, empty rows last
-    ids_s = ids_r[order]
-    xs = x_rd[order]  # [R, d]
+    order = None if grouped else jnp.argsort(ids_r, stable=True)  # rows grouped by expert, empty rows last
+    ids_s = ids_r if grouped else ids_r[order]
+    xs = x_rd if grouped else x_rd[order]  # [R, d]
     sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
     valid = ids_s < n_local
     if cap is None:
@@ -338,7 +339,7 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None):
         y_ecd = checkpoint_name(jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2),
                                 EXPERT_OUT)
         ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
-    return jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
+    return ys if grouped else jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
 
 
 def row_capacity(cfg: ModelConfig, tokens_per_group: int, groups: int = 1) -> int | None:

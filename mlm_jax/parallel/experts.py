@@ -112,7 +112,7 @@ def _ragged_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int):
     recv = checkpoint_name(_ragged_all_to_all(x_rows, dispatch, combine, received, R), EXPERT_ROWS)
     # [received, d]: expert 0's rows from source 0, 1, ..., expert 1's, ...; then the empty tail
     ids = jnp.sum(jnp.arange(received)[:, None] >= jnp.cumsum(expert_rows)[None, :], axis=1)  # [received]
-    y = expert_ffn(cfg, recv, ids.astype(jnp.int32), w1, w2, b1, None if cap is None else ep * cap)
+    y = expert_ffn(cfg, recv, ids.astype(jnp.int32), w1, w2, b1, None if cap is None else ep * cap, grouped=True)
     return _ragged_all_to_all(y, combine, dispatch, R, received)  # [R, d] sorted
 
 
