@@ -7,6 +7,7 @@ its executed matmul FLOPs / model FLOPs. One command, no installs:
     python benchmarks/gpu.py --models 1.3b --recompute off,dots --steps 20
     python benchmarks/gpu.py --smoke               # tiny sizes on any backend (CPU): checks the script
     python benchmarks/gpu.py --check-blocks        # only cuDNN's ring-attention blocks against XLA's
+    python benchmarks/gpu.py --check-moe           # only the experts' grouped matmul against ragged_dot
 
 Each configuration runs in its own process (a clean peak-memory counter, and one that runs out of
 memory does not end the rest), the step exactly as `python -m mlm_jax.train` compiles it
@@ -182,6 +183,46 @@ def check_fused_blocks(fused: str | None = None) -> dict:
     return out
 
 
+def check_grouped_matmul(smoke: bool) -> dict:
+    """The experts' grouped matmul kernel (`mlm_jax.kernels.grouped_matmul`, what a MoE step runs
+    on NVIDIA GPUs) against XLA's `ragged_dot` (dense over the experts there), value and both
+    gradients at Mixtral 8x7B's expert sizes (R = 8192 (token, choice) rows over G = 8 experts,
+    uneven, k = 4096, n = 14336, bf16; tiny with --smoke): the time of each, the useful TFLOP/s
+    (3 x 2 R k n over the time) and the largest difference of their results."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mlm_jax.kernels.grouped_matmul import PALLAS, XLA, Tiles, grouped_matmul
+
+    R, G, k, n = (64, 4, 32, 48) if smoke else (8192, 8, 4096, 14336)
+    tiles = Tiles(tm=16, tk=16, tn=16) if smoke else None
+    sizes = np.random.default_rng(0).multinomial(R, np.linspace(0.5, 1.5, G) / G).astype(np.int32)
+    x = jax.random.normal(jax.random.key(0), (R, k), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (G, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    out = {"rows": R, "experts": G, "k": k, "n": n, "group_sizes": sizes.tolist()}
+    results = {}
+    for impl in (PALLAS, XLA):
+        f = jax.jit(jax.value_and_grad(
+            lambda x, w, impl=impl: jnp.sum(grouped_matmul(x, w, jnp.asarray(sizes), implementation=impl,
+                                                           tiles=tiles).astype(jnp.float32) ** 2), argnums=(0, 1)))
+        results[impl] = jax.block_until_ready(f(x, w))
+        reps = 2 if smoke else 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            r = f(x, w)
+        jax.block_until_ready(r)
+        ms = 1000 * (time.perf_counter() - t) / reps
+        out[f"{impl}_ms"] = ms
+        out[f"{impl}_useful_tflops"] = 3 * 2 * R * k * n / (ms / 1000) / 1e12
+    (v_p, (dx_p, dw_p)), (v_x, (dx_x, dw_x)) = results[PALLAS], results[XLA]
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
+    out.update(value_rel=abs(float(v_p) - float(v_x)) / abs(float(v_x)), dx_rel=rel(dx_p, dx_x), dw_rel=rel(dw_p, dw_x))
+    out["ok"] = max(out["value_rel"], out["dx_rel"], out["dw_rel"]) < 2e-2  # bf16 operands, fp32 accumulation
+    return out
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | recompute | params | step ms | estimated ms | executed / model FLOPs | tokens/s | MFU | "
            "MFU (Megatron) | peak GiB | attention | attn ms/step | compile s |",
@@ -211,6 +252,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--check-blocks", action="store_true",
                     help="only the cuDNN ring-block check (context parallelism's p2p kernels)")
+    ap.add_argument("--check-moe", action="store_true",
+                    help="only the experts' grouped matmul kernel against XLA's ragged_dot (time, TFLOP/s, numerics)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "RECOMPUTE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     micro = 2 if args.smoke else args.micro_batch_size
@@ -221,6 +264,9 @@ def main() -> int:
     if args.check_blocks:
         print("RESULT " + json.dumps(check_fused_blocks()), flush=True)
         return 0
+    if args.check_moe:
+        print("RESULT " + json.dumps(check_grouped_matmul(args.smoke)), flush=True)
+        return 0
     models = (args.models or ("tiny" if args.smoke else ",".join(MODELS))).split(",")
     start, rows = time.time(), []
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-blocks"], capture_output=True,
@@ -228,6 +274,11 @@ def main() -> int:
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     blocks = json.loads(found[-1][len("RESULT "):]) if found else {"error": (proc.stderr.strip() or "no output")[-300:]}
     print(f"cuDNN ring blocks against XLA's: {blocks}", flush=True)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-moe"] + (["--smoke"] if args.smoke else []),
+                          capture_output=True, text=True, timeout=args.timeout_s)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    moe = json.loads(found[-1][len("RESULT "):]) if found else {"error": (proc.stderr.strip() or "no output")[-300:]}
+    print(f"MoE grouped matmul against ragged_dot: {moe}", flush=True)
     for name in models:
         for recompute in args.recompute.split(","):
             if time.time() - start > args.budget_s:
@@ -250,7 +301,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{'-smoke' if args.smoke else ''}.json")
     with open(path, "w") as f:
-        json.dump({"rows": rows, "cudnn_ring_blocks": blocks, "wall_s": time.time() - start}, f, indent=2)
+        json.dump({"rows": rows, "cudnn_ring_blocks": blocks, "moe_grouped_matmul": moe, "wall_s": time.time() - start},
+                  f, indent=2)
     print(table(rows))
     print(f"wrote {path} ({time.time() - start:.0f} s)")
     return 0 if all("error" not in r for r in rows) else 1
