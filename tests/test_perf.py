@@ -238,6 +238,9 @@ def test_gpu_benchmark_smoke_configuration_runs_and_reports_every_figure():
     assert "estimated_step_ms" not in row and "| n/a | n/a |" in gpu.table([row])
     assert gpu.flags("1.3b", "off", smoke=False, micro=8)[:6] == [
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+    # The MoE kernel check: the Pallas kernel (interpret mode here) against ragged_dot, equal.
+    moe = gpu.check_grouped_matmul(smoke=True)
+    assert moe["ok"] and moe["pallas_ms"] > 0 and moe["xla_ms"] > 0 and sum(moe["group_sizes"]) == moe["rows"], moe
 
 
 # ------------------------------------------------------------------ the throughput window
