@@ -24,7 +24,7 @@ import numpy as np
 from mlm_jax import checkpoint as ckpt
 from mlm_jax.config import CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig
 from mlm_jax.models.build import count_params
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.validation import finalize
 

@@ -96,7 +96,7 @@ def run_one(name: str, recompute: str, smoke: bool, micro: int, steps: int) -> d
     from mlm_jax.instruments import step_memory
     from mlm_jax.metrics import device_memory, device_peak, flops_per_token
     from mlm_jax.models.build import count_params
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding import make_mesh
     from mlm_jax.validation import finalize
 

@@ -26,7 +26,7 @@ from mlm_jax.metrics import active_params, flops_per_token, time_train_steps
 from mlm_jax.models.moe import expert_ffn
 from mlm_jax.parallel.experts import dispatch_and_combine
 from mlm_jax.parallel import tracing
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.validation import finalize
 

@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 from mlm_jax.config import (  # noqa: E402
     Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
 )
-from mlm_jax.parallelize import parallelize  # noqa: E402
+from mlm_jax.build import parallelize  # noqa: E402
 from mlm_jax.pipeline import lockstep, schedules  # noqa: E402
 from mlm_jax.sharding import make_mesh  # noqa: E402
 from mlm_jax.validation import finalize  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlm_jax.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.metrics import flops_per_token, measure_matmul_peak, time_train_steps
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.validation import finalize
 

@@ -29,8 +29,8 @@ _EXPORTS = {
     "finalize": "mlm_jax.validation",
     "tiny_gpt": "mlm_jax.models.presets",
     "make_mesh": "mlm_jax.sharding.mesh",
-    "parallelize": "mlm_jax.parallelize",
-    "Parallel": "mlm_jax.parallelize",
+    "parallelize": "mlm_jax.build",
+    "Parallel": "mlm_jax.build",
     "train_batches": "mlm_jax.data.stream",
     "fake_devices": "mlm_jax.testing",
     "load": "mlm_jax.loading",
@@ -39,8 +39,6 @@ _EXPORTS = {
 
 
 def __getattr__(name):
-    if name == "parallelize":  # the module, which calls its function (see there)
-        return importlib.import_module("mlm_jax.parallelize")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'mlm_jax' has no attribute {name!r}")

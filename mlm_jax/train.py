@@ -160,7 +160,7 @@ def build_model(cfg: Config, mesh, layout: BatchLayout, log):
     from mlm_jax.models.attention import backend_note
     from mlm_jax.models.build import abstract_model, count_params
     from mlm_jax.parallel.data import bf16_grad_reduce_note, overlap_grad_reduce_note
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.platform import mesh_platform
 
     pz = parallelize(cfg, mesh)

@@ -10,7 +10,7 @@ import numpy as np
 
 from mlm_jax.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mlm_jax.parallel.chunks import sharding_seq_order
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh, trace
 from mlm_jax.validation import finalize
 

@@ -308,7 +308,7 @@ def test_config_validation_refuses_flash_before_compiling(kwargs, message):
 
 def test_flash_off_gpu_is_one_note_and_xla():
     from mlm_jax.models.attention import backend_note
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding import make_mesh
 
     cfg = _finalize(attention_backend="flash", bf16=True)  # valid config, not an NVIDIA GPU

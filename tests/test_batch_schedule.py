@@ -15,7 +15,7 @@ from mlm_jax.arguments import parse_args
 from mlm_jax.batch_schedule import BatchSchedule, RunPlan, ScheduleError, from_config, parse_step_schedule
 from mlm_jax.config import ConfigError, OptimConfig, ParallelConfig
 from mlm_jax.optim import lr_at, lr_for
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.train import main
 from tests.tiny_flags import NO_DROPOUT, tiny, train_run

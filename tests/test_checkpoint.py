@@ -17,7 +17,7 @@ import mlm_jax
 from mlm_jax import checkpoint as ckpt
 from mlm_jax.arguments import parse_args
 from mlm_jax.config import ConfigError
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.train import main, train
 from tests.tiny_flags import tiny, train_run, xla_flags_for

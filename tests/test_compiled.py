@@ -129,7 +129,7 @@ def _long_context_compiled(cp: int):
     """(temp bytes per device, collectives) of the train step, seq 4096, on `cp` devices (dp=1)."""
     import dataclasses
 
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding import make_mesh
     from mlm_jax.validation import finalize
     from tests.parallel_util import tiny_config

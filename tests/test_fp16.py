@@ -17,7 +17,7 @@ from mlm_jax import checkpoint as ckpt
 from mlm_jax import loss_scale as ls
 from mlm_jax.arguments import parse_args
 from mlm_jax.config import ParallelConfig
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.sharding import make_mesh
 from mlm_jax.loop import TrainingStopped
 from mlm_jax.train import main, train

@@ -203,3 +203,49 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
         "pkg.models.m3 names the mesh axis mesh.AXES",
         "pkg.models.m4 names the mesh axis mesh.PIPE",
     ]
+
+
+def module_class_assignments(root: Path, package: str) -> list[str]:
+    """`module: line` for every assignment to an attribute `__class__` in the package's source
+    (the way a module makes itself callable: `sys.modules[__name__].__class__ = ...`)."""
+    found = []
+    for module, path in modules(root, package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            found += [f"{module}:{node.lineno}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value == "__class__"):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_the_public_face_is_plain_functions_and_classes():
+    """`mlm_jax.parallelize(cfg, mesh)` is an ordinary function, not a module made callable:
+    no public name of the package is also one of its submodules, and no module swaps a
+    module's class."""
+    import inspect
+
+    import mlm_jax
+
+    assert inspect.isfunction(mlm_jax.parallelize), type(mlm_jax.parallelize)
+    assert mlm_jax.parallelize.__module__ == "mlm_jax.build"
+    submodules = set(modules(ROOT, PACKAGE))
+    clashes = [name for name in mlm_jax.__all__ if f"{PACKAGE}.{name}" in submodules]
+    assert not clashes, f"public names that are also submodules of {PACKAGE}: {clashes}"
+    for name in mlm_jax.__all__:
+        value = getattr(mlm_jax, name)
+        assert inspect.isfunction(value) or inspect.isclass(value), (name, type(value))
+    bad = module_class_assignments(ROOT, PACKAGE)
+    assert not bad, "a module's class is swapped at:\n" + "\n".join(bad)
+
+
+def test_the_class_swap_check_sees_it(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text(
+        "import sys\nsys.modules[__name__].__class__ = type\nsetattr(sys.modules['x'], '__class__', int)\n"
+        "obj.__class__.__name__ = 'fine'\n")
+    assert module_class_assignments(tmp_path, "pkg") == ["pkg.a:2", "pkg.a:3"]

@@ -67,7 +67,7 @@ def test_megatron_adam_state_resumes_and_steps_as_megatron_core(layout):
     from mlm_jax.checkpoint.restore import restore_train_state
     from mlm_jax.config import ParallelConfig
     from mlm_jax.optim import lr_for
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding import make_mesh
     from tests.parallel_util import place
 

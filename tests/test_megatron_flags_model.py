@@ -210,7 +210,7 @@ def test_decoupled_lr_through_the_zero_train_step():
     pz = build(ParallelConfig(use_distributed_optimizer=True), 1)
     optim = dataclasses.replace(pz.cfg.optim, lr=1e-3, decoupled_lr=5e-3, weight_decay=0.0, clip_grad=0.0,
                                 adam_eps=1e-30)
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
 
     pz = parallelize(pz.cfg.replace(optim=optim), pz.mesh)
     state = pz.init(0)

@@ -378,7 +378,7 @@ def test_checkpoints_restore_across_expert_parallel_sizes(tmp_path):
     """Saved on ep=4 (experts split 4 ways), restored onto ep=2 x tp=2 and onto ep=1 with ZeRO:
     every parameter and Adam moment equal (checkpoints hold the plain, unsharded tree)."""
     from mlm_jax import checkpoint as ckpt
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
     base = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",

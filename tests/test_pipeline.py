@@ -36,7 +36,7 @@ import pytest
 
 from mlm_jax.config import ConfigError, ParallelConfig
 from mlm_jax.models import GPT
-from mlm_jax.parallelize import parallelize
+from mlm_jax.build import parallelize
 from mlm_jax.pipeline.layout import PipelineLayout
 from mlm_jax.pipeline.runtime import build_program
 from mlm_jax.sharding import make_mesh

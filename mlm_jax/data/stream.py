@@ -17,7 +17,7 @@ from typing import Iterator
 def train_batches(pz, split: str = "train", start_iteration: int = 0, prefetch: int = 0) -> Iterator[dict]:
     """Global batches (dicts of sharded jax.Arrays) of `split` for `pz`, from `start_iteration`.
 
-    `pz` is a `mlm_jax.parallelize.Parallel`. Its config's vocab must be the data's: with a
+    `pz` is a `mlm_jax.Parallel`. Its config's vocab must be the data's: with a
     tokenizer whose vocab differs from `cfg.model.vocab_size`, this raises naming both.
     """
     from mlm_jax.data.batch import batch_fn

@@ -43,7 +43,7 @@ def _per_device_bytes(tree) -> int:
 
 def compile_step(cfg: Config, devices: list, log=lambda *a, **k: None) -> Compiled:
     """Lower and compile `cfg`'s train step on a mesh of `devices` (compile-only ones)."""
-    from mlm_jax.parallelize import parallelize
+    from mlm_jax.build import parallelize
     from mlm_jax.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.parallel, devices)

@@ -24,8 +24,6 @@ the activation rules, the hand-written parallel pieces the model calls) `paralle
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from typing import Any, Callable
 
 import jax
@@ -212,15 +210,3 @@ class _traced:
         """jax's Traced (`.jaxpr`: the program before lowering)."""
         with tracing(self.mesh, self.rules, self.cp_comm_type):
             return self.fn.trace(*args)
-
-
-class _CallableModule(types.ModuleType):
-    """`mlm_jax.parallelize` is this module and, on the package's public face
-    (`mlm_jax.parallelize(cfg, mesh)`), the function: importing a submodule sets it as the
-    package's attribute of the same name, so the module itself calls `parallelize`."""
-
-    def __call__(self, cfg: Config, mesh: Mesh, model_class=GPT) -> Parallel:
-        return parallelize(cfg, mesh, model_class)
-
-
-sys.modules[__name__].__class__ = _CallableModule
