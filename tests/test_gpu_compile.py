@@ -289,9 +289,10 @@ def test_every_kind_of_collective_runs_async_somewhere(plans):
 
 @pytest.mark.parametrize("name", ["ep4_alltoall", "ep2_pp2"])
 def test_expert_dispatch_sends_the_routed_rows_by_ragged_all_to_all(plans, name):
-    """The alltoall dispatcher on H100 (parallel/experts.py): per MoE layer and microbatch, six
-    ragged all-to-alls over `expert` (the dispatch and the return in the forward, again in the
-    backward's recompute, and their backward: the reverse exchanges), each sending a rank's T*K
+    """The alltoall dispatcher on H100 (parallel/experts.py): per MoE layer and microbatch, four
+    ragged all-to-alls over `expert` (the dispatch and the return in the forward and their
+    backward, the reverse exchanges: the dispatch keeps what it received and returned, so none
+    runs again for the backward), each sending a rank's T*K
     routed rows, T*K*d*2 bytes in bf16 (gpu_hlo counts the rows sent), every one async; no
     all-to-all of token rows, only the counts' and offsets' (int32, [ep, 2, E/ep] and [ep, E/ep]).
     Before, the dispatch sent every destination a block padded to T*K rows: ep times the bytes
@@ -313,8 +314,8 @@ def test_expert_dispatch_sends_the_routed_rows_by_ragged_all_to_all(plans, name)
     # Every layer is a MoE layer here. A pipeline runs a forward slot's layers (2 exchanges) and
     # a backward slot's (recompute and backward: 4) on every tick of its phases, idle or not.
     if L.pp == 1:
-        exchanges = 6 * m.num_layers * L.microbatches
-        assert len(ragged) == 6, ragged
+        exchanges = 4 * m.num_layers * L.microbatches
+        assert len(ragged) == 4, ragged
     else:
         phases = lockstep.phases(lockstep.two_slot(L.schedule or "1f1b", L.pp, L.microbatches, L.vp))
         chunk = m.num_layers // (L.pp * L.vp)

@@ -63,7 +63,9 @@ def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     ids_s = ids[order]
     x_rows = jnp.repeat(x_td, K, axis=0)[order]  # [R, d]
     exchange = _ragged_exchange if _ragged_here() else _padded_exchange
-    y_s = exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep)  # [R, d] in sorted order; dropped rows 0
+    # [R, d] in sorted order, dropped rows 0 (kept for the backward: the router weights' gradient
+    # needs it, and recomputing it would run the exchanges again)
+    y_s = checkpoint_name(exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep), EXPERT_OUT)
     y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
     return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1))
 

@@ -628,18 +628,19 @@ def communication(cfg, L: Layout) -> dict:
         else:
             out["context"] += mb * inputs * frac
     if L.ep > 1:
-        # Per MoE layer and microbatch, in the forward, the backward's recompute of the dispatch's
-        # shard_map and the backward: all-to-all, six ragged all-to-alls of a rank's T*K rows
-        # (min(1, cf) x T*K: dropped rows are not sent; SP's tokens whole: gathered over tensor
-        # first); all-gather, the
-        # group's ep x T tokens gathered and their outputs scattered back, five times (the
-        # recompute needs only the gather).
+        # Per MoE layer and microbatch, in the forward and the backward (the dispatch keeps what
+        # it received and returned, parallel/experts.py: nothing is sent again for the backward;
+        # a pipeline's stage recompute runs the forward's exchanges once more): all-to-all, four
+        # ragged all-to-alls of a rank's T*K rows (six in a pipeline; min(1, cf) x T*K: dropped
+        # rows are not sent; SP's tokens whole: gathered over tensor first); all-gather, the
+        # group's ep x T tokens gathered and their outputs scattered back, four times (five in a
+        # pipeline: its recompute needs only the gather).
         moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
         if cfg.model.moe_token_dispatcher_type == "allgather":
-            moved = 5 * L.ep * act
+            moved = (5 if L.pp > 1 else 4) * L.ep * act
         else:
             cf = cfg.model.moe_expert_capacity_factor
-            moved = 6 * (1.0 if cf is None else min(1.0, cf)) * m.moe_router_topk * act
+            moved = (6 if L.pp > 1 else 4) * (1.0 if cf is None else min(1.0, cf)) * m.moe_router_topk * act
         out["expert"] = moe_layers * mb * moved * (L.ep - 1) / L.ep
     grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
     n = param_counts(m, L)["compute"]
