@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mlm_jax import platform
+from mlm_jax.sharding.mesh import varying, varying_axes
 
 PALLAS, XLA = "pallas", "xla"
 
@@ -104,13 +105,8 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str | None = None, tile
 def _varying_alike(*arrays):
     """The arrays cast to vary over the same manual axes (inside a shard_map that checks them, a
     kernel's operands and result must agree on it): the union of theirs. Outside one: as they are."""
-    axes = frozenset().union(*(_varying(a) for a in arrays))
-    return tuple(jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") if axes - _varying(a) else a
-                 for a in arrays)
-
-
-def _varying(a) -> frozenset:
-    return jax.typeof(a).manual_axis_type.varying
+    axes = sorted(frozenset().union(*map(varying_axes, arrays)))
+    return tuple(varying(a, axes) for a in arrays)
 
 
 def _result(shape, dtype, like):

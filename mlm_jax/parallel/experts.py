@@ -45,7 +45,7 @@ from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS, all_experts_here, expert_ffn,
                                  local_experts, route_groups, row_capacity)
-from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR, varying, varying_axes
+from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR, varying_axes, zeros_like_typed
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -158,7 +158,7 @@ def _ragged_all_to_all(operand, offsets, reverse, rows: int, back_rows: int):
     output_offsets, recv_sizes) say, into `rows` rows of zeros. Its cotangent goes back by the
     `reverse` exchange into `back_rows` (operand's) rows: the same slices the other way, known
     here (jax's own transpose rule would all_to_all the offsets again)."""
-    out = _zeros_like_varying((rows, *operand.shape[1:]), operand)
+    out = zeros_like_typed(operand, (rows, *operand.shape[1:]))
     return jax.lax.ragged_all_to_all(operand, out, *offsets, axis_name=EXPERT)
 
 
@@ -171,12 +171,6 @@ def _ragged_bwd(rows, back_rows, reverse, g):
 
 
 _ragged_all_to_all.defvjp(_ragged_fwd, _ragged_bwd)
-
-
-def _zeros_like_varying(shape, like):
-    """Zeros of `like`'s dtype, varying over the manual axes it does: a ragged all-to-all's
-    result has its `output` operand's type, and must vary over `expert` as its rows do."""
-    return varying(jnp.zeros(shape, like.dtype), sorted(varying_axes(like)))
 
 
 def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
@@ -306,7 +300,7 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
         inputs = (x, w, w1, w2, b1)
         kept["input_of"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
         stored = [leaf for leaf, i in zip(leaves, kept["input_of"]) if i is None]
-        kept["varying"] = [tuple(sorted(jax.typeof(leaf).manual_axis_type.varying)) for leaf in stored]
+        kept["varying"] = [tuple(sorted(varying_axes(leaf))) for leaf in stored]
         return out, [leaf[None] for leaf in stored]
 
     def bwd_body(args, residuals, g):

@@ -61,10 +61,10 @@ def varying(x, axes) -> jax.Array:
     return x
 
 
-def zeros_like_typed(like) -> jax.Array:
-    """Zeros shaped, typed and varying like `like` (e.g. a scan's initial carry for a body
-    whose outputs vary over manual axes)."""
-    return varying(jnp.zeros(like.shape, like.dtype), sorted(varying_axes(like)))
+def zeros_like_typed(like, shape=None) -> jax.Array:
+    """Zeros typed and varying like `like`, shaped like it or `shape` (e.g. a scan's initial
+    carry for a body whose outputs vary over manual axes)."""
+    return varying(jnp.zeros(like.shape if shape is None else shape, like.dtype), sorted(varying_axes(like)))
 
 
 def psum(x, axes, scatter_dimension: int | None = None) -> jax.Array:
