@@ -34,7 +34,7 @@ from flax import nnx
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models.attention import Attention
-from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, normal, param
+from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, lookup, normal, param
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
@@ -145,9 +145,9 @@ class GPT(nnx.Module):
         dt = self.dtype
         # Look up in the fp32 table, then cast: the gradient scatter-adds into an fp32 table
         # (casting the table first would accumulate the embedding gradient in bf16).
-        x = self.embed[...][tokens_bs].astype(dt)  # [b, s, d], vocab-parallel lookup
+        x = lookup(self.embed[...], tokens_bs, ("vocab", "embed")).astype(dt)  # [b, s, d], vocab-parallel
         if self.pos_embed is not None:
-            x = x + self.pos_embed[...][positions_bs].astype(dt)
+            x = x + lookup(self.pos_embed[...], positions_bs, (None, "embed")).astype(dt)
         x = dropout(x, self.cfg.hidden_dropout, key)
         return constrain(x, BLOCK_BOUNDARY)
 
@@ -549,3 +549,4 @@ def cross_entropy(logits_bsv: jax.Array, labels_bs: jax.Array, split: VocabSplit
     onehot = _onehot(labels_bs, logits.shape[-1], split)
     label_logit = _over(split, jax.lax.psum, jnp.sum(logits * onehot, axis=-1))
     return lse - label_logit
+

@@ -267,6 +267,37 @@ def _pinned_product_backward(spec, layout, res, ct):
 _pinned_product.defvjp(_pinned_product_forward, _pinned_product_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table, ids_bs, names):
+    """`table[ids_bs]`: an embedding lookup ([batch, seq, embed]) whose gradient, a scatter-add
+    into the fp32 table laid out as its logical `names`, is taken from rows and cotangents
+    whole along the sequence (split over the batch only).
+
+    jax's own gradient scatters from the block boundary's layout (the sequence split over
+    context, and over tensor with SP), and jax 0.12.1's XLA aborts partitioning that scatter
+    inside a partly manual program ("Check failed: ... spmd_partitioner_util.cc:515": every
+    context x tensor x data layout on a CPU, and every data-parallel step compiled for GPUs).
+    Whole sequences cost an all-gather of the cotangent over context (and over tensor with SP,
+    as Megatron's vocab-parallel embedding gathers it) in place of an all-reduce of the table's
+    gradient over context: less, for any vocabulary larger than a microbatch's tokens."""
+    return table[ids_bs]
+
+
+def _lookup_forward(table, ids_bs, names):
+    return table[ids_bs], (ids_bs, jnp.zeros((), table.dtype), table.shape)
+
+
+def _lookup_backward(names, res, dx_bsd):
+    ids_bs, like, shape = res
+    ids_bs = constrain(ids_bs, ("batch", None))
+    dx_bsd = constrain(dx_bsd, ("batch", None, None)).astype(like.dtype)
+    d_table = constrain(jnp.zeros(shape, like.dtype), names).at[ids_bs].add(dx_bsd)
+    return constrain(d_table, names), None
+
+
+lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when `key` is None (evaluation) or the rate is 0.
 
