@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from mlm_jax import platform
@@ -275,10 +276,11 @@ def lookup(table, ids_bs, names):
     jax's own gradient leaves that scatter to XLA's partitioner, and jax 0.12.1's XLA aborts
     partitioning it inside a partly manual program ("Check failed: ... spmd_partitioner_util.cc:515":
     every context x tensor x data layout on a CPU, every data-parallel step compiled for GPUs).
-    Here it is a shard_map over the mesh axes not manual already: each device adds its rows,
-    whole over `tensor` (gathered there with SP, as Megatron's vocab-parallel embedding gathers
-    them), into its rows of the table, and the sum over the ranks of rows (batch, context) follows:
-    what the partitioner made of it before."""
+    Here it is a shard_map over the mesh axes not manual already, each device adding its rows
+    into its block of the table, with what the partitioner chose before where the sequence is
+    split (context, tensor with SP), whichever moves fewer bytes: the rows' gradient gathered
+    whole along the sequence (in its own dtype; Megatron's vocab-parallel embedding gathers it
+    over tensor too), or the table's gradient summed over those ranks."""
     return table[ids_bs]
 
 
@@ -289,17 +291,21 @@ def _lookup_forward(table, ids_bs, names):
 
 def _lookup_backward(names, res, dx_bsd):
     ids_bs, like, shape = res
-    dx_bsd = dx_bsd.astype(like.dtype)
     mesh = jax.sharding.get_abstract_mesh()
     free = () if not active_rules() or mesh.empty else tuple(
         a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual)
     if not free:
-        return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd), None
-    row_names = ("batch", "context_seq")
-    ids_spec, dx_spec = spec_on_axes(row_names, free), spec_on_axes((*row_names, None), free)
+        return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
+    sizes = dict(mesh.shape)
     table_spec = spec_on_axes(names, free)
     table_axes = _axes_of(table_spec[0] if len(table_spec) else None)
-    summed = tuple(a for part in ids_spec for a in _axes_of(part))
+    split = lambda part: math.prod(sizes[a] for a in _axes_of(part))  # noqa: E731
+    batch_spec = spec_on_axes(("batch", "seq"), free)
+    b, s = ids_bs.shape
+    gathered = b // split(batch_spec[0]) * s * dx_bsd.dtype.itemsize  # per embed column
+    summed = shape[0] // split(table_spec[0] if len(table_spec) else None) * like.dtype.itemsize
+    ids_spec = spec_on_axes(("batch", None if gathered <= summed else "context_seq"), free)
+    over = tuple(a for part in ids_spec for a in _axes_of(part))  # the ranks of rows: summed after
 
     def rows_here(ids, dx):  # this device's rows -> its block of the table's gradient
         n = shape[0] // math.prod(jax.lax.axis_size(a) for a in table_axes)
@@ -308,10 +314,10 @@ def _lookup_backward(names, res, dx_bsd):
             first = first * jax.lax.axis_size(a) + jax.lax.axis_index(a)
         local = ids - first * n
         local = jnp.where((local >= 0) & (local < n), local, n)  # others' rows: dropped
-        d_table = jnp.zeros((n, *shape[1:]), like.dtype).at[local].add(dx, mode="drop")
-        return psum(d_table, summed) if summed else d_table
+        d_table = jnp.zeros((n, *shape[1:]), like.dtype).at[local].add(dx.astype(like.dtype), mode="drop")
+        return psum(d_table, over) if over else d_table
 
-    d_table = jax.shard_map(rows_here, in_specs=(ids_spec, dx_spec), out_specs=table_spec,
+    d_table = jax.shard_map(rows_here, in_specs=(ids_spec, P(*ids_spec, None)), out_specs=table_spec,
                             axis_names=frozenset(free), check_vma=False)(ids_bs, dx_bsd)
     return varying(d_table, sorted(varying_axes(like))), None  # (inside a pipeline stage: as the table)
 
