@@ -276,11 +276,13 @@ def lookup(table, ids_bs, names):
     jax's own gradient leaves that scatter to XLA's partitioner, and jax 0.12.1's XLA aborts
     partitioning it inside a partly manual program ("Check failed: ... spmd_partitioner_util.cc:515":
     every context x tensor x data layout on a CPU, every data-parallel step compiled for GPUs).
-    Here it is a shard_map over the mesh axes not manual already, each device adding its rows
-    into its block of the table, with what the partitioner chose before where the sequence is
-    split (context, tensor with SP), whichever moves fewer bytes: the rows' gradient gathered
-    whole along the sequence (in its own dtype; Megatron's vocab-parallel embedding gathers it
-    over tensor too), or the table's gradient summed over those ranks."""
+    Where the rows are this rank's own (the per-rank body of a step that reduces gradients
+    once, or one data-parallel rank), it is a shard_map over the mesh axes not manual already,
+    each device adding its rows into its block of the table, with what the partitioner chose
+    before where the sequence is split (context, tensor with SP), whichever moves fewer bytes:
+    the rows' gradient gathered whole along the sequence (in its own dtype; Megatron's
+    vocab-parallel embedding gathers it over tensor too), or the table's gradient summed over
+    those ranks."""
     return table[ids_bs]
 
 
@@ -297,12 +299,17 @@ def _lookup_backward(names, res, dx_bsd):
     if not free:
         return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
     sizes = dict(mesh.shape)
-    table_spec = spec_on_axes(names, free)
-    table_axes = _axes_of(table_spec[0] if len(table_spec) else None)
     split = lambda part: math.prod(sizes[a] for a in _axes_of(part))  # noqa: E731
     batch_spec = spec_on_axes(("batch", "seq"), free)
+    if split(batch_spec[0]) > 1:
+        # Rows split over free batch axes (a pipeline stage not run per rank): XLA's partitioner
+        # keeps the table's gradient a partial sum over them until the step's one reduction
+        # over data, which a shard_map's sum here would bring into every microbatch.
+        return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
+    table_spec = spec_on_axes(names, free)
+    table_axes = _axes_of(table_spec[0] if len(table_spec) else None)
     b, s = ids_bs.shape
-    gathered = b // split(batch_spec[0]) * s * dx_bsd.dtype.itemsize  # per embed column
+    gathered = b * s * dx_bsd.dtype.itemsize  # per embed column
     summed = shape[0] // split(table_spec[0] if len(table_spec) else None) * like.dtype.itemsize
     ids_spec = spec_on_axes(("batch", None if gathered <= summed else "context_seq"), free)
     over = tuple(a for part in ids_spec for a in _axes_of(part))  # the ranks of rows: summed after
