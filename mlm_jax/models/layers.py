@@ -312,7 +312,7 @@ def _lookup_backward(names, res, dx_bsd):
     gathered = b * s * dx_bsd.dtype.itemsize  # per embed column
     summed = shape[0] // split(table_spec[0] if len(table_spec) else None) * like.dtype.itemsize
     ids_spec = spec_on_axes(("batch", None if gathered <= summed else "context_seq"), free)
-    over = tuple(a for part in ids_spec for a in _axes_of(part))  # the ranks of rows: summed after
+    over = tuple(a for part in ids_spec for a in _axes_of(part) if sizes[a] > 1)  # the ranks of rows: summed after
 
     def rows_here(ids, dx):  # this device's rows -> its block of the table's gradient
         n = shape[0] // math.prod(jax.lax.axis_size(a) for a in table_axes)
