@@ -17,10 +17,13 @@ shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/e
 The experts themselves run as the model's grouped matmul (`models.moe.expert_ffn`).
 With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
 
-Where the step reduces gradients once per step (any data- or expert-parallel step), its
-per-rank body is already manual over data and expert: the dispatch nests a shard_map over
-`tensor` alone there, or, in the pipeline's per-rank schedule, runs its collectives without one
-(`tensor` then stays GSPMD's).
+The dispatch is one shard_map, manual over the axes the step has not made manual already: over
+data, expert and tensor in the plain step; over `tensor` alone in the per-rank body of a step
+that reduces gradients once (manual over data and expert already: this rank's rows and
+experts) and in the pipeline's per-rank schedule; over data, expert and tensor inside the
+pipeline's stage otherwise. So every device runs its own f shard of its experts on rows that
+are whole over `tensor` (no sharded sort, and the grouped-matmul kernel, which GSPMD cannot
+partition, gets per-device operands), and no device holds an expert whole over `tensor`.
 
 `parallel.tracing` installs `dispatch_and_combine` in the trace context; outside a step the model
 runs every expert on every token itself (`models.moe.all_experts_here`). Shape letters: t token,
@@ -37,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, route_groups, row_capacity
-from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR
+from mlm_jax.sharding.mesh import EXPERT, TENSOR, varying, varying_axes
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -86,10 +89,9 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
 def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
     """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> [b, s, d].
 
-    Inside parallelize's step (activation rules active): a shard_map over data, expert and
-    tensor, or over tensor alone inside the per-rank body of a step that reduces gradients once
-    (already manual over data and expert: this rank's rows and experts); otherwise all experts
-    on all tokens here."""
+    Inside parallelize's step (activation rules active): a shard_map over the axes of data,
+    expert and tensor not already manual (see the module docstring); rows that do not split
+    over the batch axes, or no step: all experts on all tokens here."""
     b, s, d = y_bsd.shape
     rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -99,46 +101,29 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
+    # Manual already: the per-rank body of a step that reduces gradients once
+    # (`parallel.data.reduces_once`: `data`, and `expert` with expert parallelism; the rows and
+    # experts here are this rank's own), the pipeline's stage (`pipe`, and per rank as that).
     outer = frozenset(getattr(mesh, "manual_axes", ()))
-    # The per-rank body of a step that reduces gradients once (`parallel.data.reduces_once`):
-    # manual over `data`, and over `expert` with expert parallelism; the rows and experts here
-    # are this rank's own. The shard_map below adds `tensor` (in parallelize's body; the
-    # pipeline's per-rank schedule: no shard_map with expert parallelism). Without expert
-    # parallelism every rank holds every expert, each expert's f split over `tensor`: a
-    # tensor-manual shard_map runs this rank's f shard on its rows (gathering the experts, as the
-    # branch below does, made Mixtral's tp8 x dp8 step hold every layer's whole experts).
-    per_rank = (EXPERT in outer and sizes[EXPERT] > 1) or (DATA in outer and PIPE not in outer)
-    if (outer and not per_rank) or uneven:
-        # Nested in a shard_map but not per rank (the pipeline without expert parallelism, or
-        # with a head that reports aux): jax's partial evaluation of a nested
-        # shard_map gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of
-        # `data`), and
-        # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
-        # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
-        # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
-        # device runs every expert on the microbatch: the same function, without expert
-        # parallelism's savings.
+    if uneven:
+        # Rows that do not split over the batch axes (decoding a few prompts): the tokens and
+        # experts are gathered (all-gathers only) and every device runs every expert on them.
+        # (Inside a pipeline stage this branch once ran every microbatch, holding every layer's
+        # experts whole on every tensor rank: see `_recomputing_shard_map` for what the nested
+        # shard_map needed there.)
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
         out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),  # every group
                                whole(w1), whole(w2), whole(b1))
-        return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
+        return jax.lax.with_sharding_constraint(out, P())
     ep = sizes[EXPERT]
     # A device's rows below are one routing group (a rank's), or all of them on one device
     # routing as a layout's ranks do: at most `cap` rows per expert.
     groups = route_groups(b)
     cap = row_capacity(cfg, b * s // groups, max(groups // math.prod(sizes[a] for a in row_axes), 1))
-    if per_rank and PIPE in outer:
-        # The pipeline's per-rank schedule: a shard_map nested in the layer scan there fails
-        # Shardy's verifier, so the dispatch's collectives run right here and `tensor` stays
-        # GSPMD's (it sums the experts' [rows, d] partial outputs before the combine).
-        args = (cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1), weights_bsk.reshape(b * s, -1),
-                w1, w2, b1, cap)
-        out = _allgather(*args, ep) if cfg.moe_token_dispatcher_type == "allgather" else _alltoall(*args, ep)
-        return out.reshape(b, s, d)
     w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
     manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a) - outer
 
-    def body(x, e, w, w1_, w2_, b1_):
+    def body(x, e, w, w1_, w2_, b1_):  # [b/(row axes), s, d] rows whole over tensor; w1_ [E/ep, d, (2,) f/tp]
         bl = x.shape[0]
         args = (cfg, x.reshape(bl * s, d), e.reshape(bl * s, -1), w.reshape(bl * s, -1), w1_, w2_, b1_, cap)
         if ep == 1:
@@ -171,11 +156,19 @@ _sum_over_tensor.defvjp(lambda partial: (jax.lax.psum(partial, TENSOR), None), l
 
 def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     """shard_map(body) whose backward is a second shard_map that recomputes the forward
-    (jax.vjp inside it) instead of passing residuals between the two. Nested in the pipeline's
-    shard_map, jax gives residuals a sharding Shardy rejects (the outer manual axis `pipe` as a
-    free axis ahead of `data`); recomputing also keeps the [rows, d] buffers out of memory.
-    Argument 1 (expert ids, integers) gets no cotangent. check_vma False: nested in a shard_map
-    that does not check them (parallelize's per-rank body)."""
+    (jax.vjp inside it) instead of passing residuals between the two; recomputing also keeps
+    the [rows, d] buffers out of memory. Argument 1 (expert ids, integers) gets no cotangent.
+
+    check_vma False: nested in another shard_map (parallelize's per-rank body, which does not
+    check, or a pipeline stage, which does). Nested there, jax still splits the forward map
+    (a scan's partial evaluation hoists what depends on constants alone, such as the iotas
+    of the sort, out of the layer scan), and gives the residuals a sharding over the axes the
+    map makes manual, or, checked, over every axis they vary on: the enclosing map's manual
+    `pipe` and `data` too, which Shardy rejects (`pipe`/`data` as free axes ahead of the manual
+    ones). Unchecked, every value the body computes has no varying axes while its inputs keep
+    the enclosing map's: the output is marked varying as the inputs are, the backward's inputs
+    are taken as fresh values (`_unvarying`) before the vjp inside it, and its gradients are
+    marked varying as their primals were."""
     fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual,
                             check_vma=check_vma)
 
@@ -183,6 +176,8 @@ def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     def bwd_body(args, g):
         x, e, w, w1, w2, b1 = args
+        if not check_vma:
+            x, w, w1, w2, b1, g = map(_unvarying, (x, w, w1, w2, b1, g))
         _, vjp = jax.vjp(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), x, w, w1, w2, b1)
         grads = vjp(g)
         if check_vma:
@@ -194,19 +189,32 @@ def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     bwd_map = jax.shard_map(bwd_body, in_specs=(in_specs, out_spec), out_specs=diff_specs,
                             axis_names=manual, check_vma=check_vma)
 
+    def forward(*args):  # the output varies over the enclosing map's axes as the inputs do
+        return varying(fwd_map(*args), sorted(set().union(*(varying_axes(a) for a in args if a is not None))))
+
     @jax.custom_vjp
     def fn(*args):
-        return fwd_map(*args)
+        return forward(*args)
 
     def fwd(*args):
-        return fwd_map(*args), args
+        return forward(*args), args
 
     def bwd(args, g):
-        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(args, g)
+        grads = bwd_map(args, g)
+        x, _, w, w1, w2, b1 = args
+        d_x, d_w, d_w1, d_w2, d_b1 = (None if d is None else varying(d, sorted(varying_axes(a)))
+                                      for d, a in zip(grads, (x, w, w1, w2, b1)))
         return d_x, None, d_w, d_w1, d_w2, d_b1
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def _unvarying(a):
+    """`a` as a value computed inside an unchecked shard_map: with no varying axes, where an
+    input keeps the enclosing checked map's (autodiff inside then sees cotangents of one type;
+    a product with ones, which XLA removes)."""
+    return None if a is None else a * jnp.ones((), a.dtype)
 
 
 def _spec_axes(spec) -> set:
