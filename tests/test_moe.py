@@ -553,3 +553,26 @@ def test_a_pipeline_whose_head_reports_aux_runs_the_experts_split_as_one_device(
                                          expert_model_parallel_size=ep), 4)
         assert abs(loss - ref_loss) <= LOSS_ATOL, (ep, loss, ref_loss)
         assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
+@pytest.mark.parametrize("name", ["dp2_tp2_pp2", "ep2_tp2_pp2"])
+def test_pipeline_moe_in_a_layer_loop_with_full_recompute_matches_single_device(name):
+    """The stage's dispatch map nested in the layers as a GPU runs them (a scanned loop; the CPU
+    unrolls up to 8 layers) and under full recompute, where jax partially evaluates the layer
+    scan around it: loss and every gradient equal one device's."""
+    from tests.parallel_util import build, fixed_batch, layer_loop, place
+
+    parallel, micro, model = LAYOUTS[name]
+    model = model + (("recompute_granularity", "full"),)
+
+    def run(parallel, micro, devices=None):
+        with layer_loop():
+            pz = build(parallel, micro, devices, fresh=True, **dict(model))
+            state = pz.init(0)
+            loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
+        return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
+
+    ref_loss, ref_grads = run(*REFERENCE, jax.devices()[:1])
+    loss, grads = run(parallel, micro)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)

@@ -160,15 +160,15 @@ def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     the [rows, d] buffers out of memory. Argument 1 (expert ids, integers) gets no cotangent.
 
     check_vma False: nested in another shard_map (parallelize's per-rank body, which does not
-    check, or a pipeline stage, which does). Nested there, jax still splits the forward map
-    (a scan's partial evaluation hoists what depends on constants alone, such as the iotas
-    of the sort, out of the layer scan), and gives the residuals a sharding over the axes the
-    map makes manual, or, checked, over every axis they vary on: the enclosing map's manual
-    `pipe` and `data` too, which Shardy rejects (`pipe`/`data` as free axes ahead of the manual
-    ones). Unchecked, every value the body computes has no varying axes while its inputs keep
-    the enclosing map's: the output is marked varying as the inputs are, the backward's inputs
-    are taken as fresh values (`_unvarying`) before the vjp inside it, and its gradients are
-    marked varying as their primals were."""
+    check, or a pipeline stage, which does). Nested in a stage, jax still splits the forward
+    map: the backward slot's vjp partially evaluates the layer scan, which hoists what depends
+    on constants alone (the iotas of the sort) out of the loop as residuals of a second map.
+    Their sharding names the axes the map makes manual, or, checked, every axis they vary over,
+    the stage's manual `pipe` and `data` too: Shardy's verifier rejects that (a manual axis
+    after a free one; the `squeeze` of a residual). Unchecked, every value the body computes
+    has no varying axes while its inputs keep the enclosing map's: the output is marked varying
+    as the inputs are, the backward's inputs are taken as fresh values (`_unvarying`) before
+    the vjp inside it, and its gradients are marked varying as their primals were."""
     fwd_map = jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, axis_names=manual,
                             check_vma=check_vma)
 
