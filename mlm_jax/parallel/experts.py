@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import all_experts_here, expert_ffn, local_experts, route_groups, row_capacity
-from mlm_jax.sharding.mesh import EXPERT, TENSOR, varying, varying_axes
+from mlm_jax.sharding.mesh import EXPERT, TENSOR, psum, varying, varying_axes
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -148,10 +148,10 @@ def _sum_over_tensor(partial):
     gets it whole. What a vma-checked shard_map derives for psum; unchecked (nested in the
     per-rank body, which does not check) psum would transpose to a second psum, scaling the
     expert gradients by the tensor size."""
-    return jax.lax.psum(partial, TENSOR)
+    return psum(partial, TENSOR)
 
 
-_sum_over_tensor.defvjp(lambda partial: (jax.lax.psum(partial, TENSOR), None), lambda _, g: (g,))
+_sum_over_tensor.defvjp(lambda partial: (psum(partial, TENSOR), None), lambda _, g: (g,))
 
 
 def _recomputing_shard_map(body, in_specs, out_spec, manual, check_vma=True):
@@ -222,7 +222,7 @@ def _spec_axes(spec) -> set:
 
 
 def _sum_over(x, axes):
-    return jax.lax.psum(x, tuple(sorted(axes))) if axes else x
+    return psum(x, tuple(sorted(axes))) if axes else x
 
 
 def _weight_names(cfg: ModelConfig, w1_ndim: int):
