@@ -9,13 +9,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import psum, varying_axes
-from mlm_jax.sharding.rules import active_rules, constrain, logical_to_spec, specs_if_split
+from mlm_jax.sharding.mesh import psum, varying, varying_axes, zeros_like_typed
+from mlm_jax.sharding.rules import active_rules, constrain, logical_to_spec, spec_on_axes, specs_if_split
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -270,29 +271,59 @@ _pinned_product.defvjp(_pinned_product_forward, _pinned_product_backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def lookup(table, ids_bs, names):
     """`table[ids_bs]`: an embedding lookup ([batch, seq, embed]) whose gradient, a scatter-add
-    into the fp32 table laid out as its logical `names`, is taken from rows and cotangents
-    whole along the sequence (split over the batch only).
+    into the table laid out as its logical `names`, each device takes from its own rows.
 
-    jax's own gradient scatters from the block boundary's layout (the sequence split over
-    context, and over tensor with SP), and jax 0.12.1's XLA aborts partitioning that scatter
-    inside a partly manual program ("Check failed: ... spmd_partitioner_util.cc:515": every
-    context x tensor x data layout on a CPU, and every data-parallel step compiled for GPUs).
-    Whole sequences cost an all-gather of the cotangent over context (and over tensor with SP,
-    as Megatron's vocab-parallel embedding gathers it) in place of an all-reduce of the table's
-    gradient over context: less, for any vocabulary larger than a microbatch's tokens."""
+    jax's own gradient leaves that scatter to XLA's partitioner, and jax 0.12.1's XLA aborts
+    partitioning it inside a partly manual program ("Check failed: ... spmd_partitioner_util.cc:515":
+    every context x tensor x data layout on a CPU, every data-parallel step compiled for GPUs).
+    Here it is a shard_map over the mesh axes not manual already, each device adding its rows
+    into its block of the table, with what the partitioner chose before where the sequence is
+    split (context, tensor with SP), whichever moves fewer bytes: the rows' gradient gathered
+    whole along the sequence (in its own dtype; Megatron's vocab-parallel embedding gathers it
+    over tensor too), or the table's gradient summed over those ranks."""
     return table[ids_bs]
 
 
 def _lookup_forward(table, ids_bs, names):
-    return table[ids_bs], (ids_bs, jnp.zeros((), table.dtype), table.shape)
+    like = varying(jnp.zeros((), table.dtype), sorted(varying_axes(table)))  # the table's dtype and varying axes
+    return table[ids_bs], (ids_bs, like, table.shape)
 
 
 def _lookup_backward(names, res, dx_bsd):
     ids_bs, like, shape = res
-    ids_bs = constrain(ids_bs, ("batch", None))
-    dx_bsd = constrain(dx_bsd, ("batch", None, None)).astype(like.dtype)
-    d_table = constrain(jnp.zeros(shape, like.dtype), names).at[ids_bs].add(dx_bsd)
-    return constrain(d_table, names), None
+    mesh = jax.sharding.get_abstract_mesh()
+    free = () if not active_rules() or mesh.empty else tuple(
+        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual)
+    if not free:
+        return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
+    sizes = dict(mesh.shape)
+    table_spec = spec_on_axes(names, free)
+    table_axes = _axes_of(table_spec[0] if len(table_spec) else None)
+    split = lambda part: math.prod(sizes[a] for a in _axes_of(part))  # noqa: E731
+    batch_spec = spec_on_axes(("batch", "seq"), free)
+    b, s = ids_bs.shape
+    gathered = b // split(batch_spec[0]) * s * dx_bsd.dtype.itemsize  # per embed column
+    summed = shape[0] // split(table_spec[0] if len(table_spec) else None) * like.dtype.itemsize
+    ids_spec = spec_on_axes(("batch", None if gathered <= summed else "context_seq"), free)
+    over = tuple(a for part in ids_spec for a in _axes_of(part))  # the ranks of rows: summed after
+
+    def rows_here(ids, dx):  # this device's rows -> its block of the table's gradient
+        n = shape[0] // math.prod(jax.lax.axis_size(a) for a in table_axes)
+        first = 0
+        for a in table_axes:
+            first = first * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+        local = ids - first * n
+        local = jnp.where((local >= 0) & (local < n), local, n)  # others' rows: dropped
+        d_table = jnp.zeros((n, *shape[1:]), like.dtype).at[local].add(dx.astype(like.dtype), mode="drop")
+        return psum(d_table, over) if over else d_table
+
+    d_table = jax.shard_map(rows_here, in_specs=(ids_spec, P(*ids_spec, None)), out_specs=table_spec,
+                            axis_names=frozenset(free), check_vma=False)(ids_bs, dx_bsd)
+    return varying(d_table, sorted(varying_axes(like))), None  # (inside a pipeline stage: as the table)
+
+
+def _axes_of(part) -> tuple[str, ...]:
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 lookup.defvjp(_lookup_forward, _lookup_backward)
