@@ -263,6 +263,21 @@ LAYOUTS = {
         ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, use_distributed_optimizer=True), 4,
         MOE + (("moe_router_load_balancing_type", "seq_aux_loss"), ("swiglu", True))),
     "dp4_pp2_reduce_once": (ParallelConfig(pipeline_model_parallel_size=2), 2, MOE),
+    # A MoE in a tensor-parallel pipeline without expert parallelism keeps each expert's f split
+    # over `tensor` (each tensor rank runs its shard on the microbatch's rows): per rank (dp2,
+    # reduced once) and, with one data rank, not per rank.
+    "dp2_tp2_pp2": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
+                    MOE + (("swiglu", True),)),
+    # (Policy position: with probs at 0.75 this layout's loss is 2.4e-6 off, as it was when the
+    # stage gathered the experts whole, every gradient within 6.3e-7: the same tokens kept, a
+    # rounding of the loss sum.)
+    "dp2_tp2_pp2_sp_capacity_position": (
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4,
+        MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
+    "tp4_pp2": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8, MOE),
+    "tp4_pp2_capacity_probs_padded": (
+        ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
+        MOE + (("moe_expert_capacity_factor", 0.5), ("moe_pad_expert_input_to_capacity", True))),
 }
 
 
@@ -636,3 +651,75 @@ def test_ragged_dispatch_matches_single_device(name, monkeypatch):
     assert calls, "the ragged path did not run"
     assert abs(float(loss) - ref_loss) <= LOSS_ATOL, (float(loss), ref_loss)
     assert_trees_close(unpad(ref_grads), unpad(jax.tree.map(np.asarray, pz.plain(grads))), GRAD_RTOL)
+
+
+@pytest.mark.parametrize("parallel, micro", [
+    (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4),  # dp2, per rank
+    (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8),  # dp1, not per rank
+], ids=["dp2_tp2_pp2", "tp4_pp2"])
+def test_a_tensor_parallel_pipeline_keeps_the_experts_split(parallel, micro):
+    """A MoE in a pipeline stage with tensor but no expert parallelism: no collective gathers an
+    expert's weights whole over `tensor` (each tensor rank runs its f shard of every expert on
+    the microbatch's rows), and no buffer of the compiled program holds them whole, only a
+    device's [E, d, f/tp] share. The stage gathered every layer's w1 and w2 whole before."""
+    from mlm_jax.sharding.hlo import collectives
+    from tests.parallel_util import build, fixed_batch, place
+
+    # f = 192: no other dim of the program (rows: 256, 512) is taken for an expert's
+    pz = build(parallel, micro, **dict(MOE + (("moe_ffn_hidden_size", 192),)))
+    m, tp = pz.cfg.model, parallel.tensor_model_parallel_size
+    d, f = m.hidden_size, m.moe_ffn_size
+    text = pz.train_step.lower(pz.init(0), place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+    whole = {(E, d, f), (E, f, d)}  # w1, w2 of one layer
+    gathered = [c for c in collectives(text) if c.kind == "all-gather" and whole & set(c.shapes)]
+    assert gathered == [], gathered
+    # No buffer of the program holds one ([E, d, f] or [E, f, d], or a stack of them), but its share.
+    assert not re.findall(rf"[\[,]{E},(?:{d},{f}|{f},{d})\]", text)
+    assert re.findall(rf"[\[,]{E},{d},{f // tp}\]", text) and re.findall(rf"[\[,]{E},{f // tp},{d}\]", text)
+
+
+def test_a_pipeline_whose_head_reports_aux_runs_the_experts_split_as_one_device():
+    """A pipeline whose head reports batch-wide aux does not run per rank (`reduces_once`): its
+    stages dispatch over data, expert and tensor themselves (dp2 x tp2 x pp2 and ep2 x tp2 x
+    pp2): loss and every gradient equal one device's."""
+    from tests.parallel_util import build, fixed_batch, place
+    from tests.test_pipeline import ZLossGPT
+
+    def run(parallel, micro, devices=None):
+        pz = build(parallel, micro, devices, model_class=ZLossGPT, **dict(MOE))
+        state = pz.init(0)
+        batch = place(pz, fixed_batch())
+        if devices is None:
+            assert not pz.pipeline.reduces_once(state["params"], batch)
+        loss, grads = pz.loss_and_grads(state["params"], batch, jax.random.key(0))
+        return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
+
+    ref_loss, ref_grads = run(ParallelConfig(), 8, jax.devices()[:1])
+    for ep in (1, 2):
+        loss, grads = run(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                         expert_model_parallel_size=ep), 4)
+        assert abs(loss - ref_loss) <= LOSS_ATOL, (ep, loss, ref_loss)
+        assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
+@pytest.mark.parametrize("name", ["dp2_tp2_pp2", "ep2_tp2_pp2"])
+def test_pipeline_moe_in_a_layer_loop_with_full_recompute_matches_single_device(name):
+    """The stage's dispatch map nested in the layers as a GPU runs them (a scanned loop; the CPU
+    unrolls up to 8 layers) and under full recompute, where jax partially evaluates the layer
+    scan around it: loss and every gradient equal one device's."""
+    from tests.parallel_util import build, fixed_batch, layer_loop, place
+
+    parallel, micro, model = LAYOUTS[name]
+    model = model + (("recompute_granularity", "full"),)
+
+    def run(parallel, micro, devices=None):
+        with layer_loop():
+            pz = build(parallel, micro, devices, fresh=True, **dict(model))
+            state = pz.init(0)
+            loss, grads = pz.loss_and_grads(state["params"], place(pz, fixed_batch()), jax.random.key(0))
+        return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
+
+    ref_loss, ref_grads = run(*REFERENCE, jax.devices()[:1])
+    loss, grads = run(parallel, micro)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)

@@ -21,10 +21,13 @@ shard_map every device holds its own tokens [T = b/(data*expert) * s, d] and E/e
 The experts themselves run as the model's grouped matmul (`models.moe.expert_ffn`).
 With tensor parallelism the partial outputs are summed over `tensor` once, after the combine.
 
-Where the step reduces gradients once per step (any data- or expert-parallel step), its
-per-rank body is already manual over data and expert: the dispatch nests a shard_map over
-`tensor` alone there, or, in the pipeline's per-rank schedule, runs its collectives without one
-(`tensor` then stays GSPMD's).
+The dispatch is one shard_map, manual over the axes the step has not made manual already: over
+data, expert and tensor in the plain step; over `tensor` alone in the per-rank body of a step
+that reduces gradients once (manual over data and expert already: this rank's rows and
+experts) and in the pipeline's per-rank schedule; over data, expert and tensor inside the
+pipeline's stage otherwise. So every device runs its own f shard of its experts on rows that
+are whole over `tensor` (no sharded sort, and the grouped-matmul kernel, which GSPMD cannot
+partition, gets per-device operands), and no device holds an expert whole over `tensor`.
 
 `parallel.tracing` installs `dispatch_and_combine` in the trace context; outside a step the model
 runs every expert on every token itself (`models.moe.all_experts_here`). Shape letters: t token,
@@ -45,7 +48,7 @@ from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS, all_experts_here, expert_ffn,
                                  local_experts, route_groups, row_capacity)
-from mlm_jax.sharding.mesh import DATA, EXPERT, PIPE, TENSOR, varying_axes, zeros_like_typed
+from mlm_jax.sharding.mesh import EXPERT, TENSOR, psum, varying, varying_axes, zeros_like_typed
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -189,10 +192,9 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
 def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
     """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> [b, s, d].
 
-    Inside parallelize's step (activation rules active): a shard_map over data, expert and
-    tensor, or over tensor alone inside the per-rank body of a step that reduces gradients once
-    (already manual over data and expert: this rank's rows and experts); otherwise all experts
-    on all tokens here."""
+    Inside parallelize's step (activation rules active): a shard_map over the axes of data,
+    expert and tensor not already manual (see the module docstring); rows that do not split
+    over the batch axes, or no step: all experts on all tokens here."""
     b, s, d = y_bsd.shape
     rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -202,46 +204,29 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     tok_spec = logical_to_spec(("batch", None, None), rules)  # [b/(data, expert), s, .]
     row_axes = tuple(a for a in (tok_spec[0] if isinstance(tok_spec[0], tuple) else (tok_spec[0],)) if a)
     uneven = b % math.prod(sizes[a] for a in row_axes) != 0
+    # Manual already: the per-rank body of a step that reduces gradients once
+    # (`parallel.data.reduces_once`: `data`, and `expert` with expert parallelism; the rows and
+    # experts here are this rank's own), the pipeline's stage (`pipe`, and per rank as that).
     outer = frozenset(getattr(mesh, "manual_axes", ()))
-    # The per-rank body of a step that reduces gradients once (`parallel.data.reduces_once`):
-    # manual over `data`, and over `expert` with expert parallelism; the rows and experts here
-    # are this rank's own. The shard_map below adds `tensor` (in parallelize's body; the
-    # pipeline's per-rank schedule: no shard_map with expert parallelism). Without expert
-    # parallelism every rank holds every expert, each expert's f split over `tensor`: a
-    # tensor-manual shard_map runs this rank's f shard on its rows (gathering the experts, as the
-    # branch below does, made Mixtral's tp8 x dp8 step hold every layer's whole experts).
-    per_rank = (EXPERT in outer and sizes[EXPERT] > 1) or (DATA in outer and PIPE not in outer)
-    if (outer and not per_rank) or uneven:
-        # Nested in a shard_map but not per rank (the pipeline without expert parallelism, or
-        # with a head that reports aux): jax's partial evaluation of a nested
-        # shard_map gives its residuals a sharding Shardy rejects (`pipe`, free, ahead of
-        # `data`), and
-        # GSPMD's sort lowers to collective-permutes, which deadlock in a branch only some
-        # stages take. (Also: rows that do not split over the batch axes, e.g. decoding a
-        # few prompts.) So the tokens and experts are gathered (all-gathers only) and every
-        # device runs every expert on the microbatch: the same function, without expert
-        # parallelism's savings.
+    if uneven:
+        # Rows that do not split over the batch axes (decoding a few prompts): the tokens and
+        # experts are gathered (all-gathers only) and every device runs every expert on them.
+        # (Inside a pipeline stage this branch once ran every microbatch, holding every layer's
+        # experts whole on every tensor rank: see `_saving_shard_map` for what the nested
+        # shard_map needed there.)
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
         out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),  # every group
                                whole(w1), whole(w2), whole(b1))
-        return jax.lax.with_sharding_constraint(out, P() if uneven else tok_spec)
+        return jax.lax.with_sharding_constraint(out, P())
     ep = sizes[EXPERT]
     # A device's rows below are one routing group (a rank's), or all of them on one device
     # routing as a layout's ranks do: at most `cap` rows per expert.
     groups = route_groups(b)
     cap = row_capacity(cfg, b * s // groups, max(groups // math.prod(sizes[a] for a in row_axes), 1))
-    if per_rank and PIPE in outer:
-        # The pipeline's per-rank schedule: a shard_map nested in the layer scan there fails
-        # Shardy's verifier, so the dispatch's collectives run right here and `tensor` stays
-        # GSPMD's (it sums the experts' [rows, d] partial outputs before the combine).
-        args = (cfg, y_bsd.reshape(b * s, d), experts_bsk.reshape(b * s, -1), weights_bsk.reshape(b * s, -1),
-                w1, w2, b1, cap)
-        out = _allgather(*args, ep) if cfg.moe_token_dispatcher_type == "allgather" else _alltoall(*args, ep)
-        return out.reshape(b, s, d)
     w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
     manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a) - outer
 
-    def body(x, e, w, w1_, w2_, b1_):
+    def body(x, e, w, w1_, w2_, b1_):  # [b/(row axes), s, d] rows whole over tensor; w1_ [E/ep, d, (2,) f/tp]
         bl = x.shape[0]
         args = (cfg, x.reshape(bl * s, d), e.reshape(bl * s, -1), w.reshape(bl * s, -1), w1_, w2_, b1_, cap)
         if ep == 1:
@@ -266,10 +251,10 @@ def _sum_over_tensor(partial):
     gets it whole. What a vma-checked shard_map derives for psum; unchecked (nested in the
     per-rank body, which does not check) psum would transpose to a second psum, scaling the
     expert gradients by the tensor size."""
-    return jax.lax.psum(partial, TENSOR)
+    return psum(partial, TENSOR)
 
 
-_sum_over_tensor.defvjp(lambda partial: (jax.lax.psum(partial, TENSOR), None), lambda _, g: (g,))
+_sum_over_tensor.defvjp(lambda partial: (psum(partial, TENSOR), None), lambda _, g: (g,))
 
 
 def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
@@ -281,10 +266,15 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
     second shard_map applying that vjp: the experts' products and the dispatch's collectives run
     once (recomputing them in the backward cost a third more expert FLOPs). The vjp keeps the
     values named EXPERT_HIDDEN, EXPERT_OUT and EXPERT_ROWS (models/moe.py: the products, the
-    rows received) and recomputes the rest (sorts, gathers, the activation); residuals that are the
-    body's own inputs (the weights, the tokens) are not stored again. Argument 1 (expert ids, integers) gets no
-    cotangent. check_vma False: nested in a shard_map that does not check them (parallelize's
-    per-rank body)."""
+    rows received) and recomputes the rest (sorts, gathers, the activation); residuals that are
+    the body's own inputs (the weights, the tokens) are not stored again. Argument 1 (expert
+    ids, integers) gets no cotangent.
+
+    check_vma False: nested in another shard_map (parallelize's per-rank body, which does not
+    check, or a pipeline stage, which does). Unchecked, every value the body computes varies
+    over no axis while its inputs keep the enclosing map's: the body takes its inputs as fresh
+    values (`_unvarying`) so that autodiff inside sees cotangents of one type, the output is
+    marked varying as the inputs are, and the gradients as their primals were."""
     diff_specs = tuple(sp for i, sp in enumerate(in_specs) if i != 1)
     kept = {}  # the vjp's structure, which of its leaves are inputs, the others' specs (from the trace)
 
@@ -294,10 +284,15 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
         fn = jax.checkpoint(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), policy=keep)
         return jax.vjp(fn, x, w, w1, w2, b1)
 
+    def fresh(*inputs):
+        # Unchecked, the inputs keep the enclosing map's varying axes and what the body computes
+        # has none: taken as fresh values, autodiff inside sees cotangents of one type.
+        return inputs if check_vma else tuple(map(_unvarying, inputs))
+
     def fwd_body(x, e, w, w1, w2, b1):
+        x, w, w1, w2, b1 = inputs = fresh(x, w, w1, w2, b1)
         out, vjp = vjp_of(x, e, w, w1, w2, b1)
         leaves, kept["tree"] = jax.tree.flatten(vjp)
-        inputs = (x, w, w1, w2, b1)
         kept["input_of"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
         stored = [leaf for leaf, i in zip(leaves, kept["input_of"]) if i is None]
         kept["varying"] = [tuple(sorted(varying_axes(leaf))) for leaf in stored]
@@ -305,8 +300,9 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     def bwd_body(args, residuals, g):
         x, _, w, w1, w2, b1 = args
-        inputs, stored = (x, w, w1, w2, b1), iter(residuals)
+        inputs, stored = fresh(x, w, w1, w2, b1), iter(residuals)
         leaves = [next(stored)[0] if i is None else inputs[i] for i in kept["input_of"]]
+        (g,) = fresh(g)
         grads = jax.tree.unflatten(kept["tree"], leaves)(g)
         if check_vma:
             return grads
@@ -329,20 +325,34 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
         return jax.shard_map(bwd_body, in_specs=(in_specs, stacked(), out_spec), out_specs=diff_specs,
                              axis_names=manual, check_vma=check_vma)(args, residuals, g)
 
+    def forward(*args):  # the output varies over the enclosing map's axes as the inputs do
+        out, residuals = fwd_map(*args)
+        return varying(out, sorted(set().union(*(varying_axes(a) for a in args if a is not None)))), residuals
+
     @jax.custom_vjp
     def fn(*args):
-        return fwd_map(*args)[0]
+        return forward(*args)[0]
 
     def fwd(*args):
-        out, residuals = fwd_map(*args)
+        out, residuals = forward(*args)
         return out, (args, residuals)
 
     def bwd(saved, g):
-        d_x, d_w, d_w1, d_w2, d_b1 = bwd_map(*saved, g)
+        args, _ = saved
+        x, _, w, w1, w2, b1 = args
+        d_x, d_w, d_w1, d_w2, d_b1 = (None if d is None else varying(d, sorted(varying_axes(a)))
+                                      for d, a in zip(bwd_map(*saved, g), (x, w, w1, w2, b1)))
         return d_x, None, d_w, d_w1, d_w2, d_b1
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def _unvarying(a):
+    """`a` as a value computed inside an unchecked shard_map: with no varying axes, where an
+    input keeps the enclosing checked map's (autodiff inside then sees cotangents of one type;
+    a product with ones, which XLA removes)."""
+    return None if a is None else a * jnp.ones((), a.dtype)
 
 
 def _spec_axes(spec) -> set:
@@ -350,7 +360,7 @@ def _spec_axes(spec) -> set:
 
 
 def _sum_over(x, axes):
-    return jax.lax.psum(x, tuple(sorted(axes))) if axes else x
+    return psum(x, tuple(sorted(axes))) if axes else x
 
 
 def _weight_names(cfg: ModelConfig, w1_ndim: int):
