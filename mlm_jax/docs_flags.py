@@ -76,7 +76,7 @@ def render() -> str:
         "training flags). A flag not listed here is an error that names it. `--config FILE.yaml` takes",
         "the same names as keys; flags on the command line override it. The default is what a run gets",
         "when the flag is left out (Megatron-LM's default where Megatron has one; see",
-        "[Coming from Megatron-LM](../megatron/flags.md) for the deliberate differences). A switch's",
+        "[Coming from Megatron-LM](../megatron/differences.md) for the deliberate differences). A switch's",
         "default says whether what it sets is on without it; \"none\" means unset, and the help says",
         "what a run does then.",
         "",
