@@ -28,14 +28,15 @@ _TITLES = {
 
 
 def _escape(text: str) -> str:
-    """Markdown-safe table cell text: code spans kept as they are, elsewhere the characters that
-    would start emphasis or HTML escaped; pipes escaped everywhere (they split table cells)."""
+    """Markdown-safe table cell text: code spans kept as they are (a pipe inside one does not
+    split the cell), elsewhere pipes and the characters that would start emphasis or HTML escaped."""
     parts = text.split("`")
     for i, part in enumerate(parts):
         if i % 2 == 0:
-            for a, b in (("\\", "\\\\"), ("*", "\\*"), ("_", "\\_"), ("<", "&lt;"), (">", "&gt;")):
+            for a, b in (("\\", "\\\\"), ("*", "\\*"), ("_", "\\_"), ("<", "&lt;"), (">", "&gt;"),
+                         ("|", "\\|")):
                 part = part.replace(a, b)
-        parts[i] = part.replace("|", "\\|")
+        parts[i] = part
     return "`".join(parts)
 
 
