@@ -24,3 +24,14 @@ def test_flag_reference_lists_every_flag():
     assert len(flags) > 150
     for flag in flags:
         assert f"| `{flag}` |" in page, f"{flag} is missing from the flag reference"
+
+
+def test_readme_is_the_short_front_door_with_the_quickstart_commands():
+    """README.md stays a page a newcomer reads in minutes (the guides live in docs/), and it keeps
+    the two quickstart commands exactly as a new user copies them (docs/getting-started quotes
+    them too)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert len(readme.splitlines()) <= 150
+    assert "pip install -e . && python -m mlm_jax.train\n" in readme
+    assert 'pip install -e ".[test]" && python -m pytest tests\n' in readme
