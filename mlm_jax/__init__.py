@@ -1,6 +1,6 @@
 """mlm_jax: Megatron-LM's training features on JAX.
 
-The public face, one import for a notebook (see README.md, "In Python"):
+The public face, one import for a notebook (see docs/getting-started/notebook.md):
 
     import mlm_jax as mj
     mj.fake_devices(8)                       # first: 8 CPU devices on one machine

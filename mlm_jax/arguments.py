@@ -65,8 +65,8 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--rope-scaling-factor", "model", "rope_scaling_factor", "float", "the Llama 3.1 rope scaling factor (default 8.0)"),
     ("--decoupled-lr", "optim", "decoupled_lr", "float", "peak LR of the input embedding and output layer (same schedule; others use --lr)"),
     ("--decoupled-min-lr", "optim", "decoupled_min_lr", "float", "final LR of the input embedding and output layer (with --decoupled-lr; default --min-lr)"),
-    ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see README)"),
-    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "reduce each layer's data-parallel gradient inside the last microbatch's backward, overlapping the rest of it (not with pipeline or expert parallelism or mixed dense/MoE layers: reduced once after the backward there); GPU: XLA's latency-hiding scheduler and pipelined all-reduce / reduce-scatter too (see README)"),
+    ("--grad-reduce-in-bf16", "parallel", "grad_reduce_in_bf16", "true", "data-parallel gradient all-reduce / reduce-scatter in bf16 (where gradients are reduced once per step; see docs/parallelism/data.md)"),
+    ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce", "true", "reduce each layer's data-parallel gradient inside the last microbatch's backward, overlapping the rest of it (not with pipeline or expert parallelism or mixed dense/MoE layers: reduced once after the backward there); GPU: XLA's latency-hiding scheduler and pipelined all-reduce / reduce-scatter too (see docs/parallelism/data.md)"),
     ("--overlap-param-gather", "parallel", "overlap_param_gather", "true", "GPU: XLA's latency-hiding scheduler and async all-gather (needs --use-distributed-optimizer, as in Megatron-LM)"),
     # parallel
     ("--tensor-model-parallel-size", "parallel", "tensor_model_parallel_size", "int", "tensor parallel size"),
@@ -250,7 +250,7 @@ DEFAULT_RUN: dict[str, dict[str, Any]] = {
 def _infer_tokenizer(sections: dict[str, dict[str, Any]]) -> None:
     """Megatron's GPT example scripts give --vocab-file and --merge-file but no --tokenizer-type
     (Megatron itself then stops: its default is None). Only GPT-2's byte-level BPE takes a merge
-    file, so that pair names it: GPT2BPETokenizer (a deliberate difference, in the README)."""
+    file, so that pair names it: GPT2BPETokenizer (a deliberate difference: docs/megatron/differences.md)."""
     data = sections["data"]
     if data.get("tokenizer_type") is None and data.get("vocab_file") and data.get("merge_file"):
         data["tokenizer_type"] = "GPT2BPETokenizer"

@@ -142,7 +142,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    # Megatron-LM's defaults (README, "Defaults"); --lr has none there (it is required): 1e-3 here.
+    # Megatron-LM's defaults (docs/megatron/flags.md); --lr has none there (it is required): 1e-3 here.
     # The no-flag default run sets its own schedule explicitly (arguments.DEFAULT_RUN).
     lr: float = 1e-3
     min_lr: float = 0.0
