@@ -16,7 +16,8 @@ from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import psum, varying, varying_axes, zeros_like_typed
-from mlm_jax.sharding.rules import active_rules, constrain, logical_to_spec, spec_on_axes, specs_if_split
+from mlm_jax.sharding.rules import active_rules, constrain, free_axes, logical_to_spec, spec_on_axes, specs_if_split
+from mlm_jax.sharding.specs import entry_axes
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -293,13 +294,11 @@ def _lookup_forward(table, ids_bs, names):
 
 def _lookup_backward(names, res, dx_bsd):
     ids_bs, like, shape = res
-    mesh = jax.sharding.get_abstract_mesh()
-    free = () if not active_rules() or mesh.empty else tuple(
-        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual)
+    free = free_axes()
     if not free:
         return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
-    sizes = dict(mesh.shape)
-    split = lambda part: math.prod(sizes[a] for a in _axes_of(part))  # noqa: E731
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    split = lambda part: math.prod(sizes[a] for a in entry_axes(part))  # noqa: E731
     batch_spec = spec_on_axes(("batch", "seq"), free)
     if split(batch_spec[0]) > 1:
         # Rows split over free batch axes (a pipeline stage not run per rank): XLA's partitioner
@@ -307,12 +306,12 @@ def _lookup_backward(names, res, dx_bsd):
         # over data, which a shard_map's sum here would bring into every microbatch.
         return zeros_like_typed(like, shape).at[ids_bs].add(dx_bsd.astype(like.dtype)), None
     table_spec = spec_on_axes(names, free)
-    table_axes = _axes_of(table_spec[0] if len(table_spec) else None)
+    table_axes = entry_axes(table_spec[0] if len(table_spec) else None)
     b, s = ids_bs.shape
     gathered = b * s * dx_bsd.dtype.itemsize  # per embed column
     summed = shape[0] // split(table_spec[0] if len(table_spec) else None) * like.dtype.itemsize
     ids_spec = spec_on_axes(("batch", None if gathered <= summed else "context_seq"), free)
-    over = tuple(a for part in ids_spec for a in _axes_of(part) if sizes[a] > 1)  # the ranks of rows: summed after
+    over = tuple(a for part in ids_spec for a in entry_axes(part) if sizes[a] > 1)  # the ranks of rows: summed after
 
     def rows_here(ids, dx):  # this device's rows -> its block of the table's gradient
         n = shape[0] // math.prod(jax.lax.axis_size(a) for a in table_axes)
@@ -325,12 +324,8 @@ def _lookup_backward(names, res, dx_bsd):
         return psum(d_table, over) if over else d_table
 
     d_table = jax.shard_map(rows_here, in_specs=(ids_spec, P(*ids_spec, None)), out_specs=table_spec,
-                            axis_names=frozenset(free), check_vma=False)(ids_bs, dx_bsd)
+                            axis_names=free, check_vma=False)(ids_bs, dx_bsd)
     return varying(d_table, sorted(varying_axes(like))), None  # (inside a pipeline stage: as the table)
-
-
-def _axes_of(part) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 lookup.defvjp(_lookup_forward, _lookup_backward)

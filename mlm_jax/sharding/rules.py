@@ -138,6 +138,16 @@ def spec_on_axes(names: Sequence[str | None], axes) -> P:
     return P(*parts)
 
 
+def free_axes() -> frozenset:
+    """The mesh axes of the traced step not manual here (none outside a mesh or without rules)."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not active_rules() or mesh.empty:
+        return frozenset()
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+
+
 def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence[str | None]):
     """`fn` run on each device's own block of its arguments: a fully manual shard_map over every
     mesh axis not manual already, the blocks laid out as the logical `in_names` / `out_names`
@@ -149,12 +159,7 @@ def per_device(fn, in_names: Sequence[Sequence[str | None]], out_names: Sequence
     def run(*args):
         import jax
 
-        if not active_rules():
-            return fn(*args)
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            return fn(*args)
-        free = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+        free = free_axes()
         if not free:
             return fn(*args)
         return jax.shard_map(fn, in_specs=tuple(spec_on_axes(n, free) for n in in_names),
