@@ -18,7 +18,7 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
-from mlm_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
+from mlm_jax.config import (FP8_FORMATS, FP8_RECIPES, CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                             InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from mlm_jax.flag_aliases import unknown_flag
 
@@ -57,6 +57,14 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--recompute-num-layers", "model", "recompute_num_layers", "int", "uniform: layers per recomputed group; block: layers recomputed per stage"),
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
+    # fp8 (mlm_jax/models/fp8.py, docs/guides/fp8.md)
+    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2); needs --bf16 and --fp8-recipe tensorwise"),
+    ("--fp8-recipe", "model", "fp8_recipe", "str", "tensorwise: per-tensor current scaling (each tensor's scale from its amax in this step); Megatron-LM's default delayed, and blockwise | mxfp8 | custom, are refused"),
+    ("--fp8-margin", "model", "fp8_margin", "int", "fp8 scales keep 2^margin headroom below the format's largest value (default 0)"),
+    ("--no-fp8-wgrad", "model", "fp8_wgrad", "false", "with --fp8-format: the weight gradients' products in bf16 (the input gradients stay fp8)"),
+    ("--first-last-layers-bf16", "model", "first_last_layers_bf16", "true", "with --fp8-format: the first and last layers' projections stay bf16"),
+    ("--num-layers-at-start-in-bf16", "model", "num_layers_at_start_in_bf16", "int", "with --first-last-layers-bf16: layers at the start kept in bf16 (default 1)"),
+    ("--num-layers-at-end-in-bf16", "model", "num_layers_at_end_in_bf16", "int", "with --first-last-layers-bf16: layers at the end kept in bf16 (default 1)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # Megatron's norm, rope, LR, gradient-reduction and XLA-overlap flags
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
@@ -217,6 +225,10 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--empty-unused-memory-level", "int", "0 | 1 | 2; accepted, no effect: XLA manages device memory"),
     ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
+    ("--fp8-amax-history-len", "int", "delayed scaling's amax history: accepted, no effect (--fp8-recipe tensorwise, the recipe built, keeps no history)"),
+    ("--fp8-amax-compute-algo", "str", "most_recent | max; delayed scaling's: accepted, no effect (see --fp8-amax-history-len)"),
+    ("--fp8-interval", "int", "accepted, no effect (deprecated in Transformer Engine 1.8: scales are computed every step)"),
+    ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -224,16 +236,39 @@ _ACCEPTED_CHOICES = {
     "--transformer-impl": ("local", "transformer_engine"),
     "--ckpt-format": ("torch_dist", "zarr", "torch"),
     "--empty-unused-memory-level": (0, 1, 2),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
 }
 
-_FP8 = "fp8 is not supported: use --bf16 (bf16 compute, fp32 master params and optimizer state)"
+_FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
+_FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
 # Refused flags that take a value (the others are switches).
-_REFUSED_WITH_VALUE = ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
-                       "--fp8-recipe")
+_REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-file", "--fp8-quantizer-factory",
+                       "--fp4-quantizer-factory")
 
-# Accepted with exactly one meaning; anything else is refused with the reason.
+# Megatron flags refused with the reason (nothing else takes them).
 REFUSED = {
-    **{flag: _FP8 for flag in _REFUSED_WITH_VALUE + ("--fp8-param-gather",)},
+    "--fp8-param-gather": "not built: ZeRO's parameter all-gather stays bf16 (the fp8 products quantize the "
+                          "gathered weights); drop the flag",
+    "--tp-only-amax-red": "fp8 amaxes are reduced over every rank holding a piece of the tensor (data, tensor, "
+                          "context parallel), so every layout quantizes as one device does",
+    "--fp8-dot-product-attention": _FP8_ATTENTION,
+    "--fp8-multi-head-attention": _FP8_ATTENTION,
+    "--fp8-output-proj": "an mxfp8 option (Blackwell); the LM head stays bf16",
+    "--fp4-format": _FP4, "--fp4-recipe": _FP4, "--fp4-param-gather": _FP4,
+    "--fp4-quantizer-factory": _FP4,
+    "--te-precision-config-file": "Transformer Engine's per-module precision file: not built (fp8 is set for "
+                                  "all projections by --fp8-format, with --first-last-layers-bf16)",
+    "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
+}
+
+# Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).
+_FP8_RECIPES_REFUSED = {
+    "delayed": "delayed scaling (Megatron-LM's default recipe: scales from an amax history kept across steps) "
+               "is not built; add --fp8-recipe tensorwise (per-tensor current scaling: each tensor's scale "
+               "from its own amax in this step)",
+    "blockwise": "blockwise scaling is not built; use --fp8-recipe tensorwise",
+    "mxfp8": "MXFP8 GEMMs need Blackwell GPUs; use --fp8-recipe tensorwise on H100/H200",
+    "custom": "a Transformer Engine quantizer factory: not built; use --fp8-recipe tensorwise",
 }
 
 
@@ -487,6 +522,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     if args["group_query_attention"] and sections["model"].get("num_query_groups") is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _map_accepted(args, sections)
+    _check_fp8(sections)
     _check_choices(sections)
     _check_schedule_flags(args, sections)
     _infer_tokenizer(sections)
@@ -531,6 +567,35 @@ def _check_schedule_flags(args: dict[str, Any], sections: dict[str, dict[str, An
     if args["step_batch_size_schedule"] is not None and args["global_batch_size"] is not None:
         raise ConfigError("Cannot specify both --step-batch-size-schedule and --global-batch-size "
                           "(Megatron-LM's rule: the schedule gives every batch size)")
+
+
+def _check_fp8(sections: dict[str, dict[str, Any]]) -> None:
+    """--fp8-format's rules: a built recipe (Megatron's default, delayed, is not), --bf16 beside it,
+    and its layer counts."""
+    model = sections["model"]
+    recipe = model.get("fp8_recipe")
+    if model.get("fp8_format") is None:
+        if recipe is not None and recipe not in FP8_RECIPES + tuple(_FP8_RECIPES_REFUSED):
+            raise ConfigError(f"--fp8-recipe {recipe!r}: choose one of tensorwise, delayed, blockwise, mxfp8, custom")
+        model.pop("fp8_recipe", None)  # without --fp8-format no recipe applies (as in Megatron-LM)
+        return
+    fmt = model["fp8_format"]
+    if fmt not in FP8_FORMATS:
+        raise ConfigError(f"--fp8-format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
+    if recipe is None or recipe in _FP8_RECIPES_REFUSED:
+        given = "" if recipe is not None else " (the default)"
+        raise ConfigError(f"--fp8-recipe {recipe or 'delayed'}{given}: {_FP8_RECIPES_REFUSED[recipe or 'delayed']}")
+    if recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe {recipe!r}: choose tensorwise (built), or Megatron-LM's delayed, "
+                          "blockwise, mxfp8, custom (refused here)")
+    if not model.get("bf16"):
+        raise ConfigError("--fp8-format needs --bf16 (fp8 projections, bf16 everywhere else, as in Megatron-LM)")
+    for flag, field in (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16"),
+                        ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16")):
+        if model.get(field, 1) < 0:
+            raise ConfigError(f"{flag} must be 0 or more, got {model[field]}")
+    if model.get("fp8_margin", 0) < 0:
+        raise ConfigError(f"--fp8-margin must be 0 or more, got {model['fp8_margin']}")
 
 
 def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:

@@ -17,6 +17,11 @@ from typing import Literal
 from mlm_jax.errors import ConfigError
 
 
+# fp8 (mlm_jax/models/fp8.py): the formats of Megatron's --fp8-format, and the recipes built.
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise",)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # Defaults: the default run's small GPT (a few million parameters, minutes on a laptop CPU).
@@ -78,6 +83,15 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     moe_grouped_gemm: bool = True  # the experts' grouped-GEMM kernel on NVIDIA GPUs (else XLA's ragged_dot)
+    # fp8 matmuls (Megatron's --fp8-* flags; mlm_jax/models/fp8.py): None, or one of FP8_FORMATS
+    # (e5m2 gradients); the recipe is Megatron's name (only "tensorwise" is built).
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    fp8_recipe: Literal["tensorwise"] = "tensorwise"  # FP8_RECIPES; the flags default to Megatron's "delayed" (refused)
+    fp8_margin: int = 0
+    fp8_wgrad: bool = True  # the weight gradient's product in fp8 too
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (0-based) is a mixture-of-experts layer (--moe-layer-freq)."""

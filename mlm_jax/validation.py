@@ -70,6 +70,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_optimizer(cfg)
     validate_decoupled_lr_and_rotary(cfg)
     validate_loss_scaling(cfg)
+    validate_fp8(cfg.model)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -280,6 +281,16 @@ def validate_loss_scaling(cfg: Config) -> None:
     if o.min_loss_scale > o.initial_loss_scale:
         raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be <= --initial-loss-scale "
                           f"{o.initial_loss_scale}")
+
+
+def validate_fp8(m: ModelConfig) -> None:
+    """--first-last-layers-bf16's counts fit the model (the flags check the rest)."""
+    if m.fp8_format is None or not m.first_last_layers_bf16:
+        return
+    start, end = m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16
+    if start + end > m.num_layers:
+        raise ConfigError(f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} is more "
+                          f"than the model's {m.num_layers} layers")
 
 
 def validate_context_parallel(cfg: Config) -> None:

@@ -30,6 +30,7 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
+from mlm_jax.models import fp8
 from mlm_jax.models.layers import (add_bias, cast, column_parallel, dropout, fp32_einsum, normal, param, rope_scaling,
                                     row_offset, row_parallel, rotary, zeros)
 from mlm_jax.models.recompute import keep_attention
@@ -452,7 +453,7 @@ class Attention(nnx.Module):
         """q [b, s, h, k], k and v [b, s, g, k] (rotary applied) for the normed input y."""
         cfg, dt = self.cfg, y_bsd.dtype
         qkv_names = ("batch", "context_seq", "kv_heads", None, "head_dim")  # j: r queries, k, v
-        qkv = column_parallel("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt), WQKV, qkv_names)
+        qkv = column_parallel("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt), WQKV, qkv_names, fp8.recipe(cfg))
         qkv = constrain(add_bias(qkv, cast(self.bqkv, dt)), qkv_names)
         b, s, g, j, hd = qkv.shape
         q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
@@ -486,7 +487,7 @@ class Attention(nnx.Module):
         """Row-parallel output projection: [batch, seq, heads, k] -> [batch, seq, embed]."""
         dt = o_bshk.dtype
         names = ("batch", "context_seq", "heads", "head_dim")
-        o = row_parallel("bshk,hkd->bsd", constrain(o_bshk, names), cast(self.wo, dt), names, WO)
+        o = row_parallel("bshk,hkd->bsd", constrain(o_bshk, names), cast(self.wo, dt), names, WO, fp8.recipe(self.cfg))
         return add_bias(o, cast(self.bo, dt))
 
     def _context_parallel(self, q, k, v, segment_ids_bs, key, backend):

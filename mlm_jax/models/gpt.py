@@ -33,6 +33,7 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
+from mlm_jax.models import fp8
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, lookup, normal, param
 from mlm_jax.models.mlp import MLP
@@ -185,7 +186,7 @@ class GPT(nnx.Module):
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            y, stats = layer()
+            y, stats = fp8.per_layer(self.cfg, first + index, layer)
             if count is not None:  # a padding row: the input through, no statistics
                 y, stats = jax.tree.map(lambda out, skip: jnp.where(index < count, out, skip), (y, stats), (x, stats0))
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
@@ -215,7 +216,7 @@ class GPT(nnx.Module):
             def moe():
                 return nnx.merge(moe_def, pick(moe_state))(x, positions_bs, segment_ids_bs, layer_key)
 
-            return jax.lax.cond(kind == 1, moe, dense)
+            return fp8.per_layer(self.cfg, index, lambda: jax.lax.cond(kind == 1, moe, dense))
 
         if self.cfg.recompute_granularity == "full":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ModelConfig
+from mlm_jax.models import fp8
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import psum, varying, varying_axes, zeros_like_typed
 from mlm_jax.sharding.rules import active_rules, constrain, free_axes, logical_to_spec, spec_on_axes, specs_if_split
@@ -149,7 +150,8 @@ SEQ_SPLIT = ("batch", "seq", "embed")  # a block boundary: the sequence split ov
 SEQ_WHOLE = ("batch", "context_seq", "embed")  # inside the tensor-parallel region
 
 
-def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_names) -> jax.Array:
+def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_names,
+                    rec: fp8.Recipe | None = None) -> jax.Array:
     """`einsum(spec, y, w)` of a column-parallel matmul (QKV, fc1) whose normed input `y_bsd`
     arrives as a block boundary holds it and is multiplied gathered to the whole sequence;
     `w_names` and `out_names` are the logical dims of the weight and the product.
@@ -158,17 +160,19 @@ def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_name
     gathered copy from the forward, as Megatron's SP does: a layer keeps the s/t shard of each
     projection's input (Korthikanti et al. 2022, eq. 4), one all-gather more per projection in
     the backward. Autodiff kept the gathered [b, s, d] input of both projections, t times that.
-    Without sequence parallelism it is the einsum."""
+    Without sequence parallelism it is the einsum. With an fp8 recipe `rec` the product (and its
+    gradients) multiply fp8 operands (`models/fp8.py`)."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return _product(spec, constrain(y_bsd, SEQ_WHOLE), w)
+        return _product(spec, constrain(y_bsd, SEQ_WHOLE), w, rec)
     split, whole = specs
     w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
     y = jax.lax.with_sharding_constraint(y_bsd, split)
-    return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), y, w)
+    return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), rec, y, w)
 
 
-def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax.Array:
+def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names,
+                 rec: fp8.Recipe | None = None) -> jax.Array:
     """`einsum(spec, u, w)` of a row-parallel matmul (attention's output projection, fc2): its
     partial sums over tensor leave as a block boundary holds them (a reduce-scatter under
     sequence parallelism, an all-reduce without); `u_names`, `w_names` the logical dims of the
@@ -178,18 +182,20 @@ def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names) -> jax
     both products (the input's and the weight's gradient) read that copy: left to GSPMD, each
     product asked for its own gather of the same cotangent, and at micro batch 1 XLA did not
     merge the two (2 of a layer's 8 backward halves over tensor were the same gather twice).
-    Without sequence parallelism it is the einsum (`_product`)."""
+    Without sequence parallelism it is the einsum (`_product`); fp8 with `rec` as above."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return _product(spec, u, w)
+        return _product(spec, u, w, rec)
     split, whole = specs
     u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
-    return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), u, w)
+    return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), rec, u, w)
 
 
-def _product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`einsum(spec, x, w)` of a projection; on a CPU its weight gradient multiplies x transposed
-    (`_TRANSPOSED_INPUT`)."""
+def _product(spec: str, x: jax.Array, w: jax.Array, rec: fp8.Recipe | None = None) -> jax.Array:
+    """`einsum(spec, x, w)` of a projection (fp8 operands under `rec`); on a CPU its weight
+    gradient multiplies x transposed (`_TRANSPOSED_INPUT`)."""
+    if rec is not None:
+        return fp8.einsum(spec, x, w, rec)
     if platform.current() not in _TRANSPOSED_INPUT:
         return jnp.einsum(spec, x, w)
     return _transposed_input_product(spec, x, w)
@@ -240,8 +246,15 @@ def _wider(x, xs, cols, w) -> bool:
 _transposed_input_product.defvjp(_transposed_input_forward, _transposed_input_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pinned_product(spec, layout, x, w):
+def _einsum(spec: str, rec: fp8.Recipe | None):
+    """(a, b) -> einsum(spec, a, b), fp8 under `rec`."""
+    if rec is None:
+        return functools.partial(jnp.einsum, spec)
+    return lambda a, b: fp8.einsum(spec, a, b, rec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pinned_product(spec, layout, rec, x, w):
     """`einsum(spec, x, w)` with every operand, result and gradient in a stated layout:
     (x as kept for the backward, x as multiplied, w, the result, the incoming gradient as
     multiplied). The backward's products read x and the incoming gradient in those layouts (one
@@ -250,18 +263,18 @@ def _pinned_product(spec, layout, x, w):
     the sequence and all-reduced whole [d, f] gradients)."""
     _, x_used, w_spec, out_spec, _ = layout
     pin = jax.lax.with_sharding_constraint
-    return pin(jnp.einsum(spec, pin(x, x_used), pin(w, w_spec)), out_spec)
+    return pin(_einsum(spec, rec)(pin(x, x_used), pin(w, w_spec)), out_spec)
 
 
-def _pinned_product_forward(spec, layout, x, w):
-    return _pinned_product(spec, layout, x, w), (x, w)
+def _pinned_product_forward(spec, layout, rec, x, w):
+    return _pinned_product(spec, layout, rec, x, w), (x, w)
 
 
-def _pinned_product_backward(spec, layout, res, ct):
+def _pinned_product_backward(spec, layout, rec, res, ct):
     x_kept, x_used, w_spec, out_spec, ct_used = layout
     x, w = res
     pin = jax.lax.with_sharding_constraint
-    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), pin(x, x_used), pin(w, w_spec))
+    _, pull = jax.vjp(_einsum(spec, rec), pin(x, x_used), pin(w, w_spec))
     dx, dw = pull(pin(pin(ct, out_spec), ct_used))
     return pin(dx, x_kept), pin(dw, w_spec)
 

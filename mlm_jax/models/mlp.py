@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.models import fp8
 from mlm_jax.models.layers import add_bias, cast, column_parallel, mlp_activation, normal, param, row_parallel, zeros
 from mlm_jax.sharding.rules import constrain
 
@@ -40,12 +41,12 @@ class MLP(nnx.Module):
 
     def __call__(self, y_bsd) -> jax.Array:
         cfg, dt = self.cfg, y_bsd.dtype
-        w1 = cast(self.w1, dt)
+        w1, rec = cast(self.w1, dt), fp8.recipe(cfg)
         if cfg.swiglu:  # [b, s, 2, f]
-            h = column_parallel("bsd,dnf->bsnf", y_bsd, w1, W1_SWIGLU, ("batch", "context_seq", None, "mlp"))
+            h = column_parallel("bsd,dnf->bsnf", y_bsd, w1, W1_SWIGLU, ("batch", "context_seq", None, "mlp"), rec)
         else:  # [b, s, f]
-            h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"))
+            h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"), rec)
         h = add_bias(h, cast(self.b1, dt))
         u = mlp_activation(h, cfg.swiglu, cfg.openai_gelu, gate_up_axis=2)  # [b, s, f]
         u = constrain(u, U)
-        return add_bias(row_parallel("bsf,fd->bsd", u, cast(self.w2, dt), U, W2), cast(self.b2, dt))
+        return add_bias(row_parallel("bsf,fd->bsd", u, cast(self.w2, dt), U, W2, rec), cast(self.b2, dt))
