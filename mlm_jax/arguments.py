@@ -261,6 +261,10 @@ REFUSED = {
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
 }
 
+# A flag's default where it is not its field's (the reference page shows it): --fp8-format alone
+# asks for Megatron-LM's default recipe, which is refused.
+FLAG_DEFAULTS = {"--fp8-recipe": "`delayed` (refused)"}
+
 # Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).
 _FP8_RECIPES_REFUSED = {
     "delayed": "delayed scaling (Megatron-LM's default recipe: scales from an amax history kept across steps) "

@@ -212,6 +212,9 @@ def test_yaml_takes_megatrons_accepted_and_refused_flags(tmp_path):
                     "use-rotary-position-embeddings: true\nckpt-format: torch_dist\n")
     cfg = parse_args(["--config", str(path)])
     assert cfg.distributed.coordinator_timeout == 120.0 and cfg.model.position_embedding_type == "rope"
-    path.write_text("fp8-format: hybrid\n")
-    with pytest.raises(ConfigError, match="^--fp8-format: fp8 is not supported: use --bf16"):
+    path.write_text("fp8-format: hybrid\nfp8-recipe: tensorwise\n")
+    with pytest.raises(ConfigError, match=r"^--fp8-format needs --bf16"):
+        parse_args(["--config", str(path)])
+    path.write_text("fp8-param-gather: true\n")
+    with pytest.raises(ConfigError, match="^--fp8-param-gather: not built"):
         parse_args(["--config", str(path)])

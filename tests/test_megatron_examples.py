@@ -1,7 +1,7 @@
 """Megatron-LM's own example scripts, replayed: the flags each script passes to pretrain_gpt.py
 (tests/megatron_examples/*.args, copied from the scripts) go to `python -m mlm_jax.train`'s parser
 unchanged except for sizes (scaled down to a tiny model on the fake 8-device mesh) and paths (tiny
-local files), and train 2 iterations. The only refusals allowed are fp8, by name, and what
+local files), and train 2 iterations. The only refusals allowed are fp8's recipes and flags not built, by name, and what
 Megatron's own argument validation refuses, with Megatron's reason.
 """
 
@@ -157,10 +157,21 @@ def test_gpt3_175b_with_its_batch_size_schedule(files, tmp_path, monkeypatch):
     assert [r["consumed_samples"] for r in records][-1] == 8 + 16
 
 
-def test_llama3_fp8_is_refused_by_name(files, tmp_path):
-    argv = scaled(read_args("llama3_8b_fp8", variables(files, tmp_path)), {"--attention-backend": "unfused"})
-    with pytest.raises(ConfigError, match=r"^--fp8-format: fp8 is not supported: use --bf16"):
+def test_llama3_fp8_asks_for_the_recipe_built_then_trains(files, tmp_path, monkeypatch):
+    """As written the script asks for delayed scaling (Megatron's default recipe) and ZeRO's fp8
+    parameter gather: each refused in one line naming it. With --fp8-recipe tensorwise and
+    without --fp8-param-gather it trains (fp8 projections, bf16 elsewhere)."""
+    args = read_args("llama3_8b_fp8", variables(files, tmp_path))
+    with pytest.raises(ConfigError, match=r"^--fp8-param-gather: not built"):
+        parse_args(scaled(args, {"--attention-backend": "unfused"}))
+    argv = scaled(args, {"--attention-backend": "unfused", "--fp8-param-gather": None})
+    with pytest.raises(ConfigError, match=r"^--fp8-recipe delayed \(the default\): delayed scaling"):
         parse_args(argv)
+    monkeypatch.chdir(tmp_path)
+    runnable = argv + ["--fp8-recipe", "tensorwise"]
+    assert parse_args(runnable).model.fp8_format == "hybrid"
+    summary, records = run(runnable, tmp_path)
+    assert summary["last_iteration"] == 2 and all(np.isfinite(r["lm_loss"]) for r in records)
 
 
 def test_llama3_fused_attention_off_a_gpu_is_a_note(files, tmp_path):

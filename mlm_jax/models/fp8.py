@@ -46,6 +46,9 @@ class Recipe:
     backward: object = E5M2
     margin: int = 0
     wgrad: bool = True
+    # The manual mesh axes over which this program holds only its rank's rows (the trace's
+    # `rank_split` where the product is traced; its backward may be traced outside that context).
+    rows_over: tuple | None = None
 
 
 _OFF: list[bool] = []  # innermost last: True while a bf16 layer is traced
@@ -98,12 +101,12 @@ def bf16_layers(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16
 
 
-def amax(x: jax.Array) -> jax.Array:
-    """max |x| over the whole tensor, as fp32 (over the ranks' rows where each holds its own)."""
+def amax(x: jax.Array, rows_over=None) -> jax.Array:
+    """max |x| over the whole tensor, as fp32; a max over the ranks `rows_over` too (each holding
+    its own rows)."""
     m = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    split = trace.current().rank_split
-    if split is not None:
-        m = jax.lax.pmax(m, split[0])
+    if rows_over is not None:
+        m = jax.lax.pmax(m, rows_over)
     return jax.lax.stop_gradient(m)
 
 
@@ -114,9 +117,9 @@ def scale_of(m: jax.Array, dtype, margin: int) -> jax.Array:
     return jnp.where((m > 0) & jnp.isfinite(m), s, jnp.float32(1.0))
 
 
-def quantize(x: jax.Array, dtype, margin: int) -> tuple[jax.Array, jax.Array]:
-    """(x in `dtype`, its scale), saturating at the format's range."""
-    s = scale_of(amax(x), dtype, margin)
+def quantize(x: jax.Array, dtype, margin: int, rows_over=None) -> tuple[jax.Array, jax.Array]:
+    """(x in `dtype`, its scale), saturating at the format's range; `rows_over` as in `amax`."""
+    s = scale_of(amax(x, rows_over), dtype, margin)
     top = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype), s
 
@@ -126,16 +129,28 @@ def _scaled(spec: str, a, b, scale, dtype):
     return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def here(rec: Recipe) -> Recipe:
+    """`rec` with the rows split of the trace in force (`rows_over`)."""
+    split = trace.current().rank_split
+    return dataclasses.replace(rec, rows_over=None if split is None else tuple(split[0]))
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, rec: Recipe) -> jax.Array:
     """`einsum(spec, x, w)` of a projection (x activations, w its weight; both in the compute
     dtype) with fp8 operands under `rec`; the result in x's dtype."""
+    return bound_einsum(spec, x, w, here(rec))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def bound_einsum(spec, x, w, rec):
+    """`einsum` under a recipe already bound to its trace (`here`): for a product whose
+    forward is traced again in a backward traced outside the forward's context."""
     return _forward(spec, x, w, rec)[0]
 
 
 def _forward(spec, x, w, rec):
-    xq, sx = quantize(x, rec.forward, rec.margin)
-    wq, sw = quantize(w, rec.forward, rec.margin)
+    xq, sx = quantize(x, rec.forward, rec.margin, rec.rows_over)
+    wq, sw = quantize(w, rec.forward, rec.margin)  # every rank holds the same weight
     keep = x if not rec.wgrad else xq  # --no-fp8-wgrad: the weight's gradient from x itself
     return _scaled(spec, xq, wq, sx * sw, x.dtype), (keep, sx, wq, sw)
 
@@ -143,7 +158,7 @@ def _forward(spec, x, w, rec):
 def _backward(spec, rec, res, dy):
     x_kept, sx, wq, sw = res
     (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
-    gq, sg = quantize(dy, rec.backward, rec.margin)
+    gq, sg = quantize(dy, rec.backward, rec.margin, rec.rows_over)
     dx = _scaled(f"{ys},{ws}->{xs}", gq, wq, sg * sw, dy.dtype)
     if rec.wgrad:
         dw = _scaled(f"{xs},{ys}->{ws}", x_kept, gq, sx * sg, dy.dtype)
@@ -152,4 +167,4 @@ def _backward(spec, rec, res, dy):
     return dx, dw
 
 
-einsum.defvjp(lambda spec, x, w, rec: _forward(spec, x, w, rec), _backward)
+bound_einsum.defvjp(_forward, _backward)

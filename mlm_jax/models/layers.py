@@ -168,6 +168,7 @@ def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_name
     split, whole = specs
     w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
     y = jax.lax.with_sharding_constraint(y_bsd, split)
+    rec = None if rec is None else fp8.here(rec)
     return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), rec, y, w)
 
 
@@ -188,6 +189,7 @@ def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names,
         return _product(spec, u, w, rec)
     split, whole = specs
     u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
+    rec = None if rec is None else fp8.here(rec)
     return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), rec, u, w)
 
 
@@ -250,7 +252,7 @@ def _einsum(spec: str, rec: fp8.Recipe | None):
     """(a, b) -> einsum(spec, a, b), fp8 under `rec`."""
     if rec is None:
         return functools.partial(jnp.einsum, spec)
-    return lambda a, b: fp8.einsum(spec, a, b, rec)
+    return lambda a, b: fp8.bound_einsum(spec, a, b, rec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -1,0 +1,144 @@
+"""fp8 projections (`--fp8-format`, `--fp8-recipe tensorwise`; mlm_jax/models/fp8.py).
+
+The scaled product: its value and both gradients against the exact product within the format's
+rounding, a scale from the whole tensor, no NaN from zero, huge or infinite values.
+
+Every layout against one device running the same rows per microbatch (a scale is the amax of
+the microbatch's tensor, so the reference groups rows as the layout does), fp32 compute:
+  - where each element is computed as on one device (data parallel, ZeRO), the quantized values
+    are the same: loss within 2e-6, each gradient leaf within 1e-5 of its largest magnitude
+    (measured worst 3.3e-6);
+  - where tensor, context or pipeline parallelism reorder a sum, an fp32 rounding can put a value
+    on the other side of an fp8 rounding boundary: that element moves by one fp8 step (e5m2: 25 %)
+    and, in the backward, moves the gradients of the layers before it. Loss within 2e-6 (measured
+    0), each gradient leaf within 4e-2 of its largest magnitude (measured worst 2.5e-2, pipeline
+    x tensor x data; 5e-4 tensor + SP, 6e-5 context).
+  A missing amax reduction is caught by both: per-rank scales under dp8 put the loss 1e-4 off and
+  a gradient leaf 13 % (the fp8 step itself is 10 % from fp32's, per leaf).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlm_jax.config import ModelConfig, ParallelConfig
+from mlm_jax.models import fp8
+from tests.parallel_util import grads_for, unpad
+
+HYBRID = (("fp8_format", "hybrid"),)
+LOSS_ATOL = 2e-6
+SAME_ORDER_RTOL = 1e-5
+REORDERED_RTOL = 4e-2
+
+# name -> (layout, micro batch), the one-device micro batch with the same rows, reordered sums?
+LAYOUTS = {
+    "dp8": ((ParallelConfig(), 1), 8, False),
+    "zero1_dp4_tp2": ((ParallelConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True), 2), 8, False),
+    "dp2_tp4_sp": ((ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 2), 4, True),
+    "cp2_tp2_dp2": ((ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=2), 2), 4, True),
+    "pp2_tp2_dp2": ((ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), 2), 4, True),
+}
+
+
+def relative_errors(ref: dict, got: dict) -> dict:
+    return {jax.tree_util.keystr(p): float(np.max(np.abs(r - g)) / np.max(np.abs(r)))
+            for (p, r), g in zip(jax.tree_util.tree_leaves_with_path(unpad(ref)), jax.tree.leaves(unpad(got)))}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_an_fp8_step_matches_one_device(name):
+    layout, ref_micro, reordered = LAYOUTS[name]
+    ref_loss, ref_grads = grads_for(ParallelConfig(), ref_micro, single_device=True, model=HYBRID)
+    loss, grads = grads_for(*layout, model=HYBRID)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    errors = relative_errors(ref_grads, grads)
+    assert max(errors.values()) <= (REORDERED_RTOL if reordered else SAME_ORDER_RTOL), errors
+    # fp8 is on: the same step without it is ~10 % away in some leaf.
+    _, plain = grads_for(ParallelConfig(), ref_micro, single_device=True)
+    assert max(relative_errors(plain, ref_grads).values()) > 0.05
+
+
+def product(rec, x, w, g):
+    """(value, dx, dw) of sum(einsum(x, w) * g) with fp8 operands under `rec` (None: exact)."""
+    def f(x, w):
+        y = jnp.einsum("bsd,df->bsf", x, w) if rec is None else fp8.einsum("bsd,df->bsf", x, w, rec)
+        return jnp.sum(y * g)
+    return (f(x, w), *jax.grad(f, (0, 1))(x, w))
+
+
+def operands(seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(k[0], (2, 16, 32)), 0.05 * jax.random.normal(k[1], (32, 48)),
+            jax.random.normal(k[2], (2, 16, 48)))
+
+
+def rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("fmt,grad_bound", [("e4m3", 0.04), ("hybrid", 0.08)])
+def test_the_scaled_product_is_the_product_within_the_formats_rounding(fmt, grad_bound):
+    """e4m3 keeps 3 mantissa bits (a relative rounding of at most 2^-4 per operand), e5m2 2
+    (2^-3): the forward's two e4m3 operands put the product within a few percent; the gradients,
+    whose incoming gradient is e5m2 under hybrid, twice that. The measured errors are about half
+    the bounds; a scale off by any factor other than a power of two, a missing descale, or a
+    transposed gradient is far outside them."""
+    x, w, g = operands()
+    rec = fp8.recipe(ModelConfig(fp8_format=fmt))
+    assert rec.backward == (jnp.float8_e5m2 if fmt == "hybrid" else jnp.float8_e4m3fn)
+    y, dx, dw = product(rec, x, w, g)
+    ry, rdx, rdw = product(None, x, w, g)
+    y_rel = rel(fp8.einsum("bsd,df->bsf", x, w, rec), jnp.einsum("bsd,df->bsf", x, w))
+    assert 0.005 < y_rel < 0.04, y_rel
+    assert 0.005 < rel(dx, rdx) < grad_bound and 0.005 < rel(dw, rdw) < grad_bound, (rel(dx, rdx), rel(dw, rdw))
+    # Scale-free: an operand times 2^k quantizes to the same fp8 values, its scale times 2^k.
+    y2 = fp8.einsum("bsd,df->bsf", 4.0 * x, w, rec)
+    np.testing.assert_allclose(y2, 4.0 * fp8.einsum("bsd,df->bsf", x, w, rec), rtol=1e-6, atol=1e-7)
+
+
+def test_no_fp8_wgrad_keeps_the_weight_gradient_exact():
+    x, w, g = operands(1)
+    rec = fp8.recipe(ModelConfig(fp8_format="hybrid", fp8_wgrad=False))
+    assert rec.wgrad is False
+    _, dx, dw = product(rec, x, w, g)
+    _, rdx, rdw = product(None, x, w, g)
+    np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-6)
+    assert rel(dx, rdx) > 0.005  # the input gradient is still an fp8 product
+
+
+def test_scales_never_make_nan():
+    """A zero tensor has scale 1 (no division by zero); an infinite value saturates at the
+    format's largest instead of turning the tensor's scale infinite (then every value 0 or NaN)."""
+    rec = fp8.Recipe()
+    zeros = jnp.zeros((2, 4, 8))
+    w = jnp.ones((8, 3))
+    assert np.all(np.asarray(fp8.einsum("bsd,df->bsf", zeros, w, rec)) == 0)
+    q, s = fp8.quantize(jnp.array([1.0, -2.0, jnp.inf]), jnp.float8_e4m3fn, 0)
+    assert float(s) == 1.0 and np.asarray(q.astype(jnp.float32)).tolist() == [1.0, -2.0, 448.0]
+    big = jnp.full((2, 4, 8), 3e38)
+    out = fp8.einsum("bsd,df->bsf", big, w, rec)
+    assert np.all(np.isfinite(np.asarray(out, np.float64)) | np.isinf(np.asarray(out)))
+    assert not np.any(np.isnan(np.asarray(out)))
+    # The margin: 2^margin of headroom below the largest value.
+    _, s0 = fp8.quantize(jnp.array([448.0]), jnp.float8_e4m3fn, 0)
+    _, s2 = fp8.quantize(jnp.array([448.0]), jnp.float8_e4m3fn, 2)
+    assert float(s0) == 1.0 and float(s2) == 4.0
+
+
+def test_first_and_last_layers_stay_bf16():
+    """--first-last-layers-bf16: with both layers of the tiny model kept out of fp8 the step is
+    the plain one; with none kept, the full fp8 step; with the first kept, neither."""
+    plain_loss, plain = grads_for(ParallelConfig(), 4, single_device=True)
+    fp8_loss, full = grads_for(ParallelConfig(), 4, single_device=True, model=HYBRID)
+    kept = HYBRID + (("first_last_layers_bf16", True),)
+    both_loss, both = grads_for(ParallelConfig(), 4, single_device=True, model=kept)
+    none_loss, none = grads_for(ParallelConfig(), 4, single_device=True,
+                                model=kept + (("num_layers_at_end_in_bf16", 0), ("num_layers_at_start_in_bf16", 0)))
+    first_loss, first = grads_for(ParallelConfig(), 4, single_device=True,
+                                  model=kept + (("num_layers_at_end_in_bf16", 0),))
+    assert abs(both_loss - plain_loss) <= LOSS_ATOL and max(relative_errors(plain, both).values()) <= 1e-5
+    assert abs(none_loss - fp8_loss) <= LOSS_ATOL and max(relative_errors(full, none).values()) <= 1e-5
+    # Layer 0 kept, layer 1 in fp8: neither step.
+    assert first_loss not in (plain_loss, fp8_loss)
+    assert min(max(relative_errors(ref, first).values()) for ref in (plain, full)) > 0.01
