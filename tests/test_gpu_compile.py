@@ -47,6 +47,7 @@ LLAMA = " --normalization RMSNorm --swiglu --position-embedding-type rope --disa
         "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
 # A MoE's layouts at seq 1024: 4096 (token, choice) rows a device a microbatch, so that the grouped
 # kernel's row tiles (128 rows; one more at each expert's edge) are a small share of its work.
+FP8 = " --fp8-format hybrid --fp8-recipe tensorwise"
 MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --seq-length 1024 --max-position-embeddings 1024"
 
 # name -> (flags, cuDNN attention expected)
@@ -96,7 +97,13 @@ LAYOUTS = {
     "dp8_grad_bf16_overlap": (BF16 + " --grad-reduce-in-bf16 --overlap-grad-reduce --num-layers 4", True),
     "tp2_sp_dp4_zero_overlap": (BF16 + " --tensor-model-parallel-size 2 --sequence-parallel "
                                 "--use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
+    "fp8_dp8_zero": (BF16 + FP8 + " --use-distributed-optimizer", True),
+    "fp8_llama_pp2_1f1b_tp2_sp": (BF16 + FP8 + LLAMA + " --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "
+                                  "--tensor-model-parallel-size 2 --sequence-parallel --num-layers 4", True),
+    "fp8_cp2_p2p_tp2_dots": (BF16 + FP8 + " --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2"
+                             " --recompute-granularity dots", True),
 }
+FP8_LAYOUTS = [n for n in LAYOUTS if FP8 in LAYOUTS[n][0]]
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
 DENSE = [n for n in LAYOUTS if "--num-experts" not in LAYOUTS[n][0] and LAYOUTS[n][0].startswith(BF16)]
 MIB = 2**20
@@ -356,6 +363,31 @@ def test_moe_in_a_tensor_parallel_pipeline_keeps_its_experts_split(plans):
     share = experts * hidden * ffn // tp * 2  # one layer's w1 on a device, bf16
     gathered = _collectives(r, axis="tensor", kinds=("all-gather",), min_bytes=share)
     assert not gathered, [(c["bytes"], c["op_name"]) for c in gathered]
+
+
+@pytest.mark.parametrize("name", FP8_LAYOUTS)
+def test_fp8_projections_are_fp8_gemms(plans, name):
+    """--fp8-format hybrid: the forward multiplies e4m3 x e4m3, the gradients e5m2 with e4m3, no
+    product of them upcast (Triton's GEMMs upcast e5m2 x e4m3 to f16; GPU runs keep them off),
+    and fp8 FLOPs are at least every projection's forward and two backward products (QKV,
+    attention output, both MLP matmuls: 3 x 2 x their weights per token and layer)."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    r = _plan(plans, name)
+    types = {tuple(k.split(" x ")) for k in r["matmul_dtypes"]}
+    assert ("f8e4m3fn", "f8e4m3fn") in types, r["matmul_dtypes"]
+    assert any("f8e5m2" in t and "f8e4m3fn" in t for t in types), r["matmul_dtypes"]
+    assert not any("f16" in t for t in types), r["matmul_dtypes"]
+    cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
+    m = cfg.model
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    weights = h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    t = r["step_time"]
+    assert t["fp8_matmul_flops"] >= 3 * 2 * weights * m.num_layers * tokens * (1 - 0.0015), t["fp8_matmul_flops"]
+    assert 0 < t["fp8_matmul_flops_share"] < 1
 
 
 # --------------------------------------------------------------------------- the compiler and the targets

@@ -315,7 +315,7 @@ def read(text: str, mesh_shape: dict[str, int]) -> Program:
             attention[target.group(1)] = attention.get(target.group(1), 0) + 1
             attention_runs[target.group(1)] = attention_runs.get(target.group(1), 0) + runs.get(ins.computation,
                                                                                                 (1,))[0]
-        if ins.opcode == "dot" or (target and target.group(1) in _GEMMS):
+        if ins.opcode == "dot" or (target and target.group(1).startswith(_GEMMS)):  # __cublas$lt$matmul$f8 too
             ops = [instrs[o] for o in ins.operands[:2] if o in instrs]
             types = tuple(_arrays(o.type_text)[0][0] if _arrays(o.type_text) else "?" for o in ops)
             if len(types) == 2:

@@ -106,6 +106,7 @@ class Kernel:
     duration: float = 0.0  # one run of a collective or transfer, hidden or not
     runs: int = 0  # per step
     recompute_flops: float = 0.0  # of `flops`: a cuDNN attention backward's recompute of the scores
+    fp8_flops: float = 0.0  # of `flops`: products of fp8 operands (--fp8-format)
     queue: str = ""  # a collective's or transfer's: nvlink, network, host, async
 
     @property
@@ -123,6 +124,7 @@ class Estimate:
     collective_seconds: float  # every collective's and transfer's duration, hidden or not
     matmul_flops: float  # matmul and attention kernels' FLOPs times their runs
     gemm_flops: float  # of which the matmuls' (GEMMs and dots: the weights' products, not attention)
+    fp8_gemm_flops: float  # of which products of fp8 operands
     attention_recompute_flops: float  # of which cuDNN backwards recompute the scores (0.5 x forward)
     kernels: list[Kernel]  # those that run, most expensive first
     peak_flops: float  # the bf16 peak assumed, FLOP/s
@@ -235,6 +237,13 @@ class _Program:
         if re.search(r"operand_precision=\{highest|\"operand_precision\":\[\"HIGHEST\"", attrs, re.I):
             return self.target.fp32_tflops * 1e12
         return self.bf16 / 2  # fp32 at DEFAULT/HIGH: TF32
+
+    def _fp8(self, ins: Instr) -> bool:
+        """Whether a dot or GEMM call multiplies fp8 operands (both: an upcast one is not)."""
+        if self._target(ins).startswith(_ATTENTION):
+            return False
+        shapes = [_shape(self.instrs.get(o)) for o in ins.operands[:2]]
+        return all(s is not None and s[0].startswith("f8") for s in shapes)
 
     def _dot_cost(self, ins: Instr) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of a dot or a GEMM call: 2 x output elements x contracting size
@@ -353,15 +362,18 @@ class _Program:
         else:
             nbytes = self._plain_bytes(ins)
             inner = [ins] if ins.opcode == "dot" or self._target(ins).startswith((_GEMM, _ATTENTION)) else []
+        fp8 = 0.0
         for mm in inner:
             f, s, r = self._flops(mm)
             flops, compute, recompute = flops + f, compute + s, recompute + r
+            if self._fp8(mm):
+                fp8 += f
             kind = "attention" if self._target(mm).startswith(_ATTENTION) else "matmul"
             source = ins if 'op_name="' in ins.rest else mm  # a wrapping fusion may carry none
         op_name = re.search(r'op_name="([^"]*)"', source.rest)
         seconds = max(compute, nbytes / self.bandwidth) + LAUNCH_SECONDS
         k = Kernel(ins.name, kind, op_name.group(1) if op_name else "", seconds, flops, nbytes,
-                   recompute_flops=recompute)
+                   recompute_flops=recompute, fp8_flops=fp8)
         self.kernels[ins.name] = k
         return k
 
@@ -494,9 +506,10 @@ def estimate(text: str, target: Gpu, mesh_shape: dict[str, int], gpus_per_node: 
     flops = sum(k.flops * k.runs for k in ran)
     recompute = sum(k.recompute_flops * k.runs for k in ran)
     gemms = sum(k.flops * k.runs for k in ran if k.kind == "matmul")
+    fp8 = sum(k.fp8_flops * k.runs for k in ran)
     moving = sum(k.duration * k.runs for k in ran if k.queue in ("nvlink", "network", "host"))
-    return Estimate(top.seconds, top.compute, top.exposed, moving, flops, gemms, recompute, ran, p.bf16, p.bandwidth,
-                    p.links)
+    return Estimate(top.seconds, top.compute, top.exposed, moving, flops, gemms, fp8, recompute, ran, p.bf16,
+                    p.bandwidth, p.links)
 
 
 def grouped_rows(cfg) -> int | None:
@@ -547,6 +560,9 @@ def report(est: Estimate, cfg, target: Gpu, gpus: int, gpus_per_node: int, top: 
         "executed_gemm_flops": est.gemm_flops * gpus, "model_gemm_flops": model - attention,
         "executed_gemm_flops_ratio": est.gemm_flops * gpus / (model - attention),
         "attention_recompute_flops": est.attention_recompute_flops * gpus,
+        # --fp8-format: the matmul and attention FLOPs whose operands are fp8 (at twice the peak)
+        "fp8_matmul_flops": est.fp8_gemm_flops * gpus,
+        "fp8_matmul_flops_share": est.fp8_gemm_flops / est.matmul_flops if est.matmul_flops else 0.0,
         "kernels": len(est.kernels),
         "analytic": {"seconds": pred["step_seconds"], "tokens_per_second": pred["tokens_per_second"],
                      "mfu": pred["mfu"], "efficiency": hw.efficiency},
@@ -582,7 +598,9 @@ def text(r: dict) -> str:
         f"executed matmul FLOPs / model FLOPs: {r['executed_matmul_flops_ratio']:.3f}"
         + (f" (cuDNN attention's backward recomputing the scores: "
            f"{r['attention_recompute_flops'] / r['model_flops']:.3f} of it)" if r["attention_recompute_flops"] else "")
-        + f"; the weights' matmuls alone / 6NT: {r['executed_gemm_flops_ratio']:.3f}",
+        + f"; the weights' matmuls alone / 6NT: {r['executed_gemm_flops_ratio']:.3f}"
+        + (f"; fp8 operands: {r['fp8_matmul_flops_share']:.1%} of the matmul FLOPs (at twice the bf16 peak)"
+           if r["fp8_matmul_flops"] else ""),
         "top kernels (per step, share of the step, kind, runs, source):",
     ]
     for k in r["top_kernels"]:
