@@ -58,9 +58,11 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     # fp8 (mlm_jax/models/fp8.py, docs/guides/fp8.md)
-    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2); needs --bf16 and --fp8-recipe tensorwise"),
-    ("--fp8-recipe", "model", "fp8_recipe", "str", "tensorwise: per-tensor current scaling (each tensor's scale from its amax in this step); Megatron-LM's default delayed, and blockwise | mxfp8 | custom, are refused"),
+    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2); needs --bf16"),
+    ("--fp8-recipe", "model", "fp8_recipe", "str", "delayed (scales from an amax history of earlier steps) | tensorwise (per-tensor current scaling: each tensor's amax in this step); blockwise | mxfp8 | custom are refused"),
     ("--fp8-margin", "model", "fp8_margin", "int", "fp8 scales keep 2^margin headroom below the format's largest value (default 0)"),
+    ("--fp8-amax-history-len", "model", "fp8_amax_history_len", "int", "delayed scaling: steps of amax history kept per tensor (default 1)"),
+    ("--fp8-amax-compute-algo", "model", "fp8_amax_compute_algo", "str", "delayed scaling: the history's most_recent entry or its max scales a tensor"),
     ("--no-fp8-wgrad", "model", "fp8_wgrad", "false", "with --fp8-format: the weight gradients' products in bf16 (the input gradients stay fp8)"),
     ("--first-last-layers-bf16", "model", "first_last_layers_bf16", "true", "with --fp8-format: the first and last layers' projections stay bf16"),
     ("--num-layers-at-start-in-bf16", "model", "num_layers_at_start_in_bf16", "int", "with --first-last-layers-bf16: layers at the start kept in bf16 (default 1)"),
@@ -225,8 +227,6 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--empty-unused-memory-level", "int", "0 | 1 | 2; accepted, no effect: XLA manages device memory"),
     ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
-    ("--fp8-amax-history-len", "int", "delayed scaling's amax history: accepted, no effect (--fp8-recipe tensorwise, the recipe built, keeps no history)"),
-    ("--fp8-amax-compute-algo", "str", "most_recent | max; delayed scaling's: accepted, no effect (see --fp8-amax-history-len)"),
     ("--fp8-interval", "int", "accepted, no effect (deprecated in Transformer Engine 1.8: scales are computed every step)"),
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
 ]
@@ -236,7 +236,6 @@ _ACCEPTED_CHOICES = {
     "--transformer-impl": ("local", "transformer_engine"),
     "--ckpt-format": ("torch_dist", "zarr", "torch"),
     "--empty-unused-memory-level": (0, 1, 2),
-    "--fp8-amax-compute-algo": ("most_recent", "max"),
 }
 
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
@@ -261,15 +260,8 @@ REFUSED = {
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
 }
 
-# A flag's default where it is not its field's (the reference page shows it): --fp8-format alone
-# asks for Megatron-LM's default recipe, which is refused.
-FLAG_DEFAULTS = {"--fp8-recipe": "`delayed` (refused)"}
-
 # Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).
 _FP8_RECIPES_REFUSED = {
-    "delayed": "delayed scaling (Megatron-LM's default recipe: scales from an amax history kept across steps) "
-               "is not built; add --fp8-recipe tensorwise (per-tensor current scaling: each tensor's scale "
-               "from its own amax in this step)",
     "blockwise": "blockwise scaling is not built; use --fp8-recipe tensorwise",
     "mxfp8": "MXFP8 GEMMs need Blackwell GPUs; use --fp8-recipe tensorwise on H100/H200",
     "custom": "a Transformer Engine quantizer factory: not built; use --fp8-recipe tensorwise",
@@ -548,6 +540,7 @@ _CHOICES = {
     ("optim", "lr_decay_style"): ("constant", "linear", "cosine", "WSD"),
     ("optim", "lr_wsd_decay_style"): ("linear", "cosine", "exponential"),
     ("data", "tiktoken_pattern"): ("v1", "v2"),
+    ("model", "fp8_amax_compute_algo"): ("most_recent", "max"),
 }
 
 
@@ -574,24 +567,28 @@ def _check_schedule_flags(args: dict[str, Any], sections: dict[str, dict[str, An
 
 
 def _check_fp8(sections: dict[str, dict[str, Any]]) -> None:
-    """--fp8-format's rules: a built recipe (Megatron's default, delayed, is not), --bf16 beside it,
-    and its layer counts."""
+    """--fp8-format's rules: a built recipe, --bf16 beside it, the history and layer counts."""
     model = sections["model"]
     recipe = model.get("fp8_recipe")
     if model.get("fp8_format") is None:
         if recipe is not None and recipe not in FP8_RECIPES + tuple(_FP8_RECIPES_REFUSED):
             raise ConfigError(f"--fp8-recipe {recipe!r}: choose one of tensorwise, delayed, blockwise, mxfp8, custom")
-        model.pop("fp8_recipe", None)  # without --fp8-format no recipe applies (as in Megatron-LM)
+        for field in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo"):
+            model.pop(field, None)  # without --fp8-format no recipe applies (as in Megatron-LM)
         return
     fmt = model["fp8_format"]
     if fmt not in FP8_FORMATS:
         raise ConfigError(f"--fp8-format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
-    if recipe is None or recipe in _FP8_RECIPES_REFUSED:
-        given = "" if recipe is not None else " (the default)"
-        raise ConfigError(f"--fp8-recipe {recipe or 'delayed'}{given}: {_FP8_RECIPES_REFUSED[recipe or 'delayed']}")
-    if recipe not in FP8_RECIPES:
-        raise ConfigError(f"--fp8-recipe {recipe!r}: choose tensorwise (built), or Megatron-LM's delayed, "
-                          "blockwise, mxfp8, custom (refused here)")
+    if recipe in _FP8_RECIPES_REFUSED:
+        raise ConfigError(f"--fp8-recipe {recipe}: {_FP8_RECIPES_REFUSED[recipe]}")
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe {recipe!r}: choose delayed or tensorwise (Megatron-LM's blockwise, "
+                          "mxfp8 and custom are refused here)")
+    if model.get("fp8_amax_history_len", 1) < 1:
+        raise ConfigError(f"--fp8-amax-history-len must be 1 or more, got {model['fp8_amax_history_len']}")
+    algo = model.get("fp8_amax_compute_algo", "most_recent")
+    if algo not in ("most_recent", "max"):
+        raise ConfigError(f"--fp8-amax-compute-algo {algo!r}: choose one of most_recent, max")
     if not model.get("bf16"):
         raise ConfigError("--fp8-format needs --bf16 (fp8 projections, bf16 everywhere else, as in Megatron-LM)")
     for flag, field in (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16"),

@@ -19,7 +19,7 @@ from mlm_jax.errors import ConfigError
 
 # fp8 (mlm_jax/models/fp8.py): the formats of Megatron's --fp8-format, and the recipes built.
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise",)
+FP8_RECIPES = ("tensorwise", "delayed")
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,10 @@ class ModelConfig:
     # fp8 matmuls (Megatron's --fp8-* flags; mlm_jax/models/fp8.py): None, or one of FP8_FORMATS
     # (e5m2 gradients); the recipe is Megatron's name (only "tensorwise" is built).
     fp8_format: Literal["e4m3", "hybrid"] | None = None
-    fp8_recipe: Literal["tensorwise"] = "tensorwise"  # FP8_RECIPES; the flags default to Megatron's "delayed" (refused)
+    fp8_recipe: Literal["tensorwise", "delayed"] = "delayed"  # FP8_RECIPES (Megatron's default)
     fp8_margin: int = 0
+    fp8_amax_history_len: int = 1  # delayed: the amax history's length (Megatron's default 1)
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"  # delayed: which entry scales
     fp8_wgrad: bool = True  # the weight gradient's product in fp8 too
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1

@@ -97,8 +97,7 @@ def render() -> str:
         lines += ["", f"## {_TITLES[section]} (`{section}`)", "", "| flag | default | help |", "|---|---|---|"]
         for flag, s, field, kind, help_text in arguments.FLAGS:
             if s == section:
-                shown = arguments.FLAG_DEFAULTS.get(flag) or _default(s, field, kind)
-                lines.append(_row(flag, shown, help_text, choices.get(flag)))
+                lines.append(_row(flag, _default(s, field, kind), help_text, choices.get(flag)))
     lines += ["", "## Accepted for Megatron-LM's scripts", "",
               "Megatron flags that are irrelevant on XLA or already how mlm_jax works: accepted so that",
               "Megatron's scripts run unchanged; the help says what each maps to.", "",

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config
+from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
 from mlm_jax.parallel.data import (ReduceInBackward, gather_once, leaf_reduction, overlaps_grad_reduce,
@@ -88,7 +89,7 @@ def plain_loss_and_grads(graphdef, compute: dict, storage: dict) -> tuple[LossAn
                 params, mb, jax.random.fold_in(key, index))
             # Back to storage: under ZeRO the gradient reduce-scatters over data.
             grads = jax.lax.with_sharding_constraint(grads, storage)
-            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, sum_aux(aux_acc, aux)), None
+            return (fp8.combine(grads_acc, grads), loss_acc + loss, sum_aux(aux_acc, aux)), None
 
         first = jax.tree.map(lambda x: x[0], batch)
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first, key)[1])
@@ -142,8 +143,7 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
             mb, index = xs
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 prm, mb, jax.random.fold_in(key, index), weight)
-            return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads), loss_acc + loss,
-                    sum_aux(aux_acc, aux)), None
+            return (fp8.combine(grads_acc, grads), loss_acc + loss, sum_aux(aux_acc, aux)), None
 
         num = mbs["tokens"].shape[0]
         return jax.lax.scan(micro, carry, (mbs, first + jnp.arange(num)))[0] if num else carry
@@ -248,9 +248,14 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
         params = state["params"]
         if scaler is None:
             loss, grads, aux = loss_and_grads(params, batch, key)
+            records = grads
         else:
             loss, grads, aux = loss_and_grads(params, batch, key, state[ls.KEY]["scale"])
+            records = grads  # amaxes of the tensors as scaled: no unscaling
             loss, grads, found_inf = ls.unscale(loss, grads, state[ls.KEY]["scale"])
+        # Delayed fp8 scaling: the amax histories' records come as their gradients; they are
+        # written into the histories, and the optimizer and the norm see zeros there.
+        grads = fp8.without_records(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         lr = lr_for(cfg, state["schedule_samples"])
@@ -264,7 +269,7 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
             "tokens": jnp.sum(batch["loss_mask"]),
             "aux": aux,
         }
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+        new_state = {"params": fp8.rolled(optax.apply_updates(params, updates), records), "opt_state": opt_state,
                      "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
         if scaler is not None:
             new_state, metrics = skip_on_overflow(scaler, state, new_state, metrics, found_inf)

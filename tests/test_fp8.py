@@ -26,7 +26,7 @@ from mlm_jax.config import ModelConfig, ParallelConfig
 from mlm_jax.models import fp8
 from tests.parallel_util import grads_for, unpad
 
-HYBRID = (("fp8_format", "hybrid"),)
+HYBRID = (("fp8_format", "hybrid"), ("fp8_recipe", "tensorwise"))
 LOSS_ATOL = 2e-6
 SAME_ORDER_RTOL = 1e-5
 REORDERED_RTOL = 4e-2
@@ -42,8 +42,10 @@ LAYOUTS = {
 
 
 def relative_errors(ref: dict, got: dict) -> dict:
+    """Each gradient leaf's max-abs error over its largest magnitude (amax histories left out)."""
     return {jax.tree_util.keystr(p): float(np.max(np.abs(r - g)) / np.max(np.abs(r)))
-            for (p, r), g in zip(jax.tree_util.tree_leaves_with_path(unpad(ref)), jax.tree.leaves(unpad(got)))}
+            for (p, r), g in zip(jax.tree_util.tree_leaves_with_path(unpad(ref)), jax.tree.leaves(unpad(got)))
+            if not fp8.is_history(p)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -85,7 +87,7 @@ def test_the_scaled_product_is_the_product_within_the_formats_rounding(fmt, grad
     the bounds; a scale off by any factor other than a power of two, a missing descale, or a
     transposed gradient is far outside them."""
     x, w, g = operands()
-    rec = fp8.recipe(ModelConfig(fp8_format=fmt))
+    rec = fp8.recipe(ModelConfig(fp8_format=fmt, fp8_recipe="tensorwise"))
     assert rec.backward == (jnp.float8_e5m2 if fmt == "hybrid" else jnp.float8_e4m3fn)
     y, dx, dw = product(rec, x, w, g)
     ry, rdx, rdw = product(None, x, w, g)
@@ -99,7 +101,7 @@ def test_the_scaled_product_is_the_product_within_the_formats_rounding(fmt, grad
 
 def test_no_fp8_wgrad_keeps_the_weight_gradient_exact():
     x, w, g = operands(1)
-    rec = fp8.recipe(ModelConfig(fp8_format="hybrid", fp8_wgrad=False))
+    rec = fp8.recipe(ModelConfig(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False))
     assert rec.wgrad is False
     _, dx, dw = product(rec, x, w, g)
     _, rdx, rdw = product(None, x, w, g)
@@ -142,3 +144,98 @@ def test_first_and_last_layers_stay_bf16():
     # Layer 0 kept, layer 1 in fp8: neither step.
     assert first_loss not in (plain_loss, fp8_loss)
     assert min(max(relative_errors(ref, first).values()) for ref in (plain, full)) > 0.01
+
+
+# --------------------------------------------------------------------------- delayed scaling
+
+DELAYED = (("fp8_format", "hybrid"), ("fp8_recipe", "delayed"), ("fp8_amax_history_len", 3),
+           ("fp8_amax_compute_algo", "max"))
+# Histories recorded by earlier steps (x, w and the gradient: above each tensor's amax here, so
+# the delayed scales differ from the current ones and nothing saturates).
+RECORDED = np.array([[8.0, 6.0, 0.0], [0.2, 0.1, 0.0], [2e-3, 1e-3, 0.0]], np.float32)
+
+
+def delayed_grads(parallel, micro, single_device=False, history=RECORDED):
+    """(loss, plain-order grads as numpy) at the seed-0 init with every amax history set to
+    `history`."""
+    from tests.parallel_util import build, fixed_batch, place
+
+    pz = build(parallel, micro, jax.devices()[:1] if single_device else None, **dict(DELAYED))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: a * 0 + jnp.asarray(history) if fp8.is_history(p) else a, pz.init(0)["params"])
+    loss, grads = pz.loss_and_grads(params, place(pz, fixed_batch()), jax.random.key(0))
+    return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
+
+
+def split_records(grads):
+    records = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(grads) if fp8.is_history(p)}
+    return records, fp8.without_records(grads)
+
+
+@pytest.mark.parametrize("name", ["dp8", "dp2_tp4_sp", "pp2_tp2_dp2"])
+def test_a_delayed_step_matches_one_device(name):
+    """The same histories give every layout the one device's scales: the loss and gradients as
+    for tensorwise (same tolerances), and this step's amax records, a max over the ranks and
+    microbatches (a sum would be off by the ranks x microbatches, 2x at least), within the same
+    relative tolerance (a gradient's amax moves with the values before it)."""
+    layout, ref_micro, reordered = LAYOUTS[name]
+    ref_loss, ref = delayed_grads(ParallelConfig(), ref_micro, single_device=True)
+    loss, got = delayed_grads(*layout)
+    ref_records, ref_grads = split_records(ref)
+    records, grads = split_records(got)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    errors = relative_errors(ref_grads, grads)
+    assert max(errors.values()) <= (REORDERED_RTOL if reordered else SAME_ORDER_RTOL), errors
+    for key, r in ref_records.items():
+        assert np.all(r[..., 1:] == 0) and np.all(r[..., 0] > 0), key  # entry 0: this step's amaxes
+        np.testing.assert_allclose(records[key], r, rtol=REORDERED_RTOL if reordered else SAME_ORDER_RTOL, err_msg=key)
+    # The recorded histories are used: the step differs from one that records none yet.
+    _, current = delayed_grads(ParallelConfig(), ref_micro, single_device=True, history=0 * RECORDED)
+    assert max(relative_errors(split_records(current)[1], ref_grads).values()) > 1e-3
+
+
+def test_delayed_histories_roll_and_scale_from_the_largest_or_latest():
+    """The step writes each record into its history (newest first, the oldest dropped), not an
+    optimizer update; `max` scales from the largest entry, `most_recent` from entry 0, and an
+    empty history from the current amax."""
+    rec = fp8.Recipe(delayed=True, history_max=True)
+    h = jnp.asarray([3.0, 7.0, 0.0])
+    assert float(fp8.from_history(h, jnp.float32(5.0), rec)) == 7.0
+    assert float(fp8.from_history(h, jnp.float32(5.0), fp8.Recipe(delayed=True))) == 3.0
+    assert float(fp8.from_history(jnp.zeros(3), jnp.float32(5.0), rec)) == 5.0
+    params = {"layers": {"w": jnp.ones((2, 2)), f"{fp8.HISTORY}_qkv": jnp.asarray(RECORDED)}}
+    grads = {"layers": {"w": jnp.ones((2, 2)), f"{fp8.HISTORY}_qkv": jnp.zeros((3, 3)).at[:, 0].set([9.0, 0.5, 4e-3])}}
+    rolled = fp8.rolled(params, grads)["layers"]
+    np.testing.assert_array_equal(rolled[f"{fp8.HISTORY}_qkv"],
+                                  np.array([[9.0, 8.0, 6.0], [0.5, 0.2, 0.1], [4e-3, 2e-3, 1e-3]], np.float32))
+    assert rolled["w"] is params["layers"]["w"]
+    assert float(jnp.sum(fp8.without_records(grads)["layers"][f"{fp8.HISTORY}_qkv"])) == 0.0
+
+
+def test_delayed_scaling_trains_and_resumes_bit_exactly(tmp_path):
+    """Megatron's Llama-3 fp8 recipe on the tiny model (hybrid, delayed, history 4, max): 6
+    iterations straight against 3, a checkpoint, and 3 resumed: losses and every parameter
+    (the amax histories among them) bitwise; the histories hold the steps' records."""
+    from mlm_jax import checkpoint as ckpt
+    from tests.tiny_flags import NO_DROPOUT, tiny, train_run
+
+    argv = tiny("--micro-batch-size", "2", "--global-batch-size", "16", *NO_DROPOUT, "--eval-iters", "0", "--bf16",
+                "--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max",
+                "--log-interval", "1")
+
+    def losses(records):
+        return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+
+    _, straight, _ = train_run(argv + ["--train-iters", "6", "--save", str(tmp_path / "S"), "--save-interval", "3"],
+                               tmp_path / "straight")
+    _, resumed, _ = train_run(argv + ["--train-iters", "6", "--load", str(tmp_path / "S"), "--ckpt-step", "3",
+                                      "--save", str(tmp_path / "R")], tmp_path / "resumed")
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == [4, 5, 6] and all(a[i] == b[i] for i in b), (a, b)
+    pa = ckpt.restore_host_params(ckpt.find_checkpoint(str(tmp_path / "S"), step=6))
+    pb = ckpt.restore_host_params(ckpt.find_checkpoint(str(tmp_path / "R"), step=6))
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    histories = [x for p, x in jax.tree_util.tree_leaves_with_path(pa) if fp8.is_history(p)]
+    assert len(histories) == 4  # QKV, attention output, fc1, fc2 (stacked over the layers)
+    assert all(x.shape == (2, 3, 4) and np.all(x > 0) for x in histories)  # 6 steps fill 4 entries

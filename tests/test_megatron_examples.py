@@ -157,19 +157,17 @@ def test_gpt3_175b_with_its_batch_size_schedule(files, tmp_path, monkeypatch):
     assert [r["consumed_samples"] for r in records][-1] == 8 + 16
 
 
-def test_llama3_fp8_asks_for_the_recipe_built_then_trains(files, tmp_path, monkeypatch):
-    """As written the script asks for delayed scaling (Megatron's default recipe) and ZeRO's fp8
-    parameter gather: each refused in one line naming it. With --fp8-recipe tensorwise and
-    without --fp8-param-gather it trains (fp8 projections, bf16 elsewhere)."""
+def test_llama3_fp8_trains_without_the_fp8_parameter_gather(files, tmp_path, monkeypatch):
+    """As written the script asks for ZeRO's fp8 parameter gather: refused in one line naming it.
+    Without --fp8-param-gather it trains with its recipe: hybrid fp8, Megatron's default delayed
+    scaling with a 1024-step amax history, max (fp8 projections, bf16 elsewhere)."""
     args = read_args("llama3_8b_fp8", variables(files, tmp_path))
     with pytest.raises(ConfigError, match=r"^--fp8-param-gather: not built"):
         parse_args(scaled(args, {"--attention-backend": "unfused"}))
-    argv = scaled(args, {"--attention-backend": "unfused", "--fp8-param-gather": None})
-    with pytest.raises(ConfigError, match=r"^--fp8-recipe delayed \(the default\): delayed scaling"):
-        parse_args(argv)
     monkeypatch.chdir(tmp_path)
-    runnable = argv + ["--fp8-recipe", "tensorwise"]
-    assert parse_args(runnable).model.fp8_format == "hybrid"
+    runnable = scaled(args, {"--attention-backend": "unfused", "--fp8-param-gather": None})
+    m = parse_args(runnable).model
+    assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == ("hybrid", "delayed", 1024, "max")
     summary, records = run(runnable, tmp_path)
     assert summary["last_iteration"] == 2 and all(np.isfinite(r["lm_loss"]) for r in records)
 

@@ -25,8 +25,7 @@ NO_EFFECT = [
     ["--no-create-attention-mask-in-dataloader"], ["--log-throughput"], ["--calculate-per-token-loss"],
     ["--ckpt-format", "torch_dist"], ["--ckpt-format", "zarr"], ["--ckpt-format", "torch"], ["--manual-gc"],
     ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
-    ["--empty-unused-memory-level", "2"], ["--fp8-amax-history-len", "1024"], ["--fp8-amax-compute-algo", "max"],
-    ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
+    ["--empty-unused-memory-level", "2"], ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
 ]
 
 # Megatron's fp8/fp4 flags not built here: each refused in one line naming it, with the reason.
@@ -108,12 +107,10 @@ def test_fp8_flags_not_built_are_refused_by_name(flag):
 
 
 @pytest.mark.parametrize("recipe,why", [
-    (None, "--fp8-recipe delayed (the default): delayed scaling (Megatron-LM's default recipe"),
-    ("delayed", "--fp8-recipe delayed: delayed scaling"),
     ("blockwise", "--fp8-recipe blockwise: blockwise scaling is not built; use --fp8-recipe tensorwise"),
     ("mxfp8", "--fp8-recipe mxfp8: MXFP8 GEMMs need Blackwell GPUs"),
     ("custom", "--fp8-recipe custom: a Transformer Engine quantizer factory: not built"),
-    ("rowwise", "--fp8-recipe 'rowwise': choose tensorwise (built)"),
+    ("rowwise", "--fp8-recipe 'rowwise': choose delayed or tensorwise"),
 ])
 def test_fp8_recipes_not_built_are_refused(recipe, why):
     with pytest.raises(ConfigError) as e:
@@ -129,7 +126,9 @@ def test_fp8_recipes_not_built_are_refused(recipe, why):
      "--fp8-margin must be 0 or more, got -1"),
     (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--num-layers-at-end-in-bf16", "-2"],
      "--num-layers-at-end-in-bf16 must be 0 or more, got -2"),
-    (["--fp8-amax-compute-algo", "mean"], "--fp8-amax-compute-algo 'mean': choose one of most_recent, max"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-amax-compute-algo", "mean"],
+     "--fp8-amax-compute-algo 'mean': choose one of most_recent, max"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len must be 1 or more, got 0"),
 ])
 def test_bad_fp8_flags(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -140,12 +139,16 @@ def test_bad_fp8_flags(argv, message):
 def test_fp8_flags_map_to_the_model():
     cfg = parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-margin", "1",
                       "--no-fp8-wgrad", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2",
-                      "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--fp8-interval", "1"])
+                      "--fp8-interval", "1"])
     m = cfg.model
     assert (m.fp8_format, m.fp8_recipe, m.fp8_margin, m.fp8_wgrad) == ("hybrid", "tensorwise", 1, False)
     assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (True, 1, 2)
+    # Megatron's default recipe, delayed, with its history flags.
+    m = parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                    "--fp8-amax-compute-algo", "max"]).model
+    assert (m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == ("delayed", 1024, "max")
     # A recipe without a format is no fp8 (as in Megatron-LM); so is a plain run.
-    assert parse_args(["--fp8-recipe", "delayed"]).model == parse_args([]).model
+    assert parse_args(["--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "8"]).model == parse_args([]).model
     assert parse_args([]).model.fp8_format is None
 
 
@@ -163,13 +166,13 @@ def cli(args, tmp_path):
                           capture_output=True, text=True, timeout=240)
 
 
-def test_fp8_delayed_scaling_through_the_command_line(tmp_path):
-    p = cli(["--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"], tmp_path)
+def test_fp8_flag_not_built_through_the_command_line(tmp_path):
+    p = cli(["--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+             "--fp8-recipe", "mxfp8"], tmp_path)
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --fp8-recipe delayed (the default): delayed scaling"), p.stderr
-    assert "add --fp8-recipe tensorwise" in last
+    assert last == "error: --fp8-recipe mxfp8: MXFP8 GEMMs need Blackwell GPUs; use --fp8-recipe tensorwise on H100/H200", p.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -32,7 +32,7 @@ from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models import fp8
 from mlm_jax.models.layers import (add_bias, cast, column_parallel, dropout, fp32_einsum, normal, param, rope_scaling,
-                                    row_offset, row_parallel, rotary, zeros)
+                                    row_offset, row_parallel, rotary, value, zeros)
 from mlm_jax.models.recompute import keep_attention
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain, per_device
@@ -443,6 +443,8 @@ class Attention(nnx.Module):
         # all-reduce.
         self.wqkv = param(rngs, normal(std), (d, g, h // g + 2, k), WQKV)
         self.wo = param(rngs, normal(out_std), (h, k, d), WO)
+        # delayed fp8 scaling's amax histories (models/fp8.py), else None
+        self.fp8_history_qkv, self.fp8_history_out = fp8.history(cfg), fp8.history(cfg)
         if cfg.add_bias_linear:
             self.bqkv = param(None, zeros, (g, h // g + 2, k), ("kv_heads", None, "head_dim"))
             self.bo = param(None, zeros, (d,), ("embed",))
@@ -453,7 +455,8 @@ class Attention(nnx.Module):
         """q [b, s, h, k], k and v [b, s, g, k] (rotary applied) for the normed input y."""
         cfg, dt = self.cfg, y_bsd.dtype
         qkv_names = ("batch", "context_seq", "kv_heads", None, "head_dim")  # j: r queries, k, v
-        qkv = column_parallel("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt), WQKV, qkv_names, fp8.recipe(cfg))
+        qkv = column_parallel("bsd,dgjk->bsgjk", y_bsd, cast(self.wqkv, dt), WQKV, qkv_names, fp8.recipe(cfg),
+                              value(self.fp8_history_qkv))
         qkv = constrain(add_bias(qkv, cast(self.bqkv, dt)), qkv_names)
         b, s, g, j, hd = qkv.shape
         q = qkv[:, :, :, : j - 2].reshape(b, s, g * (j - 2), hd)  # [b, s, h, k], grouped order
@@ -487,7 +490,8 @@ class Attention(nnx.Module):
         """Row-parallel output projection: [batch, seq, heads, k] -> [batch, seq, embed]."""
         dt = o_bshk.dtype
         names = ("batch", "context_seq", "heads", "head_dim")
-        o = row_parallel("bshk,hkd->bsd", constrain(o_bshk, names), cast(self.wo, dt), names, WO, fp8.recipe(self.cfg))
+        o = row_parallel("bshk,hkd->bsd", constrain(o_bshk, names), cast(self.wo, dt), names, WO,
+                         fp8.recipe(self.cfg), value(self.fp8_history_out))
         return add_bias(o, cast(self.bo, dt))
 
     def _context_parallel(self, q, k, v, segment_ids_bs, key, backend):

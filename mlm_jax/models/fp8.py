@@ -1,22 +1,34 @@
-"""fp8 matmuls (Megatron's `--fp8-format`, `--fp8-recipe tensorwise`): the layers' projections
-(QKV, attention output, both MLP matmuls) multiply fp8 operands, everything else stays in the
-compute dtype (bf16).
+"""fp8 matmuls (Megatron's `--fp8-format`, `--fp8-recipe tensorwise|delayed`): the layers'
+projections (QKV, attention output, both MLP matmuls) multiply fp8 operands, everything else stays
+in the compute dtype (bf16).
 
-Per-tensor current scaling (Transformer Engine's Float8CurrentScaling, Megatron's `tensorwise`):
-each operand's scale comes from its own amax in this step, `scale = amax x 2^margin / fp8_max`, so
-the largest value lands on the format's largest. The forward multiplies e4m3 x e4m3; the backward
-quantizes the incoming gradient (e5m2 under `hybrid`, e4m3 under `e4m3`) and multiplies it with the
-saved fp8 operands (the input's gradient with the weight, the weight's with the input; with
-`--no-fp8-wgrad` the weight's gradient in the compute dtype from the unquantized input). The
-product comes out in the compute dtype (fp32 accumulation) and is descaled in fp32: on an H100
-(CUDA >= 12) XLA turns that into one cuBLASLt fp8 GEMM.
+The forward multiplies e4m3 x e4m3; the backward quantizes the incoming gradient (e5m2 under
+`hybrid`, e4m3 under `e4m3`) and multiplies it with the saved fp8 operands (the input's gradient
+with the weight, the weight's with the input; with `--no-fp8-wgrad` the weight's gradient in the
+compute dtype from the unquantized input). A product comes out in the compute dtype (fp32
+accumulation) and is descaled in fp32: on an H100 (CUDA >= 12) XLA makes it one cuBLASLt fp8 GEMM.
+A scale maps an amax onto the format's largest value: `scale = amax x 2^margin / fp8_max`;
+values past the range saturate; a zero or non-finite amax gives scale 1 (no NaN from scaling).
+
+The recipes (Transformer Engine's, as Megatron names them):
+  tensorwise  per-tensor current scaling: each operand's amax in this step;
+  delayed     delayed scaling (Megatron's default): each operand's amax from a history of the
+              steps before (`--fp8-amax-history-len`, the most recent or the largest entry:
+              `--fp8-amax-compute-algo`); a tensor with none recorded yet (the first step, or a
+              history of zeros) is scaled by its current amax. The histories are parameters of
+              the layers (`HISTORY` leaves, [3, history] for x, w and the gradient of each
+              product), so they are checkpointed, resumed and laid out as every parameter; the
+              backward returns this step's amaxes as their "gradient" (`record`), which the
+              step combines with a max over microbatches and ranks instead of a sum (`combine`,
+              `max_over`) and writes into the history instead of an optimizer update (`rolled`).
+              A step records the amax of the whole step (Megatron records one per microbatch).
 
 An amax is that of the whole tensor, whatever the layout: the trace reduces it where the mesh
 splits the tensor (GSPMD inserts a max over the split axes), and where the step runs each
 data-parallel rank's rows on their own (the trace's `rank_split`) it is a `pmax` over those ranks,
 so every rank quantizes with the scale the unsharded model would use (Megatron reduces amaxes over
 data, tensor and context parallel ranks the same way, unless `--tp-only-amax-red`). Scales carry
-no gradient. A zero or non-finite amax gives scale 1; values past the format's range saturate.
+no gradient.
 
 Layers stay in the compute dtype where `--first-last-layers-bf16` says so (`in_bf16`): the layer
 scan runs those rows with fp8 switched off (`off`).
@@ -30,6 +42,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from mlm_jax.config import FP8_FORMATS, FP8_RECIPES, ModelConfig  # noqa: F401 (the names fp8 offers)
 from mlm_jax.sharding import trace
@@ -49,6 +62,13 @@ class Recipe:
     # The manual mesh axes over which this program holds only its rank's rows (the trace's
     # `rank_split` where the product is traced; its backward may be traced outside that context).
     rows_over: tuple | None = None
+    delayed: bool = False  # scales from the amax history (the recipe `delayed`)
+    history_max: bool = False  # --fp8-amax-compute-algo max (else most_recent)
+
+
+# The leaves of the amax histories (delayed scaling): one per projection of a layer, named
+# HISTORY + "_" + the projection.
+HISTORY = "fp8_history"
 
 
 _OFF: list[bool] = []  # innermost last: True while a bf16 layer is traced
@@ -69,7 +89,52 @@ def recipe(cfg: ModelConfig) -> Recipe | None:
     if cfg.fp8_format is None or _OFF:
         return None
     backward = E5M2 if cfg.fp8_format == "hybrid" else E4M3
-    return Recipe(E4M3, backward, cfg.fp8_margin, cfg.fp8_wgrad)
+    return Recipe(E4M3, backward, cfg.fp8_margin, cfg.fp8_wgrad, delayed=cfg.fp8_recipe == "delayed",
+                  history_max=cfg.fp8_amax_compute_algo == "max")
+
+
+def history(cfg: ModelConfig):
+    """A projection's amax history under delayed scaling (zeros: none recorded), else None."""
+    if cfg.fp8_format is None or cfg.fp8_recipe != "delayed":
+        return None
+    return nnx.Param(jnp.zeros((3, cfg.fp8_amax_history_len), jnp.float32), out_sharding=(None, None))
+
+
+def is_history(path) -> bool:
+    """Whether a pytree key path leads to an amax history leaf."""
+    return any(str(getattr(k, "key", k)).startswith(HISTORY) for k in path)
+
+
+def combine(acc, grads):
+    """`acc + grads` leaf by leaf (in acc's dtype), the histories' records combined by a max: the
+    microbatches' gradient accumulation."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a, g: jnp.maximum(a, g.astype(a.dtype)) if is_history(p) else a + g.astype(a.dtype), acc, grads)
+
+
+def sum_over(grads, axis: int = 0, sum_fn=None):
+    """The per-rank gradients' reduction over `axis`: a sum (`sum_fn`, default jnp.sum), a max
+    for the histories' records."""
+    sum_fn = sum_fn or (lambda g: jnp.sum(g, axis=axis))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, g: jnp.max(g, axis=axis) if is_history(p) else sum_fn(g), grads)
+
+
+def without_records(grads):
+    """The gradients with the histories' records zeroed (what the optimizer and the gradient norm
+    see: a history is no weight)."""
+    return jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if is_history(p) else g, grads)
+
+
+def rolled(params, grads):
+    """The parameters with each history advanced by this step's record (the newest entry first,
+    the oldest dropped)."""
+    def roll(p, prm, g):
+        if not is_history(p):
+            return prm
+        return jnp.concatenate([g[..., :1].astype(prm.dtype), prm[..., :-1]], axis=-1)
+
+    return jax.tree_util.tree_map_with_path(roll, params, grads)
 
 
 def in_bf16(cfg: ModelConfig, layer):
@@ -117,11 +182,31 @@ def scale_of(m: jax.Array, dtype, margin: int) -> jax.Array:
     return jnp.where((m > 0) & jnp.isfinite(m), s, jnp.float32(1.0))
 
 
-def quantize(x: jax.Array, dtype, margin: int, rows_over=None) -> tuple[jax.Array, jax.Array]:
-    """(x in `dtype`, its scale), saturating at the format's range; `rows_over` as in `amax`."""
-    s = scale_of(amax(x, rows_over), dtype, margin)
+def cast(x: jax.Array, s: jax.Array, dtype) -> jax.Array:
+    """x / s in `dtype`, saturating at the format's range."""
     top = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype), s
+    return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype)
+
+
+def quantize(x: jax.Array, dtype, margin: int, rows_over=None) -> tuple[jax.Array, jax.Array]:
+    """(x in `dtype`, its scale) by x's current amax; `rows_over` as in `amax`."""
+    s = scale_of(amax(x, rows_over), dtype, margin)
+    return cast(x, s, dtype), s
+
+
+def from_history(h: jax.Array, current: jax.Array, rec: Recipe) -> jax.Array:
+    """The amax delayed scaling uses: the history's most recent (or largest) entry, or `current`
+    where none is recorded."""
+    recorded = jnp.max(h) if rec.history_max else h[0]
+    return jnp.where(recorded > 0, recorded, current)
+
+
+def record(amaxes: jax.Array, h: jax.Array, grad_amax: jax.Array) -> jax.Array:
+    """A history's "gradient": this step's amaxes in entry 0 (zeros elsewhere); nothing where the
+    incoming gradient is all zero (a masked pipeline slot, a padding layer: its forward ran on
+    no data) or an amax is not finite."""
+    amaxes = jnp.where(jnp.isfinite(amaxes) & (grad_amax > 0), amaxes, 0.0)
+    return jnp.zeros_like(h).at[:, 0].set(amaxes)
 
 
 def _scaled(spec: str, a, b, scale, dtype):
@@ -138,16 +223,23 @@ def here(rec: Recipe) -> Recipe:
     return dataclasses.replace(rec, rows_over=None if split is None else tuple(split[0]))
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, rec: Recipe) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: jax.Array, rec: Recipe, h: jax.Array | None = None) -> jax.Array:
     """`einsum(spec, x, w)` of a projection (x activations, w its weight; both in the compute
-    dtype) with fp8 operands under `rec`; the result in x's dtype."""
-    return bound_einsum(spec, x, w, here(rec))
+    dtype) with fp8 operands under `rec`; the result in x's dtype. `h`: its amax history
+    (delayed scaling)."""
+    return bound_einsum(spec, x, w, here(rec), h)
+
+
+def bound_einsum(spec, x, w, rec, h=None):
+    """`einsum` under a recipe already bound to its trace (`here`): for a product whose
+    forward is traced again in a backward traced outside the forward's context."""
+    if h is None:
+        return _current(spec, x, w, rec)
+    return _delayed(spec, x, w, h, rec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def bound_einsum(spec, x, w, rec):
-    """`einsum` under a recipe already bound to its trace (`here`): for a product whose
-    forward is traced again in a backward traced outside the forward's context."""
+def _current(spec, x, w, rec):
     return _forward(spec, x, w, rec)[0]
 
 
@@ -160,8 +252,13 @@ def _forward(spec, x, w, rec):
 
 def _backward(spec, rec, res, dy):
     x_kept, sx, wq, sw = res
-    (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
     gq, sg = quantize(dy, rec.backward, rec.margin, rec.rows_over)
+    return _products(spec, rec, x_kept, sx, wq, sw, gq, sg, dy)
+
+
+def _products(spec, rec, x_kept, sx, wq, sw, gq, sg, dy):
+    """(dx, dw) from the quantized gradient `gq` (scale `sg`) and the saved operands."""
+    (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
     dx = _scaled(f"{ys},{ws}->{xs}", gq, wq, sg * sw, dy.dtype)
     if rec.wgrad:
         dw = _scaled(f"{xs},{ys}->{ws}", x_kept, gq, sx * sg, dy.dtype)
@@ -170,4 +267,29 @@ def _backward(spec, rec, res, dy):
     return dx, dw
 
 
-bound_einsum.defvjp(_forward, _backward)
+_current.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _delayed(spec, x, w, h, rec):
+    return _delayed_forward(spec, x, w, h, rec)[0]
+
+
+def _delayed_forward(spec, x, w, h, rec):
+    ax, aw = amax(x, rec.rows_over), amax(w)
+    sx = scale_of(from_history(h[0], ax, rec), rec.forward, rec.margin)
+    sw = scale_of(from_history(h[1], aw, rec), rec.forward, rec.margin)
+    xq, wq = cast(x, sx, rec.forward), cast(w, sw, rec.forward)
+    keep = x if not rec.wgrad else xq
+    return _scaled(spec, xq, wq, sx * sw, x.dtype), (keep, sx, wq, sw, h, jnp.stack([ax, aw]))
+
+
+def _delayed_backward(spec, rec, res, dy):
+    x_kept, sx, wq, sw, h, forward_amaxes = res
+    ag = amax(dy, rec.rows_over)
+    sg = scale_of(from_history(h[2], ag, rec), rec.backward, rec.margin)
+    dx, dw = _products(spec, rec, x_kept, sx, wq, sw, cast(dy, sg, rec.backward), sg, dy)
+    return dx, dw, record(jnp.concatenate([forward_amaxes, ag[None]]), h, ag)
+
+
+_delayed.defvjp(_delayed_forward, _delayed_backward)

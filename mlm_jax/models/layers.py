@@ -51,13 +51,18 @@ def cast(p: nnx.Param | None, dtype):
     return None if p is None else p[...].astype(dtype)
 
 
+def value(p: nnx.Param | None):
+    """A parameter's value as stored (None stays None: e.g. an fp8 amax history under tensorwise)."""
+    return None if p is None else p[...]
+
+
 def used_in_compute_dtype(path) -> bool:
     """Whether the parameter at `path` (a pytree key path) is only ever read through `cast` to the
     compute dtype (or looked up, then cast): every weight and bias except the norms' (applied in
     fp32) and the MoE router's (fp32 logits). Such a parameter can travel in the compute dtype
     (ZeRO's all-gather in bf16) without changing a single value the model computes."""
     keys = [str(getattr(k, "key", k)) for k in path]
-    return not any("norm" in k or k == "router" for k in keys)
+    return not any("norm" in k or k == "router" or k.startswith(fp8.HISTORY) for k in keys)
 
 
 def add_bias(y, b):
@@ -151,7 +156,7 @@ SEQ_WHOLE = ("batch", "context_seq", "embed")  # inside the tensor-parallel regi
 
 
 def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_names,
-                    rec: fp8.Recipe | None = None) -> jax.Array:
+                    rec: fp8.Recipe | None = None, h: jax.Array | None = None) -> jax.Array:
     """`einsum(spec, y, w)` of a column-parallel matmul (QKV, fc1) whose normed input `y_bsd`
     arrives as a block boundary holds it and is multiplied gathered to the whole sequence;
     `w_names` and `out_names` are the logical dims of the weight and the product.
@@ -161,19 +166,19 @@ def column_parallel(spec: str, y_bsd: jax.Array, w: jax.Array, w_names, out_name
     projection's input (Korthikanti et al. 2022, eq. 4), one all-gather more per projection in
     the backward. Autodiff kept the gathered [b, s, d] input of both projections, t times that.
     Without sequence parallelism it is the einsum. With an fp8 recipe `rec` the product (and its
-    gradients) multiply fp8 operands (`models/fp8.py`)."""
+    gradients) multiply fp8 operands (`models/fp8.py`; `h` its amax history under delayed scaling)."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return _product(spec, constrain(y_bsd, SEQ_WHOLE), w, rec)
+        return _product(spec, constrain(y_bsd, SEQ_WHOLE), w, rec, h)
     split, whole = specs
     w_spec, out_spec = (logical_to_spec(n, active_rules()) for n in (w_names, out_names))
     y = jax.lax.with_sharding_constraint(y_bsd, split)
     rec = None if rec is None else fp8.here(rec)
-    return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), rec, y, w)
+    return _pinned_product(spec, (split, whole, w_spec, out_spec, out_spec), rec, y, w, h)
 
 
 def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names,
-                 rec: fp8.Recipe | None = None) -> jax.Array:
+                 rec: fp8.Recipe | None = None, h: jax.Array | None = None) -> jax.Array:
     """`einsum(spec, u, w)` of a row-parallel matmul (attention's output projection, fc2): its
     partial sums over tensor leave as a block boundary holds them (a reduce-scatter under
     sequence parallelism, an all-reduce without); `u_names`, `w_names` the logical dims of the
@@ -186,18 +191,19 @@ def row_parallel(spec: str, u: jax.Array, w: jax.Array, u_names, w_names,
     Without sequence parallelism it is the einsum (`_product`); fp8 with `rec` as above."""
     specs = specs_if_split(SEQ_SPLIT, SEQ_WHOLE)
     if specs is None:
-        return _product(spec, u, w, rec)
+        return _product(spec, u, w, rec, h)
     split, whole = specs
     u_spec, w_spec = (logical_to_spec(n, active_rules()) for n in (u_names, w_names))
     rec = None if rec is None else fp8.here(rec)
-    return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), rec, u, w)
+    return _pinned_product(spec, (u_spec, u_spec, w_spec, split, whole), rec, u, w, h)
 
 
-def _product(spec: str, x: jax.Array, w: jax.Array, rec: fp8.Recipe | None = None) -> jax.Array:
-    """`einsum(spec, x, w)` of a projection (fp8 operands under `rec`); on a CPU its weight
-    gradient multiplies x transposed (`_TRANSPOSED_INPUT`)."""
+def _product(spec: str, x: jax.Array, w: jax.Array, rec: fp8.Recipe | None = None,
+             h: jax.Array | None = None) -> jax.Array:
+    """`einsum(spec, x, w)` of a projection (fp8 operands under `rec`, `h` the amax history); on a
+    CPU its weight gradient multiplies x transposed (`_TRANSPOSED_INPUT`)."""
     if rec is not None:
-        return fp8.einsum(spec, x, w, rec)
+        return fp8.einsum(spec, x, w, rec, h)
     if platform.current() not in _TRANSPOSED_INPUT:
         return jnp.einsum(spec, x, w)
     return _transposed_input_product(spec, x, w)
@@ -249,14 +255,14 @@ _transposed_input_product.defvjp(_transposed_input_forward, _transposed_input_ba
 
 
 def _einsum(spec: str, rec: fp8.Recipe | None):
-    """(a, b) -> einsum(spec, a, b), fp8 under `rec`."""
+    """(a, b, h) -> einsum(spec, a, b), fp8 under `rec` (h: the amax history, or None)."""
     if rec is None:
-        return functools.partial(jnp.einsum, spec)
-    return lambda a, b: fp8.bound_einsum(spec, a, b, rec)
+        return lambda a, b, h: jnp.einsum(spec, a, b)
+    return lambda a, b, h: fp8.bound_einsum(spec, a, b, rec, h)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _pinned_product(spec, layout, rec, x, w):
+def _pinned_product(spec, layout, rec, x, w, h):
     """`einsum(spec, x, w)` with every operand, result and gradient in a stated layout:
     (x as kept for the backward, x as multiplied, w, the result, the incoming gradient as
     multiplied). The backward's products read x and the incoming gradient in those layouts (one
@@ -265,20 +271,20 @@ def _pinned_product(spec, layout, rec, x, w):
     the sequence and all-reduced whole [d, f] gradients)."""
     _, x_used, w_spec, out_spec, _ = layout
     pin = jax.lax.with_sharding_constraint
-    return pin(_einsum(spec, rec)(pin(x, x_used), pin(w, w_spec)), out_spec)
+    return pin(_einsum(spec, rec)(pin(x, x_used), pin(w, w_spec), h), out_spec)
 
 
-def _pinned_product_forward(spec, layout, rec, x, w):
-    return _pinned_product(spec, layout, rec, x, w), (x, w)
+def _pinned_product_forward(spec, layout, rec, x, w, h):
+    return _pinned_product(spec, layout, rec, x, w, h), (x, w, h)
 
 
 def _pinned_product_backward(spec, layout, rec, res, ct):
     x_kept, x_used, w_spec, out_spec, ct_used = layout
-    x, w = res
+    x, w, h = res
     pin = jax.lax.with_sharding_constraint
-    _, pull = jax.vjp(_einsum(spec, rec), pin(x, x_used), pin(w, w_spec))
-    dx, dw = pull(pin(pin(ct, out_spec), ct_used))
-    return pin(dx, x_kept), pin(dw, w_spec)
+    _, pull = jax.vjp(_einsum(spec, rec), pin(x, x_used), pin(w, w_spec), h)
+    dx, dw, dh = pull(pin(pin(ct, out_spec), ct_used))
+    return pin(dx, x_kept), pin(dw, w_spec), dh
 
 
 _pinned_product.defvjp(_pinned_product_forward, _pinned_product_backward)

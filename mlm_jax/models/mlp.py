@@ -13,7 +13,8 @@ from flax import nnx
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.models import fp8
-from mlm_jax.models.layers import add_bias, cast, column_parallel, mlp_activation, normal, param, row_parallel, zeros
+from mlm_jax.models.layers import (add_bias, cast, column_parallel, mlp_activation, normal, param, row_parallel, value,
+                                    zeros)
 from mlm_jax.sharding.rules import constrain
 
 
@@ -33,6 +34,8 @@ class MLP(nnx.Module):
         w1_shape, w1_names = ((d, 2, f), W1_SWIGLU) if cfg.swiglu else ((d, f), W1)
         self.w1 = param(rngs, normal(std), w1_shape, w1_names)
         self.w2 = param(rngs, normal(out_std), (f, d), W2)
+        # delayed fp8 scaling's amax histories (models/fp8.py), else None
+        self.fp8_history_fc1, self.fp8_history_fc2 = fp8.history(cfg), fp8.history(cfg)
         if cfg.add_bias_linear:
             self.b1 = param(None, zeros, w1_shape[1:], w1_names[1:])
             self.b2 = param(None, zeros, (d,), ("embed",))
@@ -43,10 +46,13 @@ class MLP(nnx.Module):
         cfg, dt = self.cfg, y_bsd.dtype
         w1, rec = cast(self.w1, dt), fp8.recipe(cfg)
         if cfg.swiglu:  # [b, s, 2, f]
-            h = column_parallel("bsd,dnf->bsnf", y_bsd, w1, W1_SWIGLU, ("batch", "context_seq", None, "mlp"), rec)
+            h = column_parallel("bsd,dnf->bsnf", y_bsd, w1, W1_SWIGLU, ("batch", "context_seq", None, "mlp"), rec,
+                                value(self.fp8_history_fc1))
         else:  # [b, s, f]
-            h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"), rec)
+            h = column_parallel("bsd,df->bsf", y_bsd, w1, W1, ("batch", "context_seq", "mlp"), rec,
+                                value(self.fp8_history_fc1))
         h = add_bias(h, cast(self.b1, dt))
         u = mlp_activation(h, cfg.swiglu, cfg.openai_gelu, gate_up_axis=2)  # [b, s, f]
         u = constrain(u, U)
-        return add_bias(row_parallel("bsf,fd->bsd", u, cast(self.w2, dt), U, W2, rec), cast(self.b2, dt))
+        y = row_parallel("bsf,fd->bsd", u, cast(self.w2, dt), U, W2, rec, value(self.fp8_history_fc2))
+        return add_bias(y, cast(self.b2, dt))

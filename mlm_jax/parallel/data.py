@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mlm_jax.config import Config
+from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype, used_in_compute_dtype
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import DATA, EXPERT, psum
@@ -101,12 +102,12 @@ def reduce_over_ranks(grads_r, storage, bf16: bool):
     bf16 (--grad-reduce-in-bf16, Megatron's bf16 gradient buffers): each rank's accumulated
     fp32 gradient is rounded to bf16, reduced in bf16 (lax.reduce: jnp.sum would accumulate
     bf16 in fp32 and so reduce in fp32) and widened to fp32 only after the collective.
+    Delayed fp8 scaling's amax records are combined by a max (`models.fp8.sum_over`).
     """
     if not bf16:
-        return jax.lax.with_sharding_constraint(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads_r), storage)
-    summed = jax.tree.map(
-        lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), jax.lax.add, (0,)),
-        grads_r)
+        return jax.lax.with_sharding_constraint(fp8.sum_over(grads_r), storage)
+    summed = fp8.sum_over(
+        grads_r, sum_fn=lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), jax.lax.add, (0,)))
     summed = jax.lax.with_sharding_constraint(summed, storage)  # the collective runs in bf16
     return jax.tree.map(lambda g: g.astype(jnp.float32), summed)
 
@@ -133,7 +134,13 @@ def overlaps_grad_reduce(cfg: Config, mesh: Mesh) -> bool:
     m = cfg.model
     return (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline_model_parallel_size == 1
             and reduces_once(mesh) and rank_axes(mesh) == (DATA,)
-            and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1)
+            and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1 and not _fp8_histories(m))
+
+
+def _fp8_histories(m) -> bool:
+    """Delayed fp8 scaling: amax histories among the layers' leaves, whose records a max combines
+    (the per-layer reduction in the backward sums)."""
+    return m.fp8_format is not None and m.fp8_recipe == "delayed"
 
 
 def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
@@ -145,7 +152,8 @@ def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
     if not reduces_once(mesh):
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
-           "expert parallelism" if rank_axes(mesh) != (DATA,) else "mixed dense/MoE layers")
+           "expert parallelism" if rank_axes(mesh) != (DATA,) else
+           "delayed fp8 scaling's amax histories" if _fp8_histories(cfg.model) else "mixed dense/MoE layers")
     return f"the gradients are reduced once after the backward ({why}), not inside it"
 
 

@@ -77,6 +77,7 @@ from flax import nnx
 from mlm_jax import loss_scale as ls
 from mlm_jax import platform
 from mlm_jax.config import Config, ConfigError
+from mlm_jax.models import fp8
 from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.models.moe import aux_terms
@@ -566,7 +567,9 @@ class _Stage:
     def accumulate(self, carry, a: dict, d_lc, d_sh):
         """Add one backward's gradients to the accumulators ([V, Lmax, ...] and shared)."""
         c = 0 if self.V == 1 else a["b_chunk"]  # a static index when there is one chunk
-        d_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(acc.dtype)), carry["d_layers"], d_lc)
+        d_layers = jax.tree_util.tree_map_with_path(  # delayed fp8 scaling's amax records: a max
+            lambda p, acc, d: (acc.at[c].max if fp8.is_history(p) else acc.at[c].add)(d.astype(acc.dtype)),
+            carry["d_layers"], d_lc)
         d_shared = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["d_shared"], d_sh)
         return {**carry, "d_layers": self.pin_layers(d_layers), "d_shared": self.pin_shared(d_shared)}
 
