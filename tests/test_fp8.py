@@ -239,3 +239,32 @@ def test_delayed_scaling_trains_and_resumes_bit_exactly(tmp_path):
     histories = [x for p, x in jax.tree_util.tree_leaves_with_path(pa) if fp8.is_history(p)]
     assert len(histories) == 4  # QKV, attention output, fc1, fc2 (stacked over the layers)
     assert all(x.shape == (2, 3, 4) and np.all(x > 0) for x in histories)  # 6 steps fill 4 entries
+
+
+def test_checkpoints_move_between_recipes_and_history_lengths(tmp_path):
+    """A bf16 checkpoint continues under delayed fp8 (histories start empty: the first step scales
+    by the current amaxes), a delayed one continues in bf16 (its histories dropped) or with a
+    shorter history (the newest entries kept)."""
+    from mlm_jax import checkpoint as ckpt
+    from tests.tiny_flags import NO_DROPOUT, tiny, train_run
+
+    base = tiny("--micro-batch-size", "2", "--global-batch-size", "16", *NO_DROPOUT, "--eval-iters", "0", "--bf16")
+    delayed = ["--fp8-format", "hybrid", "--fp8-amax-history-len"]
+
+    def histories(folder, step):
+        params = ckpt.restore_host_params(ckpt.find_checkpoint(str(tmp_path / folder), step=step))
+        return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params) if fp8.is_history(p)}
+
+    train_run(base + ["--train-iters", "2", "--save", str(tmp_path / "S")], tmp_path / "s")
+    train_run(base + delayed + ["4", "--train-iters", "4", "--load", str(tmp_path / "S"), "--save", str(tmp_path / "F")],
+              tmp_path / "f")
+    f = histories("F", 4)
+    assert len(f) == 4 and all(np.all(h[..., :2] > 0) and np.all(h[..., 2:] == 0) for h in f.values())
+    _, records, _ = train_run(base + ["--train-iters", "5", "--load", str(tmp_path / "F")], tmp_path / "b")
+    assert np.isfinite([r["lm_loss"] for r in records if "lm_loss" in r]).all()
+    train_run(base + delayed + ["2", "--train-iters", "5", "--load", str(tmp_path / "F"), "--save", str(tmp_path / "G")],
+              tmp_path / "g")
+    g = histories("G", 5)
+    for key, h in g.items():
+        assert h.shape[-1] == 2 and np.all(h > 0)
+        np.testing.assert_array_equal(h[..., 1], f[key][..., 0], err_msg=key)  # F's newest, one step older

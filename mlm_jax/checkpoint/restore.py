@@ -66,15 +66,101 @@ def describe_layout(layout: dict | None) -> str:
 
 
 def restore_params(found: Found, shapes: dict, shardings: dict, padded_vocab: int):
-    """The checkpoint's params onto `shardings` (a plain-layout tree), vocab padding adapted."""
+    """The checkpoint's params onto `shardings` (a plain-layout tree), vocab padding adapted and
+    delayed fp8 scaling's amax histories fitted to `shapes` (`fit_histories`)."""
     import orbax.checkpoint as ocp
 
     saved = found.config.model
     strict = (saved.padded_vocab_size or saved.vocab_size) == padded_vocab
     version = saved_version(found.meta)
-    target = as_saved(_abstract(shapes, shardings), version)
+    wanted = _abstract(shapes, shardings)
+    length = history_length(saved)
+    target = as_saved(with_history_length(wanted, length), version)
     out = read_items(found, {PARAMS: ocp.args.StandardRestore(target, strict=strict)})
-    return upgrade(out[PARAMS], version)
+    return fit_histories(upgrade(out[PARAMS], version), wanted)
+
+
+def history_length(m) -> int:
+    """The amax history length of a model's delayed fp8 scaling (0: it keeps none)."""
+    return m.fp8_amax_history_len if m.fp8_format is not None and m.fp8_recipe == "delayed" else 0
+
+
+def _map_dicts(fn, tree):
+    """`fn` applied to every dict of a pytree of dicts, tuples and named tuples (params, or an
+    optimizer state holding params-like trees), innermost first."""
+    if isinstance(tree, dict):
+        return fn({k: _map_dicts(fn, v) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_dicts(fn, v) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_dicts(fn, v) for v in tree)
+    return tree
+
+
+# Where a projection's weights sit, the histories beside them (models/attention.py, models/mlp.py):
+# weight key, its trailing (non-stacked) dims, the history keys.
+_PROJECTIONS = (("wqkv", 4, ("qkv", "out")), ("w1", None, ("fc1", "fc2")))
+
+
+def with_history_length(tree, length: int):
+    """An abstract params-like `tree` (ShapeDtypeStructs) with the amax histories a checkpoint of
+    history `length` holds (0: none): the restore target of a checkpoint saved with another
+    fp8 recipe or history than the run's."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mlm_jax.models import fp8
+
+    def adapt(d):
+        out = {k: v for k, v in d.items() if not str(k).startswith(fp8.HISTORY)}
+        if not length:
+            return out
+        for weight, dims, names in _PROJECTIONS:
+            w = d.get(weight)
+            if not isinstance(w, jax.ShapeDtypeStruct) or (weight == "w1" and ("w2" not in d or "router" in d)):
+                continue
+            dims = dims or (3 if w.ndim >= 3 and d["w2"].ndim < w.ndim else 2)  # SwiGLU's [d, 2, f]
+            rep = NamedSharding(w.sharding.mesh, PartitionSpec()) if w.sharding is not None else None
+            for name in names:
+                out[f"{fp8.HISTORY}_{name}"] = jax.ShapeDtypeStruct((*w.shape[:w.ndim - dims], 3, length), w.dtype,
+                                                                    sharding=rep)
+        return out
+
+    return _map_dicts(adapt, tree)
+
+
+def fit_histories(restored, wanted):
+    """`restored` (read with `with_history_length`'s target) laid out as `wanted` (abstract): each
+    amax history cut or zero-padded to the run's length (newest entries kept), a missing one
+    zeros (none recorded: the first step scales by the current amaxes), an extra one dropped."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlm_jax.models import fp8
+
+    def fit(got, want):
+        if isinstance(want, dict):
+            return {k: (_history(got.get(k), v) if str(k).startswith(fp8.HISTORY) else fit(got[k], v))
+                    for k, v in want.items()}
+        if isinstance(want, tuple) and hasattr(want, "_fields"):
+            return type(want)(*(fit(g, w) for g, w in zip(got, want)))
+        if isinstance(want, (tuple, list)):
+            return type(want)(fit(g, w) for g, w in zip(got, want))
+        return got
+
+    def _history(got, want):
+        def make(g):
+            out = jnp.zeros(want.shape, want.dtype)
+            if g is not None:
+                n = min(g.shape[-1], want.shape[-1])
+                out = out.at[..., :n].set(g[..., :n].astype(want.dtype))
+            return out
+
+        if got is not None and got.shape == want.shape:
+            return got
+        return jax.jit(make, out_shardings=want.sharding)(got)
+
+    return fit(restored, wanted)
 
 
 _READ_ERROR = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]*)": (.*)')
@@ -176,21 +262,29 @@ def restore_train_state(cfg: Config, pz, found: Found, log=print) -> tuple[dict,
     saved_padded = saved_cfg.model.padded_vocab_size or saved_cfg.model.vocab_size
     strict = saved_padded == cfg.model.vocab  # else pad/cut the zero padding rows
     version = saved_version(meta)
-    if found.params is not None:  # read whole already (a Megatron-LM checkpoint)
-        params, opt_state = place_host_params(found, shapes, p_sh), None
+    if found.params is not None:  # read whole already (a Megatron-LM checkpoint: no amax histories)
+        bare = with_history_length(shapes, 0), with_history_length(p_sh, 0)
+        params, opt_state = fit_histories(place_host_params(found, *bare), _abstract(shapes, p_sh)), None
         if load_optim and found.optimizer is not None:
             opt_state = place_host_adam(found, pz.tx, params, shapes, p_sh, o_sh, pz.mesh)
     else:
-        items = {PARAMS: ocp.args.StandardRestore(as_saved(_abstract(shapes, p_sh), version), strict=strict)}
+        # Delayed fp8 scaling's amax histories as the checkpoint holds them (another recipe or
+        # history length: `fit_histories` makes them the run's).
+        length = history_length(saved_cfg.model)
+        wanted = _abstract(shapes, p_sh)
+        items = {PARAMS: ocp.args.StandardRestore(as_saved(with_history_length(wanted, length), version),
+                                                  strict=strict)}
         if load_optim:
-            o_shapes = jax.eval_shape(pz.tx.init, shapes)
-            items[OPT_STATE] = ocp.args.StandardRestore(as_saved(_abstract(o_shapes, o_sh), version),
+            o_wanted = _abstract(jax.eval_shape(pz.tx.init, shapes), o_sh)
+            items[OPT_STATE] = ocp.args.StandardRestore(as_saved(with_history_length(o_wanted, length), version),
                                                         strict=strict)
         restored = read_items(found, items, optimizer=load_optim)
-        params = upgrade(restored[PARAMS], version)
+        params = fit_histories(upgrade(restored[PARAMS], version), wanted)
         opt_state = restored.get(OPT_STATE)
     if opt_state is not None:
         opt_state = upgrade(opt_state, version)
+        if found.params is None:
+            opt_state = fit_histories(opt_state, o_wanted)
     if pipe is not None:  # plain -> the pipeline's stored order
         params = jax.jit(pipe.to_pipelined, out_shardings=pz.param_sharding)(params)
         if opt_state is not None:
@@ -232,7 +326,8 @@ def place_host_adam(found: Found, tx, params: dict, shapes: dict, p_sh: dict, o_
     import optax
 
     adam = found.optimizer
-    mu, nu = place_host_params(found, shapes, p_sh, adam.mu), place_host_params(found, shapes, p_sh, adam.nu)
+    bare, wanted = (with_history_length(shapes, 0), with_history_length(p_sh, 0)), _abstract(shapes, p_sh)
+    mu, nu = (fit_histories(place_host_params(found, *bare, moments), wanted) for moments in (adam.mu, adam.nu))
     with jax.set_mesh(mesh):
         state = jax.jit(tx.init, out_shardings=o_sh)(params)
     placed = []
