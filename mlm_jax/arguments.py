@@ -63,6 +63,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--fp8-margin", "model", "fp8_margin", "int", "fp8 scales keep 2^margin headroom below the format's largest value (default 0)"),
     ("--fp8-amax-history-len", "model", "fp8_amax_history_len", "int", "delayed scaling: steps of amax history kept per tensor (default 1)"),
     ("--fp8-amax-compute-algo", "model", "fp8_amax_compute_algo", "str", "delayed scaling: the history's most_recent entry or its max scales a tensor"),
+    ("--fp8-param-gather", "model", "fp8_param_gather", "true", "with --fp8-format and --use-distributed-optimizer: ZeRO's all-gather sends the projections' weights in fp8 (e4m3, one scale per weight), half its bf16 bytes"),
     ("--no-fp8-wgrad", "model", "fp8_wgrad", "false", "with --fp8-format: the weight gradients' products in bf16 (the input gradients stay fp8)"),
     ("--first-last-layers-bf16", "model", "first_last_layers_bf16", "true", "with --fp8-format: the first and last layers' projections stay bf16"),
     ("--num-layers-at-start-in-bf16", "model", "num_layers_at_start_in_bf16", "int", "with --first-last-layers-bf16: layers at the start kept in bf16 (default 1)"),
@@ -246,8 +247,6 @@ _REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-fi
 
 # Megatron flags refused with the reason (nothing else takes them).
 REFUSED = {
-    "--fp8-param-gather": "not built: ZeRO's parameter all-gather stays bf16 (the fp8 products quantize the "
-                          "gathered weights); drop the flag",
     "--tp-only-amax-red": "fp8 amaxes are reduced over every rank holding a piece of the tensor (data, tensor, "
                           "context parallel), so every layout quantizes as one device does",
     "--fp8-dot-product-attention": _FP8_ATTENTION,
@@ -570,6 +569,12 @@ def _check_fp8(sections: dict[str, dict[str, Any]]) -> None:
     """--fp8-format's rules: a built recipe, --bf16 beside it, the history and layer counts."""
     model = sections["model"]
     recipe = model.get("fp8_recipe")
+    if model.get("fp8_param_gather"):
+        if model.get("fp8_format") is None:
+            raise ConfigError("--fp8-param-gather needs --fp8-format (the weights it gathers in fp8 feed fp8 products)")
+        if not sections["parallel"].get("use_distributed_optimizer"):
+            raise ConfigError("--fp8-param-gather needs --use-distributed-optimizer (its parameter all-gather is what "
+                              "goes fp8; as in Megatron-LM)")
     if model.get("fp8_format") is None:
         if recipe is not None and recipe not in FP8_RECIPES + tuple(_FP8_RECIPES_REFUSED):
             raise ConfigError(f"--fp8-recipe {recipe!r}: choose one of tensorwise, delayed, blockwise, mxfp8, custom")

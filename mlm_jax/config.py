@@ -91,6 +91,7 @@ class ModelConfig:
     fp8_amax_history_len: int = 1  # delayed: the amax history's length (Megatron's default 1)
     fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"  # delayed: which entry scales
     fp8_wgrad: bool = True  # the weight gradient's product in fp8 too
+    fp8_param_gather: bool = False  # ZeRO gathers the projections' weights in fp8
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1

@@ -33,7 +33,7 @@ from mlm_jax.config import Config
 from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
-from mlm_jax.parallel.data import (ReduceInBackward, gather_once, leaf_reduction, overlaps_grad_reduce,
+from mlm_jax.parallel.data import (ReduceInBackward, fp8_param_gather, gather_once, leaf_reduction, overlaps_grad_reduce,
                                    per_rank_trace, rank_axes, reduce_over_ranks, reduces_once)
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import DATA
@@ -63,7 +63,8 @@ def loss_functions(cfg: Config, mesh, graphdef, compute: dict, storage: dict,
     run, loss_sum = plain_loss_and_grads(graphdef, compute, storage)
     if reduces_once(mesh):  # one data-parallel gradient reduction per step, not per microbatch
         run = reduce_once_loss_and_grads(graphdef, compute, storage, run, compute_dtype(cfg.model),
-                                         cfg.parallel.grad_reduce_in_bf16, overlaps_grad_reduce(cfg, mesh))
+                                         cfg.parallel.grad_reduce_in_bf16, overlaps_grad_reduce(cfg, mesh),
+                                         fp8_param_gather(cfg))
     return run, loss_sum
 
 
@@ -109,7 +110,8 @@ def plain_loss_and_grads(graphdef, compute: dict, storage: dict) -> tuple[LossAn
 
 
 def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback: LossAndGrads,
-                               gather_dtype=None, bf16: bool = False, overlap: bool = False) -> LossAndGrads:
+                               gather_dtype=None, bf16: bool = False, overlap: bool = False,
+                               fp8_gather=None) -> LossAndGrads:
     """Like `plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -152,7 +154,7 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
         # Gathered once, the weights kept in the compute dtype: no fp32 copy of them lives
         # through the loop, and each microbatch's weight gradients come in the compute dtype
         # (the same values the fp32 copy's cast would widen), accumulated in fp32.
-        gathered = gather_once(params, storage, compute, gather_dtype)
+        gathered = gather_once(params, storage, compute, gather_dtype, fp8_gather)
         first = jax.tree.map(lambda x: x[0], batch)
         weight = ls.token_weight(batch, loss_scale)  # one replicated argument of the shard_map
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, gathered, first, key, weight)[1])

@@ -17,6 +17,8 @@ the microbatch's tensor, so the reference groups rows as the layout does), fp32 
   a gradient leaf 13 % (the fp8 step itself is 10 % from fp32's, per leaf).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -268,3 +270,33 @@ def test_checkpoints_move_between_recipes_and_history_lengths(tmp_path):
     for key, h in g.items():
         assert h.shape[-1] == 2 and np.all(h > 0)
         np.testing.assert_array_equal(h[..., 1], f[key][..., 0], err_msg=key)  # F's newest, one step older
+
+
+def test_fp8_param_gather_sends_e4m3_and_changes_no_product():
+    """--fp8-param-gather (ZeRO dp4 x tp2): the step's parameter all-gathers carry the projections'
+    weights in e4m3 (XLA:CPU has no fp8 collectives and widens them to f16; a GPU sends e4m3: the
+    GPU tier), and under tensorwise scaling the products see the same e4m3 weights as without it
+    (the gathered values widen and round back to themselves): loss within 2e-6, every gradient
+    within 1e-5 of its largest magnitude."""
+    from tests.parallel_util import build, fixed_batch, place
+
+    layout = (ParallelConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True), 2)
+    ref_loss, ref = grads_for(*layout, model=HYBRID)
+    loss, got = grads_for(*layout, model=HYBRID + (("fp8_param_gather", True),))
+    assert abs(loss - ref_loss) <= LOSS_ATOL
+    errors = relative_errors(ref, got)
+    assert max(errors.values()) <= SAME_ORDER_RTOL, errors
+    def gathers(model):  # dtype -> the shapes the step's all-gathers produce
+        pz = build(*layout, **dict(model))
+        state = pz.init(0)
+        hlo = pz.loss_and_grads.lower(state["params"], place(pz, fixed_batch()), jax.random.key(0)).compile().as_text()
+        out = {}
+        for dtype, shape in re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", hlo):
+            out.setdefault(dtype, set()).add(shape)
+        return out
+
+    plain, fp8_gather = gathers(HYBRID), gathers(HYBRID + (("fp8_param_gather", True),))
+    assert set(plain) == {"f32"}  # fp32 compute: ZeRO gathers the fp32 weights
+    assert fp8_gather["f16"] and fp8_gather["f16"] <= plain["f32"], (plain, fp8_gather)
+    assert not fp8_gather["f16"] & fp8_gather["f32"], (plain, fp8_gather)
+    assert len(fp8_gather["f16"]) == 4  # QKV, attention output, fc1, fc2

@@ -47,7 +47,7 @@ LLAMA = " --normalization RMSNorm --swiglu --position-embedding-type rope --disa
         "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
 # A MoE's layouts at seq 1024: 4096 (token, choice) rows a device a microbatch, so that the grouped
 # kernel's row tiles (128 rows; one more at each expert's edge) are a small share of its work.
-FP8 = " --fp8-format hybrid --fp8-recipe tensorwise"
+FP8 = " --fp8-format hybrid"  # Megatron's default recipe: delayed scaling
 MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --seq-length 1024 --max-position-embeddings 1024"
 
 # name -> (flags, cuDNN attention expected)
@@ -97,13 +97,15 @@ LAYOUTS = {
     "dp8_grad_bf16_overlap": (BF16 + " --grad-reduce-in-bf16 --overlap-grad-reduce --num-layers 4", True),
     "tp2_sp_dp4_zero_overlap": (BF16 + " --tensor-model-parallel-size 2 --sequence-parallel "
                                 "--use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
-    "fp8_dp8_zero": (BF16 + FP8 + " --use-distributed-optimizer", True),
+    "fp8_tensorwise_dp8_zero": (BF16 + FP8 + " --fp8-recipe tensorwise --use-distributed-optimizer", True),
+    "fp8_param_gather_dp8_zero": (BF16 + FP8 + " --use-distributed-optimizer --fp8-param-gather", True),
     "fp8_llama_pp2_1f1b_tp2_sp": (BF16 + FP8 + LLAMA + " --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "
-                                  "--tensor-model-parallel-size 2 --sequence-parallel --num-layers 4", True),
+                                  "--tensor-model-parallel-size 2 --sequence-parallel --num-layers 4 "
+                                  "--fp8-amax-history-len 16 --fp8-amax-compute-algo max", True),
     "fp8_cp2_p2p_tp2_dots": (BF16 + FP8 + " --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2"
                              " --recompute-granularity dots", True),
 }
-FP8_LAYOUTS = [n for n in LAYOUTS if FP8 in LAYOUTS[n][0]]
+FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
 DENSE = [n for n in LAYOUTS if "--num-experts" not in LAYOUTS[n][0] and LAYOUTS[n][0].startswith(BF16)]
 MIB = 2**20
@@ -226,6 +228,12 @@ def test_zero_gathers_parameters_in_the_compute_dtype(plans, name):
     gathers = _collectives(r, axis="data", kinds=("all-gather",), min_bytes=64 * 1024)
     assert gathers, name
     total = sum(c["bytes"] for c in gathers)
+    if "--fp8-param-gather" in LAYOUTS[name][0]:
+        # the projections' weights in e4m3 (most of the bytes), the embedding and head in bf16
+        fp8_bytes = sum(c["bytes_by_dtype"].get("f8e4m3fn", 0) for c in gathers)
+        assert fp8_bytes >= 0.4 * total and fp8_bytes + sum(c["bytes_by_dtype"].get(low, 0) for c in gathers) >= 0.98 * total, \
+            [c["bytes_by_dtype"] for c in gathers]
+        return
     assert sum(c["bytes_by_dtype"].get(low, 0) for c in gathers) >= 0.98 * total, \
         [c["bytes_by_dtype"] for c in gathers]
 
@@ -367,7 +375,7 @@ def test_moe_in_a_tensor_parallel_pipeline_keeps_its_experts_split(plans):
 
 @pytest.mark.parametrize("name", FP8_LAYOUTS)
 def test_fp8_projections_are_fp8_gemms(plans, name):
-    """--fp8-format hybrid: the forward multiplies e4m3 x e4m3, the gradients e5m2 with e4m3, no
+    """--fp8-format hybrid (delayed or tensorwise): the forward multiplies e4m3 x e4m3, the gradients e5m2 with e4m3, no
     product of them upcast (Triton's GEMMs upcast e5m2 x e4m3 to f16; GPU runs keep them off),
     and fp8 FLOPs are at least every projection's forward and two backward products (QKV,
     attention output, both MLP matmuls: 3 x 2 x their weights per token and layer)."""

@@ -1,7 +1,7 @@
 """Megatron-LM's own example scripts, replayed: the flags each script passes to pretrain_gpt.py
 (tests/megatron_examples/*.args, copied from the scripts) go to `python -m mlm_jax.train`'s parser
 unchanged except for sizes (scaled down to a tiny model on the fake 8-device mesh) and paths (tiny
-local files), and train 2 iterations. The only refusals allowed are fp8's recipes and flags not built, by name, and what
+local files), and train 2 iterations. The only refusals allowed are what
 Megatron's own argument validation refuses, with Megatron's reason.
 """
 
@@ -157,18 +157,16 @@ def test_gpt3_175b_with_its_batch_size_schedule(files, tmp_path, monkeypatch):
     assert [r["consumed_samples"] for r in records][-1] == 8 + 16
 
 
-def test_llama3_fp8_trains_without_the_fp8_parameter_gather(files, tmp_path, monkeypatch):
-    """As written the script asks for ZeRO's fp8 parameter gather: refused in one line naming it.
-    Without --fp8-param-gather it trains with its recipe: hybrid fp8, Megatron's default delayed
-    scaling with a 1024-step amax history, max (fp8 projections, bf16 elsewhere)."""
-    args = read_args("llama3_8b_fp8", variables(files, tmp_path))
-    with pytest.raises(ConfigError, match=r"^--fp8-param-gather: not built"):
-        parse_args(scaled(args, {"--attention-backend": "unfused"}))
+def test_llama3_fp8_script_trains_as_written(files, tmp_path, monkeypatch):
+    """Megatron's Llama-3 8B fp8 script: hybrid fp8, its default delayed scaling with a 1024-step
+    amax history (max), and --fp8-param-gather under ZeRO (fp8 projections, bf16 elsewhere)."""
     monkeypatch.chdir(tmp_path)
-    runnable = scaled(args, {"--attention-backend": "unfused", "--fp8-param-gather": None})
-    m = parse_args(runnable).model
+    argv = scaled(read_args("llama3_8b_fp8", variables(files, tmp_path)), {"--attention-backend": "unfused"})
+    cfg = parse_args(argv)
+    m = cfg.model
     assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == ("hybrid", "delayed", 1024, "max")
-    summary, records = run(runnable, tmp_path)
+    assert m.fp8_param_gather and cfg.parallel.use_distributed_optimizer
+    summary, records = run(argv, tmp_path)
     assert summary["last_iteration"] == 2 and all(np.isfinite(r["lm_loss"]) for r in records)
 
 

@@ -29,7 +29,7 @@ NO_EFFECT = [
 ]
 
 # Megatron's fp8/fp4 flags not built here: each refused in one line naming it, with the reason.
-FP8_REFUSED = [["--fp8-param-gather"], ["--tp-only-amax-red"], ["--fp8-dot-product-attention"],
+FP8_REFUSED = [["--tp-only-amax-red"], ["--fp8-dot-product-attention"],
                ["--fp8-multi-head-attention"], ["--fp8-output-proj"], ["--fp4-format", "e2m1"],
                ["--fp4-recipe", "nvfp4"], ["--fp4-param-gather"], ["--te-precision-config-file", "p.yaml"],
                ["--fp8-quantizer-factory", "a.b"], ["--fp4-quantizer-factory", "a.b"]]
@@ -126,6 +126,9 @@ def test_fp8_recipes_not_built_are_refused(recipe, why):
      "--fp8-margin must be 0 or more, got -1"),
     (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--num-layers-at-end-in-bf16", "-2"],
      "--num-layers-at-end-in-bf16 must be 0 or more, got -2"),
+    (["--bf16", "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format (the weights it gathers in fp8 feed fp8 products)"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"],
+     "--fp8-param-gather needs --use-distributed-optimizer (its parameter all-gather is what goes fp8; as in Megatron-LM)"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-amax-compute-algo", "mean"],
      "--fp8-amax-compute-algo 'mean': choose one of most_recent, max"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len must be 1 or more, got 0"),

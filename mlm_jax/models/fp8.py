@@ -105,6 +105,41 @@ def is_history(path) -> bool:
     return any(str(getattr(k, "key", k)).startswith(HISTORY) for k in path)
 
 
+# The projections' weights (their products are fp8): --fp8-param-gather sends them in fp8.
+_PROJECTION_WEIGHTS = frozenset({"wqkv", "wo", "w1", "w2"})
+
+
+def is_projection_weight(path) -> bool:
+    """Whether a params key path leads to a projection's weight (not a MoE layer's experts')."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    experts = keys[0] == "moe_layers" and len(keys) >= 2 and keys[-2] == "mlp"
+    return bool(keys) and keys[-1] in _PROJECTION_WEIGHTS and not experts
+
+
+def weight_dims(cfg: ModelConfig):
+    """path -> how many trailing dims one layer's projection weight has (the rest stack layers;
+    None: not a projection's weight)."""
+    dims = {"wqkv": 4, "wo": 3, "w1": 3 if cfg.swiglu else 2, "w2": 2}
+
+    def of(path) -> int | None:
+        return dims[str(getattr(path[-1], "key", path[-1]))] if is_projection_weight(path) else None
+
+    return of
+
+
+def gather_in_fp8(x: jax.Array, dims: int, storage, compute, dtype) -> jax.Array:
+    """A stack of weights (`storage` sharded; each layer's the last `dims` dims) gathered to
+    `compute` in e4m3, each layer's with the scale of its amax (a max over the shards), then
+    widened to `dtype` (--fp8-param-gather: half the bytes of ZeRO's bf16 gather). A product's
+    own quantization (`einsum`) rounds the widened values back to the same e4m3 values where its
+    scale is this one (tensorwise: the layer's current amax) and once more where not (delayed)."""
+    m = jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - dims, x.ndim)), keepdims=True).astype(jnp.float32)
+    s = scale_of(jax.lax.stop_gradient(m), E4M3, 0)
+    q = jax.lax.with_sharding_constraint(cast(x, s, E4M3), storage)  # cast on the shards...
+    q = jax.lax.with_sharding_constraint(q, compute)  # ...then gathered
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
 def combine(acc, grads):
     """`acc + grads` leaf by leaf (in acc's dtype), the histories' records combined by a max: the
     microbatches' gradient accumulation."""

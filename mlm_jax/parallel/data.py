@@ -72,7 +72,7 @@ def per_rank_trace(mesh: Mesh, ranks: tuple[str, ...], rows_here: int):
         yield
 
 
-def gather_once(params, storage, compute, dtype):
+def gather_once(params, storage, compute, dtype, fp8_weights=None):
     """Storage -> compute sharding (ZeRO's all-gather), the leaves the model reads in the compute
     dtype anyway sent and kept in `dtype` (bf16 under --bf16, as Megatron's distributed optimizer
     gathers its bf16 parameter copy): the model's cast is then a no-op, and their gradients, which
@@ -80,13 +80,29 @@ def gather_once(params, storage, compute, dtype):
     accumulate them in fp32). Widened back to fp32 after the gather, they would be an fp32 copy of
     the weights wherever a loop boundary keeps XLA from folding the widening into the model's
     cast (a pipeline stage's tick loops). `dtype` None: everything in fp32. The cast is pinned to
-    the storage sharding, or propagation would replicate the fp32 input and gather that."""
+    the storage sharding, or propagation would replicate the fp32 input and gather that.
+    `fp8_weights` (--fp8-param-gather; `fp8_param_gather`): path -> a projection weight's own
+    dims, or None; those weights travel in e4m3 (`models.fp8.gather_in_fp8`)."""
     if dtype is None:
         return jax.lax.with_sharding_constraint(params, compute)
     low = jax.tree_util.tree_map_with_path(
         lambda path, x: x.astype(dtype) if used_in_compute_dtype(path) else x, params)
     low = jax.lax.with_sharding_constraint(low, storage)  # cast on the shards...
-    return jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
+    gathered = jax.lax.with_sharding_constraint(low, compute)  # ...then gathered
+    if fp8_weights is None:
+        return gathered
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, lo, st, co: lo if fp8_weights(path) is None else fp8.gather_in_fp8(x, fp8_weights(path), st, co, dtype),
+        params, gathered, storage, compute)
+
+
+def fp8_param_gather(cfg: Config):
+    """--fp8-param-gather: ZeRO gathers the projections' weights in fp8 (`gather_once`'s
+    `fp8_weights`); None without it."""
+    m = cfg.model
+    if m.fp8_param_gather and m.fp8_format is not None and cfg.parallel.use_distributed_optimizer:
+        return fp8.weight_dims(m)
+    return None
 
 
 def zero_gather_dtype(cfg: Config):

@@ -83,7 +83,7 @@ from mlm_jax.models.layers import compute_dtype
 from mlm_jax.models.moe import aux_terms
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves, pipeline_plan
-from mlm_jax.parallel.data import (gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once,
+from mlm_jax.parallel.data import (fp8_param_gather, gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once,
                                    zero_gather_dtype)
 from mlm_jax.sharding.mesh import DATA, PIPE, varying
 from mlm_jax.sharding.rules import constrain, zero_spec
@@ -263,7 +263,8 @@ class Pipeline:
         # they entered the tick loops as an fp32 copy of the stage's weights. The shared leaves
         # (embedding, head) are widened back: several stages' and slots' uses of them sum their
         # gradients, in fp32 as without ZeRO.
-        gathered = gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg))
+        gathered = gather_once(params, param_sharding, compute_sharding, zero_gather_dtype(self.cfg),
+                               fp8_param_gather(self.cfg))
         params = {k: v if k == "layers" else jax.tree.map(lambda x, p: x.astype(p.dtype), v, params[k])
                   for k, v in gathered.items()}
         program = self.program(batch["tokens"].shape[0])
