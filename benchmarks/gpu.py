@@ -1,9 +1,10 @@
 """GPT 125M / 350M / 1.3B in bf16 at seq 2048 on one GPU: tokens/s, MFU, peak memory, the
-attention backend and its time, recompute off and on, and beside the measured step the step time
+attention backend and its time, recompute off and on, an fp8 row (hybrid fp8 projections with
+delayed scaling; MFU still over the bf16 peak), and beside the measured step the step time
 `python -m mlm_jax.plan` estimates from the same compiled program (mlm_jax/plan/step_time.py) with
 its executed matmul FLOPs / model FLOPs. One command, no installs:
 
-    python benchmarks/gpu.py                       # all three, recompute off and full (< 10 min, one H200)
+    python benchmarks/gpu.py                       # all three: recompute off and full, and fp8 (off+fp8)
     python benchmarks/gpu.py --models 1.3b --recompute off,dots --steps 20
     python benchmarks/gpu.py --smoke               # tiny sizes on any backend (CPU): checks the script
     python benchmarks/gpu.py --check-blocks        # only cuDNN's ring-attention blocks against XLA's
@@ -35,7 +36,13 @@ MODELS = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}
 SMOKE = {"tiny": (2, 64, 4)}
 
 
+# "+fp8" after a recompute choice: Megatron's Llama-3 fp8 recipe (hybrid fp8 projections, delayed scaling).
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
+
+
 def flags(name: str, recompute: str, smoke: bool, micro: int) -> list[str]:
+    if recompute.endswith("+fp8"):
+        return flags(name, recompute[:-len("+fp8")], smoke, micro) + FP8
     layers, hidden, heads = (SMOKE if smoke else MODELS)[name]
     seq, vocab = (128, 512) if smoke else (2048, 50257)
     out = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
@@ -243,7 +250,9 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description="GPT 125M/350M/1.3B bf16 throughput and MFU on one GPU")
     ap.add_argument("--models", default=None, help="comma list of " + ", ".join(MODELS))
-    ap.add_argument("--recompute", default="off,full", help="comma list: off, full, selective, dots, offload")
+    ap.add_argument("--recompute", default="off,full,off+fp8",
+                    help="comma list: off, full, selective, dots, offload; +fp8 after one: fp8 projections "
+                         "(hybrid, delayed scaling)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=560, help="skip what would start after this")

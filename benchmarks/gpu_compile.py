@@ -77,6 +77,9 @@ LLAMA3_8B_DOTS = (
     "--mock-data --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 10")
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+# Megatron's Llama-3 8B fp8 recipe (tests/megatron_examples/llama3_8b_fp8.args)
+FP8_MEGATRON = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+                "--fp8-param-gather"]
 
 # name -> (what, GPUs, GPUs per node, argv)
 # Issue 49's comparison with MaxText's compiled Mixtral step: Megatron's Mixtral 8x7B shape on 8 GPUs
@@ -124,6 +127,15 @@ CASES = {
     "mixtral_ep8_micro12_capacity": ("Mixtral 8x7B shape, ep8, micro 12, capacity 1.0 padded", 8, 8,
                                      (MIXTRAL_8GPU + CAPACITY + " --expert-model-parallel-size 8 --micro-batch-size 12 "
                                       "--global-batch-size 96").split()),
+    # Issue 50: fp8 (hybrid) against the bf16 rows above, same shapes.
+    "gpt_1p3b_fp8": ("README GPT 1.3B (dp8, ZeRO, micro 8) + fp8, delayed, --fp8-param-gather", 8, 8,
+                     README_GPT_1P3B.format(micro=8).split() + FP8_MEGATRON),
+    "llama3_8b_dots_fp8_tensorwise": ("Llama-3 8B dots (above) + fp8 tensorwise", 8, 8,
+                                      LLAMA3_8B_DOTS.split() + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
+    "llama3_8b_dots_fp8": ("Llama-3 8B dots (above) + Megatron's fp8 recipe (delayed, history 1024, max, "
+                           "--fp8-param-gather)", 8, 8, LLAMA3_8B_DOTS.split() + FP8_MEGATRON),
+    "llama3_8b_fp8": ("Megatron Llama-3 8B fp8 script as written (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
+                      script_args("llama3_8b_fp8")),
 }
 
 
@@ -161,6 +173,7 @@ def run_case(name: str, gpu: str, out: Path) -> dict:
         runs = r["cudnn_attention_runs"]
         row.update(estimated_ms=1000 * t["seconds"], estimated_mfu=t["mfu"], analytic_ms=1000 * t["analytic"]["seconds"],
                    executed_ratio=t["executed_matmul_flops_ratio"], gemm_ratio=t["executed_gemm_flops_ratio"],
+                   fp8_share=t.get("fp8_matmul_flops_share", 0.0),
                    cudnn_fwd_bwd=(f"{sum(n for k, n in runs.items() if k.endswith('Softmax'))}/"
                                   f"{sum(n for k, n in runs.items() if k.endswith('SoftmaxBackward'))}"),
                    top_kernels=t["top_kernels"])
@@ -194,7 +207,7 @@ def main() -> int:
     rows = []
     print(f"{'case':<24} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9} "
           f"{'dp grads overlapped':>19} {'est. ms':>9} {'analytic ms':>11} {'est. MFU':>8} {'FLOPs/model':>11} "
-          f"{'GEMM/6NT':>8} {'cuDNN f/b':>9}  attention")
+          f"{'GEMM/6NT':>8} {'fp8':>5} {'cuDNN f/b':>9}  attention")
     for name in a.cases.split(","):
         row = run_case(name, a.gpu, out)
         rows.append(row)
@@ -202,7 +215,7 @@ def main() -> int:
             print(f"{name:<24} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
                   f"{row['compile_seconds']:>9.1f} {row.get('grad_reduce_overlap', '-'):>19} {row['estimated_ms']:>9.1f} "
                   f"{row['analytic_ms']:>11.1f} {row['estimated_mfu']:>8.1%} {row['executed_ratio']:>11.3f} "
-                  f"{row['gemm_ratio']:>8.3f} {row['cudnn_fwd_bwd']:>9}  {row['attention']}",
+                  f"{row['gemm_ratio']:>8.3f} {row['fp8_share']:>5.1%} {row['cudnn_fwd_bwd']:>9}  {row['attention']}",
                   flush=True)
         else:
             print(f"{name:<24} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)

@@ -212,6 +212,11 @@ def test_delayed_histories_roll_and_scale_from_the_largest_or_latest():
                                   np.array([[9.0, 8.0, 6.0], [0.5, 0.2, 0.1], [4e-3, 2e-3, 1e-3]], np.float32))
     assert rolled["w"] is params["layers"]["w"]
     assert float(jnp.sum(fp8.without_records(grads)["layers"][f"{fp8.HISTORY}_qkv"])) == 0.0
+    # An overflowed tensor records nothing (the next step scales by its current amax), and neither
+    # does a step whose incoming gradient is all zero (a masked pipeline slot).
+    got = fp8.record(jnp.asarray([jnp.inf, 0.5, 2e-3]), jnp.zeros((3, 2)), jnp.float32(2e-3))
+    np.testing.assert_array_equal(got, np.array([[0, 0], [0.5, 0], [2e-3, 0]], np.float32))
+    assert not np.any(np.asarray(fp8.record(jnp.ones(3), jnp.zeros((3, 2)), jnp.float32(0.0))))
 
 
 def test_delayed_scaling_trains_and_resumes_bit_exactly(tmp_path):
@@ -246,7 +251,7 @@ def test_delayed_scaling_trains_and_resumes_bit_exactly(tmp_path):
 def test_checkpoints_move_between_recipes_and_history_lengths(tmp_path):
     """A bf16 checkpoint continues under delayed fp8 (histories start empty: the first step scales
     by the current amaxes), a delayed one continues in bf16 (its histories dropped) or with a
-    shorter history (the newest entries kept)."""
+    shorter history (the newest entries kept) on another layout (dp8 -> dp4 x tp2)."""
     from mlm_jax import checkpoint as ckpt
     from tests.tiny_flags import NO_DROPOUT, tiny, train_run
 
@@ -264,8 +269,8 @@ def test_checkpoints_move_between_recipes_and_history_lengths(tmp_path):
     assert len(f) == 4 and all(np.all(h[..., :2] > 0) and np.all(h[..., 2:] == 0) for h in f.values())
     _, records, _ = train_run(base + ["--train-iters", "5", "--load", str(tmp_path / "F")], tmp_path / "b")
     assert np.isfinite([r["lm_loss"] for r in records if "lm_loss" in r]).all()
-    train_run(base + delayed + ["2", "--train-iters", "5", "--load", str(tmp_path / "F"), "--save", str(tmp_path / "G")],
-              tmp_path / "g")
+    train_run(base + delayed + ["2", "--train-iters", "5", "--load", str(tmp_path / "F"), "--save", str(tmp_path / "G"),
+                                "--tensor-model-parallel-size", "2"], tmp_path / "g")  # onto another layout too
     g = histories("G", 5)
     for key, h in g.items():
         assert h.shape[-1] == 2 and np.all(h > 0)
