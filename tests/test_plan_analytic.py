@@ -281,3 +281,20 @@ def test_the_fused_loss_chunks_its_logits_for_the_traced_platform():
         assert gpt._row_chunks(4, 2048, 50304) == 4
     with trace.using(platform="cpu"):
         assert gpt._row_chunks(4, 2048, 50304) == 32
+
+
+def test_fp8_products_run_at_twice_the_bf16_rate():
+    """--fp8-format: the projections' executed FLOPs (QKV 2048*48*128 + output 16*128*2048 + MLP
+    2*2048*8192 = 50,331,648 weights a layer; 6 FLOPs each per token, 24 layers, 524,288 tokens)
+    cost half their bf16 time; --first-last-layers-bf16 leaves its layers' out; the rest (attention
+    scores, the head) is unchanged."""
+    cfg, L = _layout(GPT_1P3B, 8)
+    fp8_cfg, _ = _layout(GPT_1P3B + " --fp8-format hybrid", 8)
+    assert analytic.fp8_flops(cfg, L) == 0
+    assert analytic.fp8_flops(fp8_cfg, L) == 6 * 50_331_648 * 24 * 256 * 2048
+    kept, _ = _layout(GPT_1P3B + " --fp8-format hybrid --first-last-layers-bf16 --num-layers-at-end-in-bf16 2", 8)
+    assert analytic.fp8_flops(kept, L) == 6 * 50_331_648 * 21 * 256 * 2048
+    hw = analytic.hardware(__import__("mlm_jax.plan.targets", fromlist=["gpu"]).gpu("h100"))
+    bf16, fp8 = (analytic.predict(c, L, hw, 8, 8)["step_seconds"] for c in (cfg, fp8_cfg))
+    saved = analytic.fp8_flops(fp8_cfg, L) / 2 / 8 / (hw.bf16_flops * hw.efficiency)
+    assert fp8 == pytest.approx(bf16 - saved, rel=1e-9)

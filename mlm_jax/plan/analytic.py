@@ -46,7 +46,8 @@ memory is calibrated against, `benchmarks/RESULTS.md`):
   its slots are counted from the schedule table itself (GPipe m, 1F1B 2*(P-1)+1, interleaved).
 
 Assumptions of the time model, stated because they are assumptions: matmuls reach
-`efficiency` (default 0.6) of the datasheet's dense bf16 peak; each layer costs a fixed 30 us
+`efficiency` (default 0.6) of the datasheet's dense bf16 peak (fp8 products of twice it:
+`fp8_flops`); each layer costs a fixed 30 us
 per microbatch beyond its FLOPs (kernel launches and small kernels, forward and backward: what
 makes fewer, larger microbatches faster at equal FLOPs); tensor-, context- and
 expert-parallel and pipeline transfers are exposed (not overlapped); the data-parallel gradient
@@ -516,6 +517,28 @@ def executed_flops(cfg, L: Layout) -> float:
     return flops
 
 
+def fp8_flops(cfg, L: Layout) -> float:
+    """Of `executed_flops`, those of fp8 products (--fp8-format; models/fp8.py): the projections
+    (QKV, attention output, the dense MLP and a MoE layer's shared expert) of the layers not kept
+    in bf16 (--first-last-layers-bf16); the experts, attention and the head stay bf16. They run at
+    twice the bf16 rate (`predict`)."""
+    m = cfg.model
+    if m.fp8_format is None:
+        return 0.0
+    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
+    start, end = (m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) if m.first_last_layers_bf16 else (0, 0)
+    shared = m.moe_shared_expert_intermediate_size or 0
+    fwd_token = 0.0
+    for i in range(start, m.num_layers - end):
+        fwd_token += 2 * (h * (a + 2 * g) * d + a * d * h)
+        if not m.is_moe_layer(i):
+            fwd_token += 2 * (h * f_gate(m) + m.ffn_size * h)
+        elif shared:
+            fwd_token += 2 * (h * shared * (2 if m.swiglu else 1) + shared * h)
+    extra = (L.recompute == "full") + (L.pp > 1)
+    return fwd_token * (3 + extra) * cfg.train.global_batch_size * cfg.train.seq_length
+
+
 def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
     """Whether `axis`'s device groups leave a node: mesh axes outer to inner pipe, data, expert,
     context, tensor (mlm_jax/sharding/mesh.py); an axis stays inside a node when it and every
@@ -684,7 +707,7 @@ def predict(cfg, L: Layout, hw: Hardware, gpus: int, per_node: int) -> dict:
     assumptions are the module docstring's)."""
     mem = memory(cfg, L)
     comm = communication(cfg, L)
-    compute = executed_flops(cfg, L) / gpus / (hw.bf16_flops * hw.efficiency)
+    compute = (executed_flops(cfg, L) - fp8_flops(cfg, L) / 2) / gpus / (hw.bf16_flops * hw.efficiency)
     compute += L.microbatches * math.ceil(cfg.model.num_layers / L.pp) * hw.layer_overhead
     compute /= 1 - bubble(L)
     exposed = 0.0
