@@ -143,8 +143,9 @@ def test_first_and_last_layers_stay_bf16():
                                   model=kept + (("num_layers_at_end_in_bf16", 0),))
     assert abs(both_loss - plain_loss) <= LOSS_ATOL and max(relative_errors(plain, both).values()) <= 1e-5
     assert abs(none_loss - fp8_loss) <= LOSS_ATOL and max(relative_errors(full, none).values()) <= 1e-5
-    # Layer 0 kept, layer 1 in fp8: neither step.
-    assert first_loss not in (plain_loss, fp8_loss)
+    # Layer 0 kept, layer 1 in fp8: neither step (the gradients show it; the loss barely moves:
+    # at init the last layer's fp8 rounding changes it by ~5e-7).
+    assert abs(first_loss - fp8_loss) > 1e-5
     assert min(max(relative_errors(ref, first).values()) for ref in (plain, full)) > 0.01
 
 
