@@ -201,10 +201,10 @@ def test_delayed_histories_roll_and_scale_from_the_largest_or_latest():
     """The step writes each record into its history (newest first, the oldest dropped), not an
     optimizer update; `max` scales from the largest entry, `most_recent` from entry 0, and an
     empty history from the current amax."""
-    rec = fp8.Recipe(delayed=True, history_max=True)
+    rec = fp8.Recipe(history_max=True)
     h = jnp.asarray([3.0, 7.0, 0.0])
     assert float(fp8.from_history(h, jnp.float32(5.0), rec)) == 7.0
-    assert float(fp8.from_history(h, jnp.float32(5.0), fp8.Recipe(delayed=True))) == 3.0
+    assert float(fp8.from_history(h, jnp.float32(5.0), fp8.Recipe())) == 3.0
     assert float(fp8.from_history(jnp.zeros(3), jnp.float32(5.0), rec)) == 5.0
     params = {"layers": {"w": jnp.ones((2, 2)), f"{fp8.HISTORY}_qkv": jnp.asarray(RECORDED)}}
     grads = {"layers": {"w": jnp.ones((2, 2)), f"{fp8.HISTORY}_qkv": jnp.zeros((3, 3)).at[:, 0].set([9.0, 0.5, 4e-3])}}
@@ -306,3 +306,12 @@ def test_fp8_param_gather_sends_e4m3_and_changes_no_product():
     assert fp8_gather["f16"] and fp8_gather["f16"] <= plain["f32"], (plain, fp8_gather)
     assert not fp8_gather["f16"] & fp8_gather["f32"], (plain, fp8_gather)
     assert len(fp8_gather["f16"]) == 4  # QKV, attention output, fc1, fc2
+    # A MoE model's experts are no projection: their weights keep the compute dtype.
+    of = fp8.weight_dims(ModelConfig(num_experts=4, moe_shared_expert_intermediate_size=32))
+    key = jax.tree_util.DictKey
+    assert of((key("layers"), key("mlp"), key("w1"))) is None
+    assert of((key("layers"), key("mlp"), key("shared"), key("w1"))) == 2
+    assert of((key("layers"), key("attention"), key("wqkv"))) == 4
+    dense_first = fp8.weight_dims(ModelConfig(num_layers=2, num_experts=4, moe_layer_freq=(0, 1)))
+    assert dense_first((key("layers"), key("mlp"), key("w1"))) == 2
+    assert dense_first((key("moe_layers"), key("mlp"), key("w1"))) is None

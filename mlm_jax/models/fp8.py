@@ -62,8 +62,7 @@ class Recipe:
     # The manual mesh axes over which this program holds only its rank's rows (the trace's
     # `rank_split` where the product is traced; its backward may be traced outside that context).
     rows_over: tuple | None = None
-    delayed: bool = False  # scales from the amax history (the recipe `delayed`)
-    history_max: bool = False  # --fp8-amax-compute-algo max (else most_recent)
+    history_max: bool = False  # delayed scaling: --fp8-amax-compute-algo max (else most_recent)
 
 
 # The leaves of the amax histories (delayed scaling): one per projection of a layer, named
@@ -89,8 +88,7 @@ def recipe(cfg: ModelConfig) -> Recipe | None:
     if cfg.fp8_format is None or _OFF:
         return None
     backward = E5M2 if cfg.fp8_format == "hybrid" else E4M3
-    return Recipe(E4M3, backward, cfg.fp8_margin, cfg.fp8_wgrad, delayed=cfg.fp8_recipe == "delayed",
-                  history_max=cfg.fp8_amax_compute_algo == "max")
+    return Recipe(E4M3, backward, cfg.fp8_margin, cfg.fp8_wgrad, history_max=cfg.fp8_amax_compute_algo == "max")
 
 
 def history(cfg: ModelConfig):
@@ -109,20 +107,17 @@ def is_history(path) -> bool:
 _PROJECTION_WEIGHTS = frozenset({"wqkv", "wo", "w1", "w2"})
 
 
-def is_projection_weight(path) -> bool:
-    """Whether a params key path leads to a projection's weight (not a MoE layer's experts')."""
-    keys = [str(getattr(k, "key", k)) for k in path]
-    experts = keys[0] == "moe_layers" and len(keys) >= 2 and keys[-2] == "mlp"
-    return bool(keys) and keys[-1] in _PROJECTION_WEIGHTS and not experts
-
-
 def weight_dims(cfg: ModelConfig):
-    """path -> how many trailing dims one layer's projection weight has (the rest stack layers;
-    None: not a projection's weight)."""
+    """path -> how many trailing dims one layer's projection weight has (the rest stack layers),
+    None where the path leads to no projection's weight (a MoE layer's experts' are none: their
+    block's `mlp` in a MoE stack, which is `layers` when the first layer is a MoE layer)."""
     dims = {"wqkv": 4, "wo": 3, "w1": 3 if cfg.swiglu else 2, "w2": 2}
+    moe_stacks = {"moe_layers"} | ({"layers"} if cfg.is_moe_layer(0) else set())
 
     def of(path) -> int | None:
-        return dims[str(getattr(path[-1], "key", path[-1]))] if is_projection_weight(path) else None
+        keys = [str(getattr(k, "key", k)) for k in path]
+        experts = keys[0] in moe_stacks and len(keys) >= 2 and keys[-2] == "mlp"
+        return dims[keys[-1]] if keys[-1] in _PROJECTION_WEIGHTS and not experts else None
 
     return of
 
