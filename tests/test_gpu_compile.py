@@ -97,14 +97,12 @@ LAYOUTS = {
     "dp8_grad_bf16_overlap": (BF16 + " --grad-reduce-in-bf16 --overlap-grad-reduce --num-layers 4", True),
     "tp2_sp_dp4_zero_overlap": (BF16 + " --tensor-model-parallel-size 2 --sequence-parallel "
                                 "--use-distributed-optimizer --overlap-grad-reduce --num-layers 4", True),
-    "fp8_tensorwise_dp8_zero": (BF16 + FP8 + " --fp8-recipe tensorwise --use-distributed-optimizer", True),
     "fp8_param_gather_dp8_zero": (BF16 + FP8 + " --use-distributed-optimizer --fp8-param-gather", True),
     "fp8_llama_pp2_1f1b_tp2_sp": (BF16 + FP8 + LLAMA + " --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "
                                   "--tensor-model-parallel-size 2 --sequence-parallel --num-layers 4 "
                                   "--fp8-amax-history-len 16 --fp8-amax-compute-algo max", True),
-    "fp8_ep4_alltoall": (BF16 + MOE + FP8 + " --expert-model-parallel-size 4", True),
-    "fp8_cp2_p2p_tp2_dots": (BF16 + FP8 + " --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2"
-                             " --recompute-granularity dots", True),
+    "fp8_tensorwise_cp2_p2p_tp2_dots": (BF16 + FP8 + " --fp8-recipe tensorwise --context-parallel-size 2 --cp-comm-type p2p "
+                                        "--tensor-model-parallel-size 2 --recompute-granularity dots", True),
 }
 FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
