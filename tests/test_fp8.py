@@ -130,16 +130,15 @@ def test_scales_never_make_nan():
     zeros = jnp.zeros((2, 4, 8))
     w = jnp.ones((8, 3))
     assert np.all(np.asarray(fp8.einsum("bsd,df->bsf", zeros, w, rec)) == 0)
-    q, s = fp8.quantize(jnp.array([1.0, -2.0, jnp.inf]), jnp.float8_e4m3fn, 0)
+    x = jnp.array([1.0, -2.0, jnp.inf])
+    s = fp8.scale_of(fp8.amax(x), jnp.float8_e4m3fn, 0)
+    q = fp8.cast(x, s, jnp.float8_e4m3fn)
     assert float(s) == 1.0 and np.asarray(q.astype(jnp.float32)).tolist() == [1.0, -2.0, 448.0]
     big = jnp.full((2, 4, 8), 3e38)
-    out = fp8.einsum("bsd,df->bsf", big, w, rec)
-    assert np.all(np.isfinite(np.asarray(out, np.float64)) | np.isinf(np.asarray(out)))
-    assert not np.any(np.isnan(np.asarray(out)))
+    assert not np.any(np.isnan(np.asarray(fp8.einsum("bsd,df->bsf", big, w, rec))))
     # The margin: 2^margin of headroom below the largest value.
-    _, s0 = fp8.quantize(jnp.array([448.0]), jnp.float8_e4m3fn, 0)
-    _, s2 = fp8.quantize(jnp.array([448.0]), jnp.float8_e4m3fn, 2)
-    assert float(s0) == 1.0 and float(s2) == 4.0
+    assert float(fp8.scale_of(jnp.float32(448.0), jnp.float8_e4m3fn, 0)) == 1.0
+    assert float(fp8.scale_of(jnp.float32(448.0), jnp.float8_e4m3fn, 2)) == 4.0
 
 
 def test_first_and_last_layers_stay_bf16():

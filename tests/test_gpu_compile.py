@@ -377,8 +377,7 @@ def test_fp8_projections_are_fp8_gemms(plans, name):
     """--fp8-format hybrid (delayed or tensorwise): the forward multiplies e4m3 x e4m3, the gradients e5m2 with e4m3, no
     product of them upcast (Triton's GEMMs upcast e5m2 x e4m3 to f16; GPU runs keep them off),
     and fp8 FLOPs are at least every projection's forward and two backward products (QKV,
-    attention output, both MLP matmuls: 3 x 2 x their weights per token and layer; a MoE layer's
-    attention only: its experts' grouped GEMM stays bf16)."""
+    attention output, both MLP matmuls: 3 x 2 x their weights per token and layer)."""
     from mlm_jax.arguments import parse_args
     from mlm_jax.plan import analytic
     from mlm_jax.validation import finalize
@@ -391,7 +390,7 @@ def test_fp8_projections_are_fp8_gemms(plans, name):
     cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
     m = cfg.model
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
-    weights = h * (a + 2 * g) * d + a * d * h + (0 if m.num_experts else h * analytic.f_gate(m) + m.ffn_size * h)
+    weights = h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     t = r["step_time"]
     assert t["fp8_matmul_flops"] >= 3 * 2 * weights * m.num_layers * tokens * (1 - 0.0015), t["fp8_matmul_flops"]

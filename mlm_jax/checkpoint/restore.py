@@ -82,7 +82,9 @@ def restore_params(found: Found, shapes: dict, shardings: dict, padded_vocab: in
 
 def history_length(m) -> int:
     """The amax history length of a model's delayed fp8 scaling (0: it keeps none)."""
-    return m.fp8_amax_history_len if m.fp8_format is not None and m.fp8_recipe == "delayed" else 0
+    from mlm_jax.models import fp8
+
+    return m.fp8_amax_history_len if fp8.delayed(m) else 0
 
 
 def _map_dicts(fn, tree):

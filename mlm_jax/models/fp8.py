@@ -46,6 +46,7 @@ from flax import nnx
 
 from mlm_jax.config import FP8_FORMATS, FP8_RECIPES, ModelConfig  # noqa: F401 (the names fp8 offers)
 from mlm_jax.sharding import trace
+from mlm_jax.sharding.mesh import varying, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -91,9 +92,14 @@ def recipe(cfg: ModelConfig) -> Recipe | None:
     return Recipe(E4M3, backward, cfg.fp8_margin, cfg.fp8_wgrad, history_max=cfg.fp8_amax_compute_algo == "max")
 
 
+def delayed(cfg: ModelConfig) -> bool:
+    """Whether the model keeps amax histories (fp8 with delayed scaling)."""
+    return cfg.fp8_format is not None and cfg.fp8_recipe == "delayed"
+
+
 def history(cfg: ModelConfig):
     """A projection's amax history under delayed scaling (zeros: none recorded), else None."""
-    if cfg.fp8_format is None or cfg.fp8_recipe != "delayed":
+    if not delayed(cfg):
         return None
     return nnx.Param(jnp.zeros((3, cfg.fp8_amax_history_len), jnp.float32), out_sharding=(None, None))
 
@@ -218,12 +224,6 @@ def cast(x: jax.Array, s: jax.Array, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype)
 
 
-def quantize(x: jax.Array, dtype, margin: int, rows_over=None) -> tuple[jax.Array, jax.Array]:
-    """(x in `dtype`, its scale) by x's current amax; `rows_over` as in `amax`."""
-    s = scale_of(amax(x, rows_over), dtype, margin)
-    return cast(x, s, dtype), s
-
-
 def from_history(h: jax.Array, current: jax.Array, rec: Recipe) -> jax.Array:
     """The amax delayed scaling uses: the history's most recent (or largest) entry, or `current`
     where none is recorded."""
@@ -262,64 +262,42 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, rec: Recipe, h: jax.Array | No
 
 def bound_einsum(spec, x, w, rec, h=None):
     """`einsum` under a recipe already bound to its trace (`here`): for a product whose
-    forward is traced again in a backward traced outside the forward's context."""
+    forward is traced again in a backward traced outside the forward's context. Tensorwise
+    scaling is delayed scaling with nothing recorded (`from_history` takes the current amaxes),
+    its record dropped with the constant history (typed as varying as the product, as its
+    record comes out)."""
     if h is None:
-        return _current(spec, x, w, rec)
-    return _delayed(spec, x, w, h, rec)
+        h = varying(jnp.zeros((3, 1), jnp.float32), sorted(varying_axes(x) | varying_axes(w)))
+    return _product(spec, x, w, h, rec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _current(spec, x, w, rec):
-    return _forward(spec, x, w, rec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _product(spec, x, w, h, rec):
+    return _forward(spec, x, w, h, rec)[0]
 
 
-def _forward(spec, x, w, rec):
-    xq, sx = quantize(x, rec.forward, rec.margin, rec.rows_over)
-    wq, sw = quantize(w, rec.forward, rec.margin)  # every rank holds the same weight
+def _forward(spec, x, w, h, rec):
+    ax, aw = amax(x, rec.rows_over), amax(w)  # every rank holds the same weight
+    sx = scale_of(from_history(h[0], ax, rec), rec.forward, rec.margin)
+    sw = scale_of(from_history(h[1], aw, rec), rec.forward, rec.margin)
+    xq, wq = cast(x, sx, rec.forward), cast(w, sw, rec.forward)
     keep = x if not rec.wgrad else xq  # --no-fp8-wgrad: the weight's gradient from x itself
-    return _scaled(spec, xq, wq, sx * sw, x.dtype), (keep, sx, wq, sw)
+    return _scaled(spec, xq, wq, sx * sw, x.dtype), (keep, sx, wq, sw, h, jnp.stack([ax, aw]))
 
 
 def _backward(spec, rec, res, dy):
-    x_kept, sx, wq, sw = res
-    gq, sg = quantize(dy, rec.backward, rec.margin, rec.rows_over)
-    return _products(spec, rec, x_kept, sx, wq, sw, gq, sg, dy)
-
-
-def _products(spec, rec, x_kept, sx, wq, sw, gq, sg, dy):
-    """(dx, dw) from the quantized gradient `gq` (scale `sg`) and the saved operands."""
+    """(dx, dw, the history's record) from the quantized incoming gradient and the saved operands."""
+    x_kept, sx, wq, sw, h, forward_amaxes = res
+    ag = amax(dy, rec.rows_over)
+    sg = scale_of(from_history(h[2], ag, rec), rec.backward, rec.margin)
+    gq = cast(dy, sg, rec.backward)
     (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
     dx = _scaled(f"{ys},{ws}->{xs}", gq, wq, sg * sw, dy.dtype)
     if rec.wgrad:
         dw = _scaled(f"{xs},{ys}->{ws}", x_kept, gq, sx * sg, dy.dtype)
     else:
         dw = jnp.einsum(f"{xs},{ys}->{ws}", x_kept, dy)
-    return dx, dw
-
-
-_current.defvjp(_forward, _backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
-def _delayed(spec, x, w, h, rec):
-    return _delayed_forward(spec, x, w, h, rec)[0]
-
-
-def _delayed_forward(spec, x, w, h, rec):
-    ax, aw = amax(x, rec.rows_over), amax(w)
-    sx = scale_of(from_history(h[0], ax, rec), rec.forward, rec.margin)
-    sw = scale_of(from_history(h[1], aw, rec), rec.forward, rec.margin)
-    xq, wq = cast(x, sx, rec.forward), cast(w, sw, rec.forward)
-    keep = x if not rec.wgrad else xq
-    return _scaled(spec, xq, wq, sx * sw, x.dtype), (keep, sx, wq, sw, h, jnp.stack([ax, aw]))
-
-
-def _delayed_backward(spec, rec, res, dy):
-    x_kept, sx, wq, sw, h, forward_amaxes = res
-    ag = amax(dy, rec.rows_over)
-    sg = scale_of(from_history(h[2], ag, rec), rec.backward, rec.margin)
-    dx, dw = _products(spec, rec, x_kept, sx, wq, sw, cast(dy, sg, rec.backward), sg, dy)
     return dx, dw, record(jnp.concatenate([forward_amaxes, ag[None]]), h, ag)
 
 
-_delayed.defvjp(_delayed_forward, _delayed_backward)
+_product.defvjp(_forward, _backward)

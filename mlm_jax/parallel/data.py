@@ -150,13 +150,8 @@ def overlaps_grad_reduce(cfg: Config, mesh: Mesh) -> bool:
     m = cfg.model
     return (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline_model_parallel_size == 1
             and reduces_once(mesh) and rank_axes(mesh) == (DATA,)
-            and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1 and not _fp8_histories(m))
-
-
-def _fp8_histories(m) -> bool:
-    """Delayed fp8 scaling: amax histories among the layers' leaves, whose records a max combines
-    (the per-layer reduction in the backward sums)."""
-    return m.fp8_format is not None and m.fp8_recipe == "delayed"
+            and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1
+            and not fp8.delayed(m))  # amax histories, whose records a max combines (the per-layer reduction sums)
 
 
 def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
@@ -169,7 +164,7 @@ def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
     why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
            "expert parallelism" if rank_axes(mesh) != (DATA,) else
-           "delayed fp8 scaling's amax histories" if _fp8_histories(cfg.model) else "mixed dense/MoE layers")
+           "delayed fp8 scaling's amax histories" if fp8.delayed(cfg.model) else "mixed dense/MoE layers")
     return f"the gradients are reduced once after the backward ({why}), not inside it"
 
 

@@ -467,19 +467,31 @@ def step_flops(cfg, L: Layout) -> float:
     2 FLOPs per multiply-add, the backward twice the forward; attention scores and values
     `4*s*a*d` per token (full, not causal, as Megatron counts); the experts' MLP top-k times)."""
     m = cfg.model
-    h, d, a, g, s = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, cfg.train.seq_length
+    h, d, a, s = m.hidden_size, m.head_dim, m.num_attention_heads, cfg.train.seq_length
+    qkvo, dense_mlp = _projection_flops(m)
     fwd_token = 0.0
     for i in range(m.num_layers):
-        qkvo = 2 * (h * (a + 2 * g) * d + a * d * h)
         scores = 4 * s * a * d
         if m.is_moe_layer(i):
             f, k = m.moe_ffn_size, m.moe_router_topk
             mlp = k * 2 * (h * f * (2 if m.swiglu else 1) + f * h) + 2 * h * m.num_experts
         else:
-            mlp = 2 * (h * f_gate(m) + m.ffn_size * h)
+            mlp = dense_mlp
         fwd_token += qkvo + scores + mlp
     fwd_token += 2 * h * m.vocab
     return 3 * fwd_token * cfg.train.global_batch_size * s
+
+
+def _projection_flops(m) -> tuple[int, int]:
+    """Forward FLOPs per token of a layer's QKV and output projections, and of a dense MLP."""
+    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
+    return 2 * (h * (a + 2 * g) * d + a * d * h), 2 * (h * f_gate(m) + m.ffn_size * h)
+
+
+def _passes(L: Layout) -> int:
+    """Forward-sized passes per step: forward and backward (3), plus one each for full recompute
+    and the pipeline's stage recompute."""
+    return 3 + (L.recompute == "full") + (L.pp > 1)
 
 
 def dense_expert_flops(cfg, L: Layout) -> float:
@@ -508,8 +520,7 @@ def executed_flops(cfg, L: Layout) -> float:
     72) and one more for the pipeline's stage recompute (both: two more); selective recompute
     runs the attention scores' forward (`4*s*a*d` per token and layer) once more; a dropless
     MoE's experts run E times their FLOPs (`dense_expert_flops`)."""
-    extra = (L.recompute == "full") + (L.pp > 1)
-    flops = (step_flops(cfg, L) + dense_expert_flops(cfg, L)) * (3 + extra) / 3
+    flops = (step_flops(cfg, L) + dense_expert_flops(cfg, L)) * _passes(L) / 3
     if L.recompute == "selective" and not fused_attention(cfg, L):  # the scores' forward again ([K] 5)
         m = cfg.model
         flops += 4 * cfg.train.seq_length * m.num_attention_heads * m.head_dim * m.num_layers * \
@@ -518,25 +529,16 @@ def executed_flops(cfg, L: Layout) -> float:
 
 
 def fp8_flops(cfg, L: Layout) -> float:
-    """Of `executed_flops`, those of fp8 products (--fp8-format; models/fp8.py): the projections
-    (QKV, attention output, the dense MLP and a MoE layer's shared expert) of the layers not kept
-    in bf16 (--first-last-layers-bf16); the experts, attention and the head stay bf16. They run at
-    twice the bf16 rate (`predict`)."""
+    """Of `executed_flops`, those of fp8 products (--fp8-format; models/fp8.py): the QKV, output
+    and dense MLP projections of the layers not kept in bf16 (--first-last-layers-bf16); the
+    experts, attention and the head stay bf16. They run at twice the bf16 rate (`predict`)."""
     m = cfg.model
     if m.fp8_format is None:
         return 0.0
-    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     start, end = (m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) if m.first_last_layers_bf16 else (0, 0)
-    shared = m.moe_shared_expert_intermediate_size or 0
-    fwd_token = 0.0
-    for i in range(start, m.num_layers - end):
-        fwd_token += 2 * (h * (a + 2 * g) * d + a * d * h)
-        if not m.is_moe_layer(i):
-            fwd_token += 2 * (h * f_gate(m) + m.ffn_size * h)
-        elif shared:
-            fwd_token += 2 * (h * shared * (2 if m.swiglu else 1) + shared * h)
-    extra = (L.recompute == "full") + (L.pp > 1)
-    return fwd_token * (3 + extra) * cfg.train.global_batch_size * cfg.train.seq_length
+    qkvo, dense_mlp = _projection_flops(m)
+    fwd_token = sum(qkvo + (0 if m.is_moe_layer(i) else dense_mlp) for i in range(start, m.num_layers - end))
+    return fwd_token * _passes(L) * cfg.train.global_batch_size * cfg.train.seq_length
 
 
 def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
