@@ -18,7 +18,7 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
-from mlm_jax.config import (FP8_FORMATS, FP8_RECIPES, CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
+from mlm_jax.config import (FP8_FORMATS, FP8_RECIPES, SHARDING_STRATEGIES, CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                             InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from mlm_jax.flag_aliases import unknown_flag
 
@@ -104,6 +104,9 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--expert-tensor-parallel-size", "parallel", "expert_tensor_parallel_size", "int", "tensor parallel size of the experts (default and only value: --tensor-model-parallel-size)"),
     ("--sequence-parallel", "parallel", "sequence_parallel", "true", "shard activations on seq over tensor"),
     ("--use-distributed-optimizer", "parallel", "use_distributed_optimizer", "true", "ZeRO-1: master params and Adam moments sharded over data"),
+    ("--use-megatron-fsdp", "parallel", "use_megatron_fsdp", "true", "sharded data parallelism (Megatron-FSDP): what --data-parallel-sharding-strategy says is split over data (see docs/parallelism/data.md)"),
+    ("--data-parallel-sharding-strategy", "parallel", "data_parallel_sharding_strategy", "str", "with --use-megatron-fsdp: no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2: gradients reduce-scattered each microbatch, held split) | optim_grads_params (default; ZeRO-3: parameters held split too, gathered one layer at a time in the forward and again in the backward)"),
+    ("--use-torch-fsdp2", "parallel", "use_torch_fsdp2", "true", "= --use-megatron-fsdp (one FSDP here; with --torch-fsdp2-no-reshard-after-forward: optim_grads)"),
     ("--pipeline-schedule", "parallel", "pipeline_schedule", "str", "gpipe | 1f1b | interleaved"),
     ("--num-virtual-stages-per-pipeline-rank", "parallel", "virtual_pipeline_model_parallel_size", "int", "interleaved chunks per rank"),
     ("--num-layers-per-virtual-pipeline-stage", "parallel", "num_layers_per_virtual_pipeline_stage", "int", "layers per interleaved chunk"),
@@ -221,7 +224,7 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--no-create-attention-mask-in-dataloader", "true", "always: the causal mask is built in the model, never by the data loader"),
     ("--log-throughput", "true", "always: tokens/s, step time and MFU are logged"),
     ("--calculate-per-token-loss", "true", "always: the loss is the sum over every unmasked token of the global batch divided by their count, whatever the microbatch and data-parallel split"),
-    ("--ckpt-format", "str", "torch_dist | zarr | torch; accepted: checkpoints are written with Orbax (layout-free)"),
+    ("--ckpt-format", "str", "torch_dist | zarr | torch | fsdp_dtensor | torch_dcp; accepted: checkpoints are written with Orbax (layout-free)"),
     ("--manual-gc", "true", "accepted, no effect: Python's garbage collector is left automatic"),
     ("--num-workers", "int", "accepted, no effect: mlm_jax's loader builds batches ahead in a background thread"),
     ("--no-mmap-bin-files", "true", "accepted, no effect: .bin files are always memory-mapped"),
@@ -229,13 +232,16 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--use-rotary-position-embeddings", "true", "= --position-embedding-type rope"),
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
     ("--fp8-interval", "int", "accepted, no effect (deprecated in Transformer Engine 1.8: scales are computed every step)"),
+    ("--torch-fsdp2-no-reshard-after-forward", "true", "with --use-torch-fsdp2: the parameters stay gathered (= --data-parallel-sharding-strategy optim_grads)"),
+    ("--num-distributed-optimizer-instances", "int", "copies of the sharded state across data parallelism (hybrid sharding); only 1 is built"),
+    ("--outer-dp-sharding-strategy", "str", "hybrid sharding's outer group: no_shard (the only value with one optimizer instance)"),
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
 ]
 
 _ACCEPTED_CHOICES = {
     "--distributed-backend": ("nccl", "gloo"),
     "--transformer-impl": ("local", "transformer_engine"),
-    "--ckpt-format": ("torch_dist", "zarr", "torch"),
+    "--ckpt-format": ("torch_dist", "zarr", "torch", "fsdp_dtensor", "torch_dcp"),
     "--empty-unused-memory-level": (0, 1, 2),
 }
 
@@ -517,6 +523,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     if args["group_query_attention"] and sections["model"].get("num_query_groups") is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _map_accepted(args, sections)
+    _check_fsdp(args, sections)
     _check_fp8(sections)
     _check_choices(sections)
     _check_schedule_flags(args, sections)
@@ -563,6 +570,41 @@ def _check_schedule_flags(args: dict[str, Any], sections: dict[str, dict[str, An
     if args["step_batch_size_schedule"] is not None and args["global_batch_size"] is not None:
         raise ConfigError("Cannot specify both --step-batch-size-schedule and --global-batch-size "
                           "(Megatron-LM's rule: the schedule gives every batch size)")
+
+
+def _check_fsdp(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
+    """--use-megatron-fsdp's rules (Megatron-FSDP, whose version 1 runs on the distributed
+    optimizer: every strategy but no_shard sets it); --use-torch-fsdp2 is the same FSDP here."""
+    parallel = sections["parallel"]
+    if args["torch_fsdp2_no_reshard_after_forward"]:
+        if not parallel.get("use_torch_fsdp2"):
+            raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
+        parallel.setdefault("data_parallel_sharding_strategy", "optim_grads")
+    if parallel.get("use_torch_fsdp2"):
+        parallel["use_megatron_fsdp"] = True
+    instances = 1 if args["num_distributed_optimizer_instances"] is None else args["num_distributed_optimizer_instances"]
+    outer = args["outer_dp_sharding_strategy"] or "no_shard"
+    if instances < 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances must be 1 or more, got {instances}")
+    if instances > 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances {instances}: hybrid sharding (the state split "
+                          "within groups of ranks, replicated across them) is not built; give 1 (the state split "
+                          "over all data-parallel ranks)")
+    if outer not in ("no_shard", "optim"):
+        raise ConfigError(f"--outer-dp-sharding-strategy {outer!r}: choose one of no_shard, optim")
+    if outer != "no_shard":
+        raise ConfigError(f"--outer-dp-sharding-strategy {outer}: hybrid sharding is not built (it needs "
+                          "--num-distributed-optimizer-instances > 1); give no_shard")
+    strategy = parallel.get("data_parallel_sharding_strategy")
+    if strategy is not None and strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(f"--data-parallel-sharding-strategy {strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+    if not parallel.get("use_megatron_fsdp"):
+        if strategy is not None:
+            raise ConfigError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it "
+                              "data parallelism is --use-distributed-optimizer's: optim, or no_shard)")
+        return
+    if (strategy or "optim_grads_params") != "no_shard":
+        parallel["use_distributed_optimizer"] = True
 
 
 def _check_fp8(sections: dict[str, dict[str, Any]]) -> None:

@@ -40,6 +40,7 @@ from mlm_jax.models.build import abstract_model, init_params
 from mlm_jax.models.gpt import GPT
 from mlm_jax.models.recompute import check_offload_platform
 from mlm_jax.optim import make_optimizer, optimizer_shardings
+from mlm_jax.parallel import fsdp
 from mlm_jax.parallel.data import overlaps_grad_reduce
 from mlm_jax.parallel.tracing import tracing
 from mlm_jax.platform import mesh_platform
@@ -123,6 +124,10 @@ def _shardings(cfg: Config, mesh: Mesh, graphdef, shapes, names) -> _Shardings:
         skip = 1 if overlaps_grad_reduce(cfg, mesh) else 0
         storage_spec = jax.tree.map(lambda s, a, n: zero_spec(s, a.shape, sizes, skip=skip * (n[:1] == ("layers",))),
                                     compute_spec, shapes, names, is_leaf=is_spec)
+        if fsdp.shards_layers(cfg):  # FSDP: each layer's own shard (gathered one layer at a time)
+            storage_spec = jax.tree_util.tree_map_with_path(
+                lambda path, st, s, a: fsdp.storage_spec(s, a.shape, sizes) if fsdp.layer_leaf(path) else st,
+                storage_spec, compute_spec, shapes, is_leaf=is_spec)
     if pipeline is not None:  # the parameters every stage computes with whole, stored split over pipe
         storage_spec = pipeline.shared_storage_specs(storage_spec, shapes)
     to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731

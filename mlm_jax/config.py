@@ -140,6 +140,11 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size (Megatron)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy): how much of the
+    # training state data parallelism splits over `data` (`sharding_strategy`; mlm_jax/parallel/fsdp.py).
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "optim_grads_params"
+    use_torch_fsdp2: bool = False  # --use-torch-fsdp2: the same FSDP (use_megatron_fsdp is set too)
     # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
     # step reduces once per step: mlm_jax/step.py `reduce_once_loss_and_grads`).
     grad_reduce_in_bf16: bool = False
@@ -155,6 +160,18 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+
+    @property
+    def sharding_strategy(self) -> str:
+        """What data parallelism splits over `data` (Megatron-FSDP's names): `no_shard` nothing,
+        `optim` the optimizer state (ZeRO-1: --use-distributed-optimizer), `optim_grads` the
+        gradients too (ZeRO-2), `optim_grads_params` the parameters too (ZeRO-3)."""
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config
 from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype
+from mlm_jax.parallel import fsdp
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
 from mlm_jax.parallel.data import (ReduceInBackward, fp8_param_gather, gather_once, leaf_reduction, overlaps_grad_reduce,
                                    per_rank_trace, rank_axes, reduce_over_ranks, reduces_once)
@@ -62,9 +63,12 @@ def loss_functions(cfg: Config, mesh, graphdef, compute: dict, storage: dict,
         return pipelined, lambda params, batch: pipeline.loss_sum(params, batch, compute)
     run, loss_sum = plain_loss_and_grads(graphdef, compute, storage)
     if reduces_once(mesh):  # one data-parallel gradient reduction per step, not per microbatch
+        bf16 = cfg.parallel.grad_reduce_in_bf16
+        layers = None
+        if fsdp.shards_layers(cfg):  # optim_grads(_params): the layers gathered and reduced one at a time
+            layers = lambda manual: fsdp.GatherPerLayer.of(cfg, storage, compute, manual, bf16)  # noqa: E731
         run = reduce_once_loss_and_grads(graphdef, compute, storage, run, compute_dtype(cfg.model),
-                                         cfg.parallel.grad_reduce_in_bf16, overlaps_grad_reduce(cfg, mesh),
-                                         fp8_param_gather(cfg))
+                                         bf16, overlaps_grad_reduce(cfg, mesh), fp8_param_gather(cfg), layers)
     return run, loss_sum
 
 
@@ -111,7 +115,7 @@ def plain_loss_and_grads(graphdef, compute: dict, storage: dict) -> tuple[LossAn
 
 def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback: LossAndGrads,
                                gather_dtype=None, bf16: bool = False, overlap: bool = False,
-                               fp8_gather=None) -> LossAndGrads:
+                               fp8_gather=None, layers=None) -> LossAndGrads:
     """Like `plain_loss_and_grads`' run, with data-parallel gradients reduced once per step.
 
     The microbatch loop runs in a shard_map that is manual over `data` only (tensor parallelism
@@ -132,6 +136,11 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
     a time inside the layer scan (`parallel.data.ReduceInBackward`): the same one reduction per
     parameter per step, now overlapping the rest of the backward. The model's step is then
     compiled twice (the loop's body and the last microbatch).
+
+    With `layers` (manual axes -> `parallel.fsdp.GatherPerLayer`: --data-parallel-sharding-strategy
+    optim_grads or optim_grads_params) the stacked layers enter the per-rank body as each rank's
+    shard of their storage, gathered one layer at a time in the layer scan, their gradients
+    reduce-scattered there and accumulated shard-sized (not reduced again after the loop).
     """
     def loss_fn(prm, mb, mb_key, weight):
         loss_sum, aux = nnx.merge(graphdef, prm).loss(mb, mb_key)
@@ -155,6 +164,9 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
         # through the loop, and each microbatch's weight gradients come in the compute dtype
         # (the same values the fp32 copy's cast would widen), accumulated in fp32.
         gathered = gather_once(params, storage, compute, gather_dtype, fp8_gather)
+        if layers is not None:  # FSDP: the layers' shards as stored (each gathered in the layer scan)
+            gathered = jax.tree_util.tree_map_with_path(lambda p, g, x: x if fsdp.layer_leaf(p) else g,
+                                                        gathered, params)
         first = jax.tree.map(lambda x: x[0], batch)
         weight = ls.token_weight(batch, loss_scale)  # one replicated argument of the shard_map
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, gathered, first, key, weight)[1])
@@ -163,6 +175,9 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
             return fallback(params, batch, key, loss_scale)
         ranks = rank_axes(mesh)
         held = jax.tree.map(lambda sharding: manual_part(sharding.spec, ranks), compute)  # the experts
+        if layers is not None:  # FSDP: each rank's shard of the stored layers
+            held = jax.tree_util.tree_map_with_path(
+                lambda p, h, st: manual_part(st.spec, ranks) if fsdp.layer_leaf(p) else h, held, storage)
 
         def start(prm):  # fp32 gradient accumulators, loss, aux
             return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), prm), jnp.zeros((), jnp.float32), aux0
@@ -211,15 +226,21 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
             grads_spec = jax.tree_util.tree_map_with_path(
                 lambda path, r: r.out_spec(ReduceInBackward.stacked(path)), reductions)
         else:
+            hook = None if layers is None else layers(ranks)
+
             def per_rank(prm, mbs, key, weight):
                 # Manual over `data` (and `expert`; tensor still GSPMD's): mbs [m, b, s] holds this
-                # rank's rows, prm this rank's experts.
-                with per_rank_trace(mesh, ranks, mbs["tokens"].shape[1]):
+                # rank's rows, prm this rank's experts (and under FSDP its shards of the layers).
+                with per_rank_trace(mesh, ranks, mbs["tokens"].shape[1]), trace.using(layer_grad_hook=hook):
                     grads, loss, aux = accumulate(prm, weight, key, start(prm), mbs)
-                # [1, ...] per rank: stacked over the ranks outside, summed there once.
-                return jax.tree.map(lambda g: g[None], (grads, loss, aux))
+                # [1, ...] per rank: stacked over the ranks outside, summed there once (FSDP's
+                # layers: reduced already, each rank's share).
+                grads = jax.tree_util.tree_map_with_path(lambda p, g: g if reduced(p) else g[None], grads)
+                return grads, loss[None], jax.tree.map(lambda a: a[None], aux)
 
-            grads_spec = jax.tree.map(lambda spec: stacked_per_rank(spec, ranks), held)
+            reduced = (lambda p: False) if layers is None else fsdp.layer_leaf
+            grads_spec = jax.tree_util.tree_map_with_path(
+                lambda p, spec: spec if reduced(p) else stacked_per_rank(spec, ranks), held)
 
         grads, loss, aux = jax.shard_map(
             per_rank, in_specs=(held, rows_over(ranks), P(), P()), out_specs=(grads_spec, P(ranks), P(ranks)),
@@ -228,7 +249,8 @@ def reduce_once_loss_and_grads(graphdef, compute: dict, storage: dict, fallback:
         if overlap:  # reduced in the backward: each rank's share assembled in storage
             grads = jax.tree.map(lambda r, g, p: r.unpiece(g, p.shape), reductions, grads, gathered)
             return jnp.sum(loss), jax.lax.with_sharding_constraint(grads, storage), aux
-        return jnp.sum(loss), reduce_over_ranks(grads, storage, bf16), aux  # the one dp reduction
+        # the one dp reduction (of all but FSDP's layers)
+        return jnp.sum(loss), reduce_over_ranks(grads, storage, bf16, None if layers is None else fsdp.layer_leaf), aux
 
     return run
 

@@ -71,6 +71,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_decoupled_lr_and_rotary(cfg)
     validate_loss_scaling(cfg)
     validate_fp8(cfg.model)
+    validate_sharded_data(cfg)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -291,6 +292,23 @@ def validate_fp8(m: ModelConfig) -> None:
     if start + end > m.num_layers:
         raise ConfigError(f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} is more "
                           f"than the model's {m.num_layers} layers")
+
+
+def validate_sharded_data(cfg: Config) -> None:
+    """--data-parallel-sharding-strategy optim_grads / optim_grads_params (mlm_jax/parallel/fsdp.py):
+    what they do not compose with yet, named."""
+    p, m = cfg.parallel, cfg.model
+    strategy = p.sharding_strategy
+    if strategy not in ("optim_grads", "optim_grads_params"):
+        return
+    flag = f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}"
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{flag} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: not built "
+                          "(the pipeline's stages gather their layers once per step); use "
+                          "--data-parallel-sharding-strategy optim (ZeRO-1) with the pipeline")
+    if m.fp8_param_gather:
+        raise ConfigError(f"{flag} with --fp8-param-gather: not built (the per-layer gather sends bf16); leave out "
+                          "--fp8-param-gather, or use --data-parallel-sharding-strategy optim")
 
 
 def validate_context_parallel(cfg: Config) -> None:

@@ -179,14 +179,15 @@ class GPT(nnx.Module):
 
         def body(x, xs):
             state_l, index, *hook_l = xs
-            if hook_l:
-                state_l = hook.at_layer(state_l, hook_l[0])
 
-            def layer():
+            def layer(state_l):
+                if hook_l:
+                    state_l = hook.at_layer(state_l, hook_l[0])
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            y, stats = fp8.per_layer(self.cfg, first + index, layer)
+            run = layer if hook is None else hook.wrap(layer)
+            y, stats = fp8.per_layer(self.cfg, first + index, lambda: run(state_l))
             if count is not None:  # a padding row: the input through, no statistics
                 y, stats = jax.tree.map(lambda out, skip: jnp.where(index < count, out, skip), (y, stats), (x, stats0))
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
@@ -197,7 +198,8 @@ class GPT(nnx.Module):
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
         """Dense and MoE layers in the pattern's order: one scan over the layers whose body
         picks the kind with lax.cond and the block's row of that kind's stack."""
-        if trace.current().layer_grad_hook is not None:
+        hook = trace.current().layer_grad_hook
+        if hook is not None and not hook.per_stack:
             raise ConfigError("a per-layer gradient hook needs one stack of layers (not mixed dense/MoE)")
         kinds = jnp.asarray(self.layer_kinds, jnp.int32)
         row = jnp.asarray(_rows_within_kind(self.layer_kinds), jnp.int32)
@@ -207,16 +209,23 @@ class GPT(nnx.Module):
         def body(x, xs):
             kind, r, index = xs
             layer_key = None if key is None else jax.random.fold_in(key, index)
-            pick = lambda st: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), st)  # noqa: E731
 
-            def dense():
-                y, _ = nnx.merge(dense_def, pick(dense_state))(x, positions_bs, segment_ids_bs, layer_key)
+            def pick(st, stack):  # row r of a stack; its weights through the hook (FSDP's gather)
+                st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), st)
+                return st if hook is None else hook.at_layer(st, (), stack)
+
+            def dense(dense_state, moe_state):
+                y, _ = nnx.merge(dense_def, pick(dense_state, "layers"))(x, positions_bs, segment_ids_bs, layer_key)
                 return y, zero_stats()
 
-            def moe():
-                return nnx.merge(moe_def, pick(moe_state))(x, positions_bs, segment_ids_bs, layer_key)
+            def moe(dense_state, moe_state):
+                return nnx.merge(moe_def, pick(moe_state, "moe_layers"))(x, positions_bs, segment_ids_bs, layer_key)
 
-            return fp8.per_layer(self.cfg, index, lambda: jax.lax.cond(kind == 1, moe, dense))
+            def either(dense_state, moe_state):
+                return jax.lax.cond(kind == 1, moe, dense, dense_state, moe_state)
+
+            run = either if hook is None else hook.wrap(either)
+            return fp8.per_layer(self.cfg, index, lambda: run(dense_state, moe_state))
 
         if self.cfg.recompute_granularity == "full":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)

@@ -111,7 +111,7 @@ def zero_gather_dtype(cfg: Config):
     return compute_dtype(cfg.model) if cfg.parallel.use_distributed_optimizer else None
 
 
-def reduce_over_ranks(grads_r, storage, bf16: bool):
+def reduce_over_ranks(grads_r, storage, bf16: bool, reduced=None):
     """The one data-parallel reduction: sum the stacked per-rank gradients [dp/data, ...] and
     place the sum in storage sharding (an all-reduce, or a reduce-scatter under ZeRO).
 
@@ -119,7 +119,15 @@ def reduce_over_ranks(grads_r, storage, bf16: bool):
     fp32 gradient is rounded to bf16, reduced in bf16 (lax.reduce: jnp.sum would accumulate
     bf16 in fp32 and so reduce in fp32) and widened to fp32 only after the collective.
     Delayed fp8 scaling's amax records are combined by a max (`models.fp8.sum_over`).
+    `reduced` (path -> bool; None: none): the leaves reduced already, passed as they are (FSDP's
+    layers, reduce-scattered in their backward: `parallel.fsdp`).
     """
+    if reduced is not None:  # the others reduced (None: an empty subtree), then put back beside them
+        prune = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: None if reduced(p) else x, tree)  # noqa: E731
+        rest = reduce_over_ranks(prune(grads_r), prune(storage), bf16)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, g, r, st: jax.lax.with_sharding_constraint(g, st) if reduced(p) else r, grads_r, rest, storage,
+            is_leaf=lambda x: x is None)
     if not bf16:
         return jax.lax.with_sharding_constraint(fp8.sum_over(grads_r), storage)
     summed = fp8.sum_over(
@@ -151,7 +159,8 @@ def overlaps_grad_reduce(cfg: Config, mesh: Mesh) -> bool:
     return (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline_model_parallel_size == 1
             and reduces_once(mesh) and rank_axes(mesh) == (DATA,)
             and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1
-            and not fp8.delayed(m))  # amax histories, whose records a max combines (the per-layer reduction sums)
+            and not fp8.delayed(m)  # amax histories, whose records a max combines (the per-layer reduction sums)
+            and cfg.parallel.sharding_strategy not in ("optim_grads", "optim_grads_params"))  # FSDP does it already
 
 
 def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
@@ -162,6 +171,9 @@ def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return None
     if not reduces_once(mesh):
         return "no effect: the data-parallel size is 1, there is no gradient reduction"
+    if p.sharding_strategy in ("optim_grads", "optim_grads_params"):
+        return (f"--data-parallel-sharding-strategy {p.sharding_strategy} reduce-scatters each layer's gradient in "
+                "its backward already")
     why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
            "expert parallelism" if rank_axes(mesh) != (DATA,) else
            "delayed fp8 scaling's amax histories" if fp8.delayed(cfg.model) else "mixed dense/MoE layers")
@@ -204,6 +216,22 @@ class LeafReduction:
             return block(total)
         return jax.shard_map(block, in_specs=self.compute, out_specs=out_spec, axis_names=set(split),
                              check_vma=False)(total)
+
+    def gather(self, share: jax.Array) -> jax.Array:
+        """The inverse: this rank's `share` all-gathered over `data` on `dim` (the whole leaf), on
+        each device's block as `__call__` reduces (FSDP's layer gather: `parallel.fsdp`)."""
+        assert self.groups == 1, "a gather of a dim split over other axes first"
+        if self.dim is None:
+            return share
+        split = tuple(dict.fromkeys(a for e in self.compute for a in entry_axes(e)))
+
+        def block(x):
+            return jax.lax.all_gather(x, DATA, axis=self.dim, tiled=True)
+
+        if not split:
+            return block(share)
+        return jax.shard_map(block, in_specs=self.compute, out_specs=self.compute, axis_names=set(split),
+                             check_vma=False)(share)
 
     def share_shape(self, shape, num_ranks: int) -> tuple[int, ...]:
         """A rank's share of the reduced gradient of a `shape` leaf (or layer slice), as `__call__`
@@ -276,6 +304,7 @@ class ReduceInBackward:
     shares: Any  # zeros like each rank's share of the reduced gradients
 
     STACKED = "layers"  # the parameters' key of the stacked layers
+    per_stack = False  # one stack only (`at_layer` knows no other; mixed dense/MoE layers refuse it)
 
     @classmethod
     def stacked(cls, path) -> bool:
@@ -312,6 +341,10 @@ class ReduceInBackward:
         assert [a.shape for a in acc] == [w.shape for w in leaves], "layer_inputs: another stack"
         treedef = jax.tree.structure(layer_state)
         return jax.tree.unflatten(treedef, acc), jax.tree.unflatten(treedef, shares)
+
+    def wrap(self, layer_fn):
+        """`layer_fn` as the layer scan runs it: as it is."""
+        return layer_fn
 
     def at_layer(self, state_l, inputs_l):
         """One layer's weights `state_l`, each passed through its hook with its slice of the scan
