@@ -50,6 +50,7 @@ def layout_record(pz) -> dict:
 
     return {"mesh": {k: int(v) for k, v in pz.mesh.shape.items()},
             "distributed_optimizer": bool(pz.cfg.parallel.use_distributed_optimizer),
+            "sharding_strategy": pz.cfg.parallel.sharding_strategy,
             "processes": jax.process_count(), "platform": jax.devices()[0].platform}
 
 
@@ -58,8 +59,16 @@ def describe_layout(layout: dict | None) -> str:
         return "?"
     m = layout["mesh"]
     return (" x ".join(f"{k}={v}" for k, v in m.items() if v > 1) or "1 device") + (
-        ", ZeRO" if layout.get("distributed_optimizer") else "") + (
+        _strategy(layout)) + (
         f", {layout['processes']} processes" if layout.get("processes", 1) > 1 else "")
+
+
+def _strategy(layout: dict) -> str:
+    """', ZeRO' (the distributed optimizer), ', FSDP optim_grads(_params)', or nothing."""
+    strategy = layout.get("sharding_strategy")
+    if strategy in ("optim_grads", "optim_grads_params"):
+        return f", FSDP {strategy}"
+    return ", ZeRO" if layout.get("distributed_optimizer") else ""
 
 
 # --------------------------------------------------------------------------- restore

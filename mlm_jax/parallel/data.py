@@ -191,6 +191,7 @@ class LeafReduction:
     groups: int = 1
     bf16: bool = False  # --grad-reduce-in-bf16: the collective runs in bf16
     compute: P = P()  # the gradient's sharding over the axes left to the compiler (tensor)
+    also_over: tuple = ()  # manual axes summed over too, whole (FSDP's layers under expert parallelism)
 
     def __call__(self, total: jax.Array) -> jax.Array:
         """The per-rank fp32 gradient `total` reduced over `data`: this rank's share, fp32.
@@ -202,6 +203,8 @@ class LeafReduction:
 
         def block(x):  # this device's block of the gradient
             out = psum(x.astype(jnp.bfloat16) if self.bf16 else x, DATA, self.dim)
+            if self.also_over:
+                out = psum(out, self.also_over)
             if self.dim is not None and self.groups > 1:  # [.., n / t / dp, ..] -> [.., 1, n / t / dp, ..]
                 out = jnp.expand_dims(out, self.dim)
             return out.astype(jnp.float32)

@@ -40,7 +40,7 @@ from mlm_jax.config import Config
 from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype, used_in_compute_dtype
 from mlm_jax.sharding.mesh import DATA
-from mlm_jax.sharding.specs import auto_part
+from mlm_jax.sharding.specs import auto_part, entry_axes
 
 # The parameters' keys of the stacked layers (dense, and MoE in a mixed stack).
 STACKS = ("layers", "moe_layers")
@@ -126,7 +126,10 @@ class GatherPerLayer:
             if not layer_leaf(path):
                 return None
             r = leaf_reduction(st.spec, co.spec, sizes, True, bf16)
-            r = dataclasses.replace(r, compute=auto_part(r.compute, manual))
+            # Rows are split over every manual axis: a weight not split over one (expert) sums over it too.
+            held = {a for e in st.spec for a in entry_axes(e)}
+            r = dataclasses.replace(r, compute=auto_part(r.compute, manual),
+                                    also_over=tuple(a for a in manual if a != DATA and a not in held))
             return _Leaf(r, dtype if used_in_compute_dtype(path) else None)
 
         stacks = {key: jax.tree_util.tree_map_with_path(lambda p, st, co: leaf(((jax.tree_util.DictKey(key),) + p), st, co),
