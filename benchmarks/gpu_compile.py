@@ -76,6 +76,15 @@ LLAMA3_8B_DOTS = (
     "--global-batch-size 8 --bf16 --use-distributed-optimizer --recompute-granularity dots --vocab-size 128256 "
     "--mock-data --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 10")
 
+# Llama-3 70B's shape on 64 H100: tp8 + SP within a node, FSDP (optim_grads_params) over the 8 nodes.
+LLAMA3_70B_FSDP_TP8 = (
+    "--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --group-query-attention "
+    "--num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope --swiglu "
+    "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
+    "--global-batch-size 64 --bf16 --use-megatron-fsdp --tensor-model-parallel-size 8 --sequence-parallel "
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --vocab-size 128256 "
+    "--mock-data --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 10")
+
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 # Megatron's Llama-3 8B fp8 recipe (tests/megatron_examples/llama3_8b_fp8.args)
 FP8_MEGATRON = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
@@ -134,6 +143,16 @@ CASES = {
                                       LLAMA3_8B_DOTS.split() + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
     "llama3_8b_dots_fp8": ("Llama-3 8B dots (above) + Megatron's fp8 recipe (delayed, history 1024, max, "
                            "--fp8-param-gather)", 8, 8, LLAMA3_8B_DOTS.split() + FP8_MEGATRON),
+    # Issue 51: sharded data parallelism (Megatron-FSDP) against the ZeRO-1 row above, same shapes.
+    "llama3_8b_dots_fsdp": ("Llama-3 8B dots (above) with --use-megatron-fsdp (optim_grads_params)", 8, 8,
+                            LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp"]),
+    "llama3_8b_dots_fsdp_grads": ("Llama-3 8B dots (above) with --use-megatron-fsdp --data-parallel-sharding-strategy "
+                                  "optim_grads", 8, 8, LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp",
+                                  "--data-parallel-sharding-strategy", "optim_grads"]),
+    "llama3_70b_fsdp_tp8": ("Llama-3 70B shape, tp8 SP x FSDP 8 (optim_grads_params), full recompute, micro 1, "
+                            "global 64", 64, 8, LLAMA3_70B_FSDP_TP8.split()),
+    "llama3_70b_zero1_tp8": ("the same with --use-distributed-optimizer (ZeRO-1) instead of FSDP", 64, 8,
+                             LLAMA3_70B_FSDP_TP8.replace("--use-megatron-fsdp", "--use-distributed-optimizer").split()),
     "llama3_8b_fp8": ("Megatron Llama-3 8B fp8 script as written (seq 8192, dp8 ZeRO, fused attention)", 8, 8,
                       script_args("llama3_8b_fp8")),
 }

@@ -35,7 +35,7 @@ and one of mlm_jax's own, `NO_COMPILER_RECOMPUTE`:
 
 and XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (JAX's allocator takes 75 % of device memory by default).
 
-Under --sequence-parallel and under context parallelism the pipelined all-gather is left out,
+Under --sequence-parallel, context parallelism and FSDP the pipelined all-gather is left out,
 --overlap-param-gather or not: the all-gathers it pipelines are then the sequence gathers (SP) or
 the key/value gathers and ring blocks (context) inside every layer, and to run them a
 step early XLA's collective pipeliner hoists the *next microbatch's* forward into the
@@ -46,7 +46,11 @@ where the scheduler overlaps it and the pipeliner has nothing to do. Measured, H
 deviceless: GPT 1.3B shapes, 4 layers, tp2 SP dp4 ZeRO, micro 2: 3.56 GiB of temporaries with
 it, 2.08 without (2.25 without SP); Llama-3 70B tp4 x pp4 SP ZeRO (Megatron's Llama-3 script,
 --overlap-param-gather on): 81.74 GiB per device with it, 58.27 without; no layout without SP
-changes (benchmarks/RESULTS.md). Context parallelism: the tiny cp2 x tp2 p2p step ran every
+changes (benchmarks/RESULTS.md). FSDP (--data-parallel-sharding-strategy optim_grads(_params),
+mlm_jax/parallel/fsdp.py) gathers each layer's weights inside the layer loop: left out there too
+(GPT 350M shapes, 8 layers, dp8, 2 microbatches: 6.29 GiB with it, 3.67 without; Llama-3 8B
+dp8 micro 1: 43.43 and 42.92 GiB, the estimated step 596 and 594 ms, every gather overlapped
+either way). Context parallelism: the tiny cp2 x tp2 p2p step ran every
 microbatch's matmuls twice with it (2.000 x 6NT, the estimated step 22.9 ms, 29.1 MiB of
 temporaries), 1.048 x 6NT, 12.9 ms and 17.8 MiB without; allgather and a2a likewise.
 
@@ -117,7 +121,8 @@ def gpu_flags(parallel: ParallelConfig, existing: str = "") -> list[str]:
     --sequence-parallel or context parallelism without the pipelined all-gather, see above),
     less those `existing` (XLA_FLAGS) already sets."""
     flags = GPU_TRAINING + tuple(overlap_flags(parallel))
-    gathers_in_layers = parallel.sequence_parallel or parallel.context_parallel_size > 1
+    gathers_in_layers = (parallel.sequence_parallel or parallel.context_parallel_size > 1
+                         or parallel.sharding_strategy in ("optim_grads", "optim_grads_params"))
     return _not_given([f for f in flags if not (gathers_in_layers and f == _PIPELINED_ALL_GATHER)], existing)
 
 

@@ -38,6 +38,11 @@ LAYOUTS = {
     "pp2_dp4_zero": " --pipeline-model-parallel-size 2 --use-distributed-optimizer",
     "pp2_dp4_zero_recompute": " --pipeline-model-parallel-size 2 --use-distributed-optimizer"
                               " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    # Megatron-FSDP: the layers gathered and reduce-scattered per microbatch inside the layer loop.
+    "dp8_fsdp": " --use-megatron-fsdp",
+    "dp8_fsdp_optim_grads": " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+    "tp2_sp_dp4_fsdp_recompute": " --tensor-model-parallel-size 2 --sequence-parallel --use-megatron-fsdp"
+                                 " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     # Tensor collectives inside the pipeline's ticks (every tick runs its slots' layers).
     "pp2_tp2_sp_dp2_zero": " --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
                            " --use-distributed-optimizer",

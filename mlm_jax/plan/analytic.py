@@ -104,6 +104,9 @@ class Layout:
     vp: int = 1  # virtual pipeline stages per rank
     sp: bool = False
     zero: bool = False
+    # Megatron-FSDP's optim_grads / optim_grads_params (mlm_jax/parallel/fsdp.py): the layers'
+    # gradients (and parameters) split over data too, gathered a layer at a time; None: neither.
+    fsdp: str | None = None
     micro: int = 1
     microbatches: int = 1
     recompute: str | None = None  # None, "selective", "full" (uniform, 1 layer)
@@ -123,6 +126,7 @@ def layout_of(cfg, world: int) -> Layout:
                   ep=p.expert_model_parallel_size, dp=data_parallel_size(p, world),
                   vp=vp, sp=p.sequence_parallel,
                   zero=p.use_distributed_optimizer, micro=cfg.train.micro_batch_size,
+                  fsdp=p.sharding_strategy if p.sharding_strategy in ("optim_grads", "optim_grads_params") else None,
                   microbatches=num_microbatches(cfg, world) or 1, recompute=rec, schedule=p.pipeline_schedule)
 
 
@@ -202,7 +206,7 @@ def param_counts(m, L: Layout) -> dict:
     expert_compute = experts / (L.tp * L.ep)
     compute = layers_compute + expert_compute + emb_compute + emb_rep
     stored = layers_compute + expert_compute + (emb_t / L.tp + emb_rep) / L.pp
-    return {"stored": stored, "compute": compute, "expert": expert_compute}
+    return {"stored": stored, "compute": compute, "expert": expert_compute, "layers": layers_compute + expert_compute}
 
 
 # --------------------------------------------------------------------------- activations
@@ -404,8 +408,28 @@ def memory(cfg, L: Layout) -> dict:
         "logits": act["logits"],
         "expert_working_set": expert_working_bytes(cfg, L),
     }
+    if L.fsdp:
+        out.update(_sharded_layers(cfg, L, n, low))
     out["total"] = sum(out.values())
     return out
+
+
+def _sharded_layers(cfg, L: Layout, n: dict, low: bool) -> dict:
+    """The memory terms FSDP changes (mlm_jax/parallel/fsdp.py; no pipeline): the layers' compute
+    copy is whole only under optim_grads (the forward's gathered weights kept for the backward),
+    two layers' worth under optim_grads_params (the one computing and the next being gathered);
+    their fp32 gradient accumulator is each rank's shard (1/dd, dd the data axis: dp / ep); a
+    microbatch's weight gradients in the compute dtype are one layer's at a time. The other
+    parameters (embeddings, head, final norm) stay as ZeRO-1 holds them."""
+    layers, rest = n["layers"], n["compute"] - n["layers"]
+    per_layer = layers / cfg.model.num_layers
+    gathered = layers if L.fsdp == "optim_grads" else 2 * per_layer
+    dd = max(L.dp // L.ep, 1)
+    return {
+        "compute_copy": (2 if low else 4) * (rest + gathered),
+        "gradients": 4 * layers / dd + (0 if L.microbatches == 1 else 4 * rest),
+        "microbatch_gradients": (2 if low else 4) * (rest + per_layer),
+    }
 
 
 def expert_working_bytes(cfg, L: Layout) -> float:
@@ -692,7 +716,30 @@ def communication(cfg, L: Layout) -> dict:
             out["data"] = ((grad + 2) * experts + 2 * rest if L.zero else 2 * grad * experts) * (dd - 1) / dd
     elif L.dp > 1:
         out["data"] = (grad + 2 if L.zero else 2 * grad) * n * (L.dp - 1) / L.dp
+    if L.fsdp and L.dp > 1:  # the layers gathered and reduce-scattered per microbatch, over data
+        _sharded_layers_communication(cfg, L, out, grad)
     return out
+
+
+def _sharded_layers_communication(cfg, L: Layout, out: dict, grad: int) -> None:
+    """FSDP's bytes (no pipeline): per microbatch each layer's weights gathered in the compute
+    dtype for the forward (and again for the backward under optim_grads_params: the biases'
+    are not needed there, not counted apart) and its gradient reduce-scattered, over `data`
+    (dd = dp / ep ranks); the weights not split over `expert` all-reduce their shard over it too.
+    The embeddings and head as ZeRO-1's, once per step: in `out` already, less the layers."""
+    counts = param_counts(cfg.model, L)
+    layers, experts = counts["layers"], counts["expert"]
+    dd = L.dp // L.ep
+    per_mb = (2 + (2 if L.fsdp == "optim_grads_params" else 0) + grad) * layers * L.microbatches
+    if L.ep > 1:  # the step-once terms above counted the layers too: take them out
+        rest = counts["compute"] - layers
+        out["data+expert"] = 2 * grad * rest * (L.dp - 1) / L.dp
+        out["data"] = (2 * rest if L.zero else 0) * (dd - 1) / dd
+        out["expert"] = out.get("expert", 0) + 2 * grad * (layers - experts) / dd * L.microbatches * (L.ep - 1) / L.ep
+    else:
+        out["data"] = (grad + 2) * (counts["compute"] - layers) * (L.dp - 1) / L.dp
+    if dd > 1:
+        out["data"] += per_mb * (dd - 1) / dd
 
 
 def bubble(L: Layout) -> float:
