@@ -151,6 +151,9 @@ CASES = {
                                   "--data-parallel-sharding-strategy", "optim_grads"]),
     "llama3_70b_fsdp_tp8": ("Llama-3 70B shape, tp8 SP x FSDP 8 (optim_grads_params), full recompute, micro 1, "
                             "global 64", 64, 8, LLAMA3_70B_FSDP_TP8.split()),
+    "llama3_70b_fsdp_tp8_micro8": ("the same FSDP layout at micro 8 (one microbatch a step: one gather of each layer "
+                                   "forward and backward)", 64, 8,
+                                   LLAMA3_70B_FSDP_TP8.replace("--micro-batch-size 1", "--micro-batch-size 8").split()),
     "llama3_70b_zero1_tp8": ("the same with --use-distributed-optimizer (ZeRO-1) instead of FSDP", 64, 8,
                              LLAMA3_70B_FSDP_TP8.replace("--use-megatron-fsdp", "--use-distributed-optimizer").split()),
     "llama3_8b_fp8": ("Megatron Llama-3 8B fp8 script as written (seq 8192, dp8 ZeRO, fused attention)", 8, 8,

@@ -103,8 +103,14 @@ LAYOUTS = {
                                   "--fp8-amax-history-len 16 --fp8-amax-compute-algo max", True),
     "fp8_tensorwise_cp2_p2p_tp2_dots": (BF16 + FP8 + " --fp8-recipe tensorwise --context-parallel-size 2 --cp-comm-type p2p "
                                         "--tensor-model-parallel-size 2 --recompute-granularity dots", True),
+    # Megatron-FSDP: 4 layers, each gathered and reduce-scattered inside the layer loop
+    "fsdp_params_dp8": (BF16 + " --use-megatron-fsdp --num-layers 4", True),
+    "fsdp_params_tp2_sp_dp4": (BF16 + " --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel "
+                               "--num-layers 4", True),
+    "fsdp_grads_dp8": (BF16 + " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --num-layers 4", True),
 }
 FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]
+FSDP = [n for n in LAYOUTS if "--use-megatron-fsdp" in LAYOUTS[n][0]]
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
 DENSE = [n for n in LAYOUTS if "--num-experts" not in LAYOUTS[n][0] and LAYOUTS[n][0].startswith(BF16)]
 MIB = 2**20
@@ -238,7 +244,7 @@ def test_zero_gathers_parameters_in_the_compute_dtype(plans, name):
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if ("dp" in n or "zero" in n or n in ("fp16", "fp32", "dropout"))
-                                  and n not in OVERLAP])
+                                  and n not in OVERLAP + FSDP])
 def test_gradient_reduction_once_outside_loops(plans, name):
     r = _plan(plans, name)
     grads = _collectives(r, axis="data", kinds=("all-reduce", "reduce-scatter"), min_bytes=64 * 1024)
@@ -276,6 +282,44 @@ def test_overlap_grad_reduce_reduces_each_layer_in_the_backward_overlapping_comp
         params //= 2
         assert all(c["dtypes"] == ["bf16"] for c in grads), [c["dtypes"] for c in grads]
     assert sum(c["bytes"] for c in grads if c["in_branch"]) <= 1.05 * params, (grads, params)
+
+
+# One layer's weights of the tiny model in bf16 (h 256, MLP 1024: 12 h^2, and its biases and
+# norms): a per-layer gather carries at most two layers' (3.2 MiB); the 4 layers' stack 6.3 MiB.
+LAYER_BF16_BYTES = 2 * (12 * 256**2 + 13 * 256)
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_gathers_and_reduce_scatters_one_layer_at_a_time_inside_the_layer_loop(plans, name):
+    """--use-megatron-fsdp: the layers' weights all-gathered over `data` in bf16 inside the layer
+    loop, a layer (or two combined) at a time, never the stack; under optim_grads_params again
+    in the backward (the gathered bytes of a step twice the forward's); their gradients
+    reduce-scattered inside the loop; no data-parallel gradient all-reduced whole; the gathers
+    and most of the loop's reductions asynchronous beside compute."""
+    r = _plan(plans, name)
+    tp = r["mesh"].get("tensor", 1)
+    gathers = _collectives(r, axis="data", kinds=("all-gather",), min_bytes=64 * 1024)
+    assert max(c["bytes"] for c in gathers) <= 2.05 * LAYER_BF16_BYTES / tp, [(c["bytes"], c["op_name"]) for c in gathers]
+    in_loop = [c for c in gathers if c["in_loop"]]
+    assert sum(c["bytes_by_dtype"].get("bf16", 0) for c in in_loop) >= 0.98 * sum(c["bytes"] for c in in_loop)
+    # Bytes gathered a step: each layer once per microbatch (4 layers), twice under
+    # optim_grads_params; the embedding's gather besides.
+    gathered = sum(c["bytes"] * c["runs"] for c in gathers)
+    microbatches = 32 // (2 * r["mesh"]["data"])  # global batch / (micro batch x dp)
+    forward = microbatches * 4 * LAYER_BF16_BYTES / tp
+    assert (1.9 * forward if "fsdp_params" in name else 0.95 * forward) <= gathered, (gathered, forward)
+    assert gathered <= (2.2 if "fsdp_params" in name else 1.2) * forward, (gathered, forward)
+    scattered = _collectives(r, axis="data", kinds=("reduce-scatter",), min_bytes=64 * 1024)
+    assert sum(c["runs"] for c in scattered if c["in_loop"]) >= 4, scattered
+    assert not _collectives(r, axis="data", kinds=("all-reduce",), min_bytes=64 * 1024)
+    assert all(c["is_async"] and c["overlapped"] for c in gathers), [(c["bytes"], c["is_async"], c["overlapped"])
+                                                                     for c in gathers]
+    # The loop's reductions overlap the backward, but the last layer's of a microbatch, which
+    # has no compute left beside it (XLA runs it synchronously).
+    looped = [c for c in scattered if c["in_loop"]]
+    overlapped = sum(c["runs"] for c in looped if c["is_async"] and c["overlapped"])
+    assert overlapped >= 0.6 * sum(c["runs"] for c in looped), [
+        (c["bytes"], c["runs"], c["is_async"], c["overlapped"]) for c in looped]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -179,21 +179,20 @@ class GPT(nnx.Module):
 
         def body(x, xs):
             state_l, index, *hook_l = xs
+            if hook_l:
+                state_l = hook.at_layer(state_l, hook_l[0])
 
-            def layer(state_l):
-                if hook_l:
-                    state_l = hook.at_layer(state_l, hook_l[0])
+            def layer():
                 layer_key = None if key is None else jax.random.fold_in(key, first + index)
                 return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            run = layer if hook is None else hook.wrap(layer)
-            y, stats = fp8.per_layer(self.cfg, first + index, lambda: run(state_l))
+            y, stats = fp8.per_layer(self.cfg, first + index, layer)
             if count is not None:  # a padding row: the input through, no statistics
                 y, stats = jax.tree.map(lambda out, skip: jnp.where(index < count, out, skip), (y, stats), (x, stats0))
             return y, stats  # per-layer statistics as scan outputs: any manual-axis type
 
         # --recompute-granularity / -method / -num-layers (mlm_jax/models/recompute.py)
-        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n), *hook_xs), n, self.cfg)
+        return scan_layers(body, x_bsd, (layer_state, jnp.arange(n), *hook_xs), n, self.cfg, hook)
 
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
         """Dense and MoE layers in the pattern's order: one scan over the layers whose body
@@ -224,11 +223,13 @@ class GPT(nnx.Module):
             def either(dense_state, moe_state):
                 return jax.lax.cond(kind == 1, moe, dense, dense_state, moe_state)
 
-            run = either if hook is None else hook.wrap(either)
-            return fp8.per_layer(self.cfg, index, lambda: run(dense_state, moe_state))
+            return fp8.per_layer(self.cfg, index, lambda: either(dense_state, moe_state))
 
         if self.cfg.recompute_granularity == "full":
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+            keep = (lambda prim, params: False) if hook is None else hook.keeps
+            body = jax.checkpoint(body, policy=lambda prim, *_, **params: keep(prim, params))
+        elif hook is not None:  # FSDP's layers gathered again in the backward (no other policy here)
+            body = hook.wrap(body)
         n = len(self.layer_kinds)
         x_bsd, stats_l = jax.lax.scan(body, x_bsd, (kinds, row, jnp.arange(n)))
         return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)

@@ -86,34 +86,47 @@ def _policy(granularity: str):
     return policy
 
 
-def _remat(fn: Callable, granularity: str, scanned_rows: int = 0) -> Callable:
+def _remat(fn: Callable, granularity: str, scanned_rows: int = 0, keep: Callable | None = None) -> Callable:
     """`fn` recomputed per `granularity`, to run as the body of a scan of `scanned_rows` rows (0:
-    called outside any scan)."""
-    return jax.checkpoint(fn, policy=_policy(granularity), prevent_cse=scanned_rows < 2)
+    called outside any scan); `keep` ((prim, params) -> bool): values kept whatever the policy."""
+    policy = _policy(granularity)
+    if keep is not None:
+        base = policy
+
+        def policy(prim, *args, **params):
+            return keep(prim, params) or base(prim, *args, **params)
+
+    return jax.checkpoint(fn, policy=policy, prevent_cse=scanned_rows < 2)
 
 
 def _rows(xs, start: int, stop: int):
     return jax.tree.map(lambda a: a[start:stop], xs)
 
 
-def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig):
+def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig, hook=None):
     """Run `body` ((x, xs_l) -> (x, stats_l)) over the `n` stacked rows of `xs` with the
-    recompute policy of `cfg`; returns (the final x, the per-layer stats summed over layers)."""
+    recompute policy of `cfg`; returns (the final x, the per-layer stats summed over layers).
+    `hook` (the trace's `layer_grad_hook`, or None): `hook.wrap(body)` is what a body that no
+    recompute policy covers runs as, and `hook.keeps(prim, params)` what every policy keeps
+    besides its own (FSDP's gathered weights: gathered again in the backward under
+    optim_grads_params, kept from the forward under optim_grads; `parallel.fsdp`)."""
     g = cfg.recompute_granularity
+    plain = body if hook is None else hook.wrap(body)
+    keep = None if hook is None else hook.keeps
     if g in (None, "selective"):
-        return _scan_sum(body, x, xs, unroll=unrolled(n, g))
+        return _scan_sum(plain, x, xs, unroll=unrolled(n, g))
     if g in ("dots", "offload"):
-        return _scan_sum(_remat(body, g, n), x, xs)
+        return _scan_sum(_remat(body, g, n, keep), x, xs)
     k = cfg.recompute_num_layers or 1
     if cfg.recompute_method == "block":
         k = min(k, n)
-        x, stats = _scan_sum(_remat(body, "full", k), x, _rows(xs, 0, k))
+        x, stats = _scan_sum(_remat(body, "full", k, keep), x, _rows(xs, 0, k))
         if k < n:
-            x, rest = _scan_sum(body, x, _rows(xs, k, n))
+            x, rest = _scan_sum(plain, x, _rows(xs, k, n))
             stats = jax.tree.map(jnp.add, stats, rest)
         return x, stats
     if k == 1:
-        return _scan_sum(_remat(body, "full", n), x, xs)
+        return _scan_sum(_remat(body, "full", n, keep), x, xs)
     groups = n // k
 
     def group(x, xs_group):  # k layers; only the group's input is kept
@@ -122,9 +135,9 @@ def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig):
     stats = None
     if groups:
         grouped = jax.tree.map(lambda a: a[: groups * k].reshape(groups, k, *a.shape[1:]), xs)  # [G, k, ...]
-        x, stats = _scan_sum(_remat(group, "full", groups), x, grouped)
+        x, stats = _scan_sum(_remat(group, "full", groups, keep), x, grouped)
     if groups * k < n:  # an uneven pipeline stage: the remainder as one more group
-        x, rest = _remat(group, "full")(x, _rows(xs, groups * k, n))
+        x, rest = _remat(group, "full", 0, keep)(x, _rows(xs, groups * k, n))
         stats = rest if stats is None else jax.tree.map(jnp.add, stats, rest)
     return x, stats
 

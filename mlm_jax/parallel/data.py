@@ -345,9 +345,14 @@ class ReduceInBackward:
         treedef = jax.tree.structure(layer_state)
         return jax.tree.unflatten(treedef, acc), jax.tree.unflatten(treedef, shares)
 
-    def wrap(self, layer_fn):
-        """`layer_fn` as the layer scan runs it: as it is."""
-        return layer_fn
+    def wrap(self, body):
+        """A layer scan's body where no recompute policy covers it: as it is."""
+        return body
+
+    @staticmethod
+    def keeps(prim, params) -> bool:
+        """Nothing kept beside the recompute policy's own."""
+        return False
 
     def at_layer(self, state_l, inputs_l):
         """One layer's weights `state_l`, each passed through its hook with its slice of the scan

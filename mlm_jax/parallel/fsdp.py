@@ -15,8 +15,9 @@ layers, and inside the layer scan each layer's weights pass through `GatherPerLa
 optim_grads keeps the gathered weights of the forward for the backward (the compute-dtype copy
 of every layer lives through the step, as Megatron's ZeRO-2 keeps its model weights);
 optim_grads_params drops them and gathers again in the backward (the layer is rematerialized
-with a policy that saves everything but the all-gathers' outputs: `GatherPerLayer.wrap`), so
-one or two layers' weights are whole at a time.
+with a policy that saves everything but the gathered weights, `GatherPerLayer.wrap`; under
+--recompute-granularity no policy keeps them, `GatherPerLayer.keeps`), so one or two layers'
+weights are whole at a time.
 
 The parameters outside the layers (embeddings, head, final norm) and the fp8 amax histories stay
 as ZeRO-1 handles them: gathered once per step, reduced once after the microbatches.
@@ -148,19 +149,25 @@ class GatherPerLayer:
         out = [w if lf is None else _gathered(lf)(w) for w, lf in zip(flat, leaves)]
         return jax.tree.unflatten(treedef, out)
 
-    def wrap(self, layer_fn):
-        """`layer_fn` (a layer's forward, taking its weights) as the scan runs it: under
-        optim_grads_params rematerialized with everything saved but its gathered weights (the
-        outputs of all-gathers over `data`, which the backward runs again)."""
+    def wrap(self, body):
+        """A layer scan's `body` (gathering its layer's weights through `at_layer`) where no
+        recompute policy covers it: under optim_grads_params rematerialized with everything
+        saved but the gathered weights (which the backward gathers again); as it is otherwise."""
         if not self.regather:
-            return layer_fn
-        return jax.checkpoint(layer_fn, policy=_all_but_gathered, prevent_cse=False)
+            return body
+        return jax.checkpoint(body, policy=lambda prim, *_, **params: not _is_gathered(prim, params),
+                              prevent_cse=False)
+
+    def keeps(self, prim, params) -> bool:
+        """What a recompute policy of the layers keeps besides its own: under optim_grads the
+        gathered weights (kept from the forward for the backward, as ZeRO-2 keeps its model
+        weights); under optim_grads_params nothing (no policy keeps them: gathered again)."""
+        return not self.regather and _is_gathered(prim, params)
 
 
-def _all_but_gathered(prim, *_, **params) -> bool:
-    """The remat policy of optim_grads_params' layers: every value saved for the backward but
-    the gathered weights (the outputs of `_gathered`'s custom VJP, whose function is named
-    `fsdp_gather`)."""
+def _is_gathered(prim, params) -> bool:
+    """Whether an equation makes a layer's gathered weight (`_gathered`'s custom VJP, whose
+    function is named `fsdp_gather`)."""
     jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", None)
     name = getattr(getattr(jaxpr, "debug_info", None), "func_name", None)
-    return not (prim.name.startswith("custom_vjp_call") and name == "fsdp_gather")
+    return prim.name.startswith("custom_vjp_call") and name == "fsdp_gather"
