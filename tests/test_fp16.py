@@ -191,7 +191,9 @@ def test_static_loss_scale_skips_but_never_moves():
     # dp2 x tp2 with ZeRO: gradients reduced once per step (reduce-scatter), params gathered in fp16
     (ParallelConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True), 2),
     (ParallelConfig(pipeline_model_parallel_size=2), 2),  # pp2 x dp2: the pipeline's scaled loss
-], ids=["dp2_tp2_zero", "pp2_dp2"])
+    # FSDP (optim_grads_params): each layer gathered in fp16, its scaled gradient reduce-scattered
+    (ParallelConfig(tensor_model_parallel_size=2, use_megatron_fsdp=True, use_distributed_optimizer=True), 2),
+], ids=["dp2_tp2_zero", "pp2_dp2", "dp2_tp2_fsdp"])
 def test_parallel_layout_equals_one_device(parallel, micro):
     """Same skips and scales exactly; losses within 1e-3 (fp16 rounds activations to 11 bits:
     summing tensor-parallel partial products and microbatches in another order moves the loss

@@ -112,7 +112,8 @@ def test_small_llama_tp2_sp_pp2_dp2_zero_full_recompute_by_hand():
     assert (L.tp, L.pp, L.dp, L.microbatches, L.recompute) == (2, 2, 2, 4, "full")
     assert cfg.model.ffn_size == 2752 and cfg.model.vocab == 32000
     mem = analytic.memory(cfg, L)
-    assert analytic.param_counts(cfg.model, L) == {"compute": 47_784_960, "stored": 39_592_448, "expert": 0}
+    assert analytic.param_counts(cfg.model, L) == {"compute": 47_784_960, "stored": 39_592_448, "expert": 0,
+                                                   "layers": 23_207_936}
     assert mem["parameters"] == 4 * 19_796_224 == 79_184_896
     assert mem["optimizer_state"] == 8 * 19_796_224 == 158_369_792
     assert mem["compute_copy"] == 2 * 47_784_960 and mem["gradients"] == 4 * 47_784_960
@@ -298,3 +299,35 @@ def test_fp8_products_run_at_twice_the_bf16_rate():
     bf16, fp8 = (analytic.predict(c, L, hw, 8, 8)["step_seconds"] for c in (cfg, fp8_cfg))
     saved = analytic.fp8_flops(fp8_cfg, L) / 2 / 8 / (hw.bf16_flops * hw.efficiency)
     assert fp8 == pytest.approx(bf16 - saved, rel=1e-9)
+
+
+LLAMA3_8B = ("--bf16 --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+             "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+             "--position-embedding-type rope --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+             "--disable-bias-linear --global-batch-size 8 --vocab-size 128256 --mock-data --hidden-dropout 0 "
+             "--attention-dropout 0")
+
+
+def test_fsdp_memory_terms_and_the_search_picks_it_where_zero1_does_not_fit():
+    """FSDP (optim_grads_params) holds the layers' compute copy two layers at a time and their
+    gradient accumulator shard-sized (the state as ZeRO-1's); Llama-3 8B at seq 8192 on 8 H100
+    without recompute: dp8 ZeRO-1 is predicted not to fit, dp8 FSDP to fit, and the search ranks
+    it first; its command line parses back to it."""
+    from mlm_jax.plan import search
+
+    zero1, L1 = _layout(LLAMA3_8B + " --use-distributed-optimizer --micro-batch-size 1", 8)
+    fsdp, L3 = _layout(LLAMA3_8B + " --use-megatron-fsdp --micro-batch-size 1", 8)
+    assert L1.fsdp is None and L3.fsdp == "optim_grads_params" and L3.zero
+    a, b = analytic.memory(zero1, L1), analytic.memory(fsdp, L3)
+    n = analytic.param_counts(fsdp.model, L3)
+    assert (a["parameters"], a["optimizer_state"]) == (b["parameters"], b["optimizer_state"])
+    assert b["compute_copy"] == pytest.approx(2 * (n["compute"] - n["layers"] + 2 * n["layers"] / 32))
+    assert b["gradients"] == pytest.approx(4 * n["layers"] / 8)  # one microbatch: no accumulator besides
+    hw = analytic.hardware(__import__("mlm_jax.plan.targets", fromlist=["gpu"]).gpu("h100"))
+    usable = 71.2 * analytic.GIB
+    assert a["total"] > usable > b["total"]
+    rows = search.search(fsdp, 8, 8, hw, usable)
+    best = rows[0]["layout"]
+    assert best.fsdp == "optim_grads_params" and rows[0]["fits"], search.describe(best)
+    cfg = finalize(parse_args(search.train_argv(LLAMA3_8B.split(), best)), 8)
+    assert analytic.layout_of(cfg, 8) == best

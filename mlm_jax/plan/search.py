@@ -7,7 +7,7 @@ What is varied: tensor (powers of two within a node, dividing heads and groups),
 (dividing the layers), context (1-8, when the sequence splits into 2*cp chunks), expert (dividing
 experts and data), virtual stages (1-4 with a pipeline), micro batch (powers of two dividing
 global batch / dp), recompute (none, selective where attention is unfused: it recomputes only the scores, full
-uniform 1). Always on where they apply:
+uniform 1), FSDP (`optim_grads_params`, without a pipeline) against ZeRO-1. Always on where they apply:
 --sequence-parallel with tensor > 1 (same bytes moved as the all-reduce, activations /t: [K]
 4.2.2), --use-distributed-optimizer with data > 1 (less memory and fewer bytes than the
 all-reduce: [R]). A layout is valid when `validation.finalize` accepts it: the rules training
@@ -36,7 +36,7 @@ LAYOUT_FLAGS = {
     "--num-virtual-stages-per-pipeline-rank": True, "--num-layers-per-virtual-pipeline-stage": True,
     "--sequence-parallel": False, "--use-distributed-optimizer": False, "--micro-batch-size": True,
     "--recompute-granularity": True, "--recompute-method": True, "--recompute-num-layers": True,
-    "--pipeline-schedule": True,
+    "--pipeline-schedule": True, "--use-megatron-fsdp": False, "--data-parallel-sharding-strategy": True,
 }
 
 # The user's flags that need the distributed optimizer: left out of a layout without it (no data
@@ -72,10 +72,14 @@ def candidates(cfg, gpus: int, per_node: int) -> list[Layout]:
                         for micro in _powers_of_two(gbs // dp if gbs % dp == 0 else 0):
                             if (gbs // dp) % micro:
                                 continue
+                            # FSDP (optim_grads_params) beside ZeRO-1 where there is data to
+                            # shard over and no pipeline (after it: a tie keeps ZeRO-1's fewer bytes)
+                            shards = [None] + (["optim_grads_params"] if dp // ep > 1 and pp == 1 else [])
                             for rec in (None, "selective", "full"):
-                                out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vp=vp, sp=tp > 1,
-                                                  zero=dp > 1, micro=micro, microbatches=gbs // (micro * dp),
-                                                  recompute=rec))
+                                for fsdp in shards:
+                                    out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vp=vp, sp=tp > 1,
+                                                      zero=dp > 1, micro=micro, microbatches=gbs // (micro * dp),
+                                                      recompute=rec, fsdp=fsdp))
     return out
 
 
@@ -86,6 +90,8 @@ def config_of(cfg, L: Layout):
                             virtual_pipeline_model_parallel_size=L.vp if L.vp > 1 else None,
                             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=L.sp,
                             use_distributed_optimizer=L.zero, pipeline_schedule=None,
+                            use_megatron_fsdp=L.fsdp is not None,
+                            data_parallel_sharding_strategy=L.fsdp or "optim_grads_params",
                             expert_tensor_parallel_size=None,
                             overlap_param_gather=cfg.parallel.overlap_param_gather and L.zero)
     full = L.recompute == "full"
@@ -125,7 +131,9 @@ def layout_flags(L: Layout) -> list[str]:
         out += ["--num-virtual-stages-per-pipeline-rank", str(L.vp)]
     if L.sp:
         out.append("--sequence-parallel")
-    if L.zero:
+    if L.fsdp:
+        out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", L.fsdp]
+    elif L.zero:
         out.append("--use-distributed-optimizer")
     out += ["--micro-batch-size", str(L.micro)]
     if L.recompute == "full":
@@ -154,7 +162,8 @@ def train_argv(base: list[str], L: Layout) -> list[str]:
 def describe(L: Layout) -> str:
     """`tp2 x pp4 x dp8 + v4 SP ZeRO`: the sizes over 1, then the options."""
     sizes = [f"{k}{v}" for k, v in (("tp", L.tp), ("pp", L.pp), ("cp", L.cp), ("ep", L.ep), ("dp", L.dp)) if v > 1]
-    extras = ([f"v{L.vp}"] if L.vp > 1 else []) + (["SP"] if L.sp else []) + (["ZeRO"] if L.zero else [])
+    extras = ([f"v{L.vp}"] if L.vp > 1 else []) + (["SP"] if L.sp else []) + (
+        ["FSDP"] if L.fsdp else ["ZeRO"] if L.zero else [])
     return (" x ".join(sizes) or "one device") + (" + " + " ".join(extras) if extras else "")
 
 
