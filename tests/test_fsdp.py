@@ -43,8 +43,7 @@ LAYOUTS = {
     **both("dp4_tp2_sp", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2),
     **both("dp2_cp2_tp2", ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=2), 2),
     **both("dp8_full_recompute", ParallelConfig(), 1, FULL_RECOMPUTE),
-    **both("dp4_dots_recompute_grad_reduce_bf16", ParallelConfig(grad_reduce_in_bf16=False), 2,
-           (("recompute_granularity", "dots"),)),
+    **both("dp8_dots_recompute_one_microbatch", ParallelConfig(), 2, (("recompute_granularity", "dots"),)),
     # MoE: the experts split over `expert`, each expert's shard over its own data ranks
     **both("ep2_dp4_moe", ParallelConfig(expert_model_parallel_size=2), 1, MOE, MOE_REFERENCE),
     # a mixed dense/MoE stack: each kind's row gathered in its branch of the layer scan
@@ -213,6 +212,12 @@ def test_what_fsdp_does_not_compose_with_is_refused(argv, message):
     with pytest.raises(ConfigError) as e:
         finalize(parse_args(TINY + FSDP + ["--tensor-model-parallel-size", "1"] + argv), jax.device_count())
     assert "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params " + message in str(e.value)
+
+
+def test_torch_fsdp2_runs_as_megatron_fsdp_and_says_so(tmp):
+    _, losses, log = _run(tmp, "torch_fsdp2", ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], iters=1)
+    assert "> --use-torch-fsdp2: runs as --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads" in log, log
+    assert sorted(losses) == [1]
 
 
 def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path):

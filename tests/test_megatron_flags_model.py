@@ -268,14 +268,16 @@ def test_grad_reduce_in_bf16_reduces_in_bf16(tmp_path):
 @pytest.mark.parametrize("parallel, model", [
     (ParallelConfig(), ()), (ParallelConfig(pipeline_model_parallel_size=2), ()),
     (ParallelConfig(expert_model_parallel_size=2), (("num_experts", 4), ("moe_router_topk", 2))),
-    (ParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=True), ())],
-    ids=["dp8", "pp2_dp4", "ep2_dp4_moe", "dp8_zero_overlap"])
+    (ParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=True), ()),
+    (ParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True), ())],
+    ids=["dp8", "pp2_dp4", "ep2_dp4_moe", "dp8_zero_overlap", "dp8_fsdp"])
 def test_grad_reduce_in_bf16_matches_the_fp32_reduction_within_bf16_rounding(parallel, model):
     """Loss identical (the loss is reduced separately); every gradient leaf within bf16's
     rounding of the per-rank gradients and their sums: |diff| <= 2^-6 x the leaf's largest
     fp32 gradient. And not identical: the flag does take effect (the pipeline's one reduction
-    too, expert parallelism's: experts over data, the rest over data x expert, and
-    --overlap-grad-reduce's, layer by layer in the backward)."""
+    too, expert parallelism's: experts over data, the rest over data x expert,
+    --overlap-grad-reduce's, layer by layer in the backward, and FSDP's, each layer's
+    reduce-scatter in its backward)."""
     loss32, g32 = grads_for(parallel, 1, model=model)
     loss16, g16 = grads_for(dataclasses.replace(parallel, grad_reduce_in_bf16=True), 1, model=model)
     assert loss16 == loss32

@@ -58,6 +58,15 @@ def regathers(cfg: Config) -> bool:
     return cfg.parallel.sharding_strategy == "optim_grads_params"
 
 
+def torch_fsdp2_note(cfg: Config) -> str | None:
+    """What --use-torch-fsdp2 runs as (the run logs it); None without it."""
+    p = cfg.parallel
+    if not p.use_torch_fsdp2:
+        return None
+    return (f"runs as --use-megatron-fsdp --data-parallel-sharding-strategy {p.sharding_strategy} "
+            "(one FSDP here, PyTorch's FSDP2 has no meaning on XLA)")
+
+
 def layer_leaf(path) -> bool:
     """Whether the parameter at `path` is a layer weight that FSDP handles layer by layer (an amax
     history is not: its record is combined by a max, once per step)."""
