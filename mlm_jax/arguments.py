@@ -522,8 +522,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
     if args["group_query_attention"] and sections["model"].get("num_query_groups") is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
+    _check_fsdp(args, sections)  # before --overlap-param-gather's rule: FSDP runs on the distributed optimizer
     _map_accepted(args, sections)
-    _check_fsdp(args, sections)
     _check_fp8(sections)
     _check_choices(sections)
     _check_schedule_flags(args, sections)

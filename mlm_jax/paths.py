@@ -8,7 +8,9 @@ yes to root on a read-only or immutable folder, a real write does not. Errors ar
 `UsageError`s that name the flag, the path and the reason.
 
 Input paths: `not_there(path, kind)` says why a path is not the folder (or file) a flag reads, so
-that a file given where a folder is needed is called a file, not missing.
+that a file given where a folder is needed is called a file, not missing. `inside(folder, name)`:
+a file name read from inside a checkpoint or model folder, resolved, or None where it leads out
+of that folder (an absolute path, `../`, a symlink pointing elsewhere).
 """
 
 from __future__ import annotations
@@ -79,3 +81,14 @@ def not_there(path: str, kind: str = "folder") -> str | None:
     if os.path.isdir(path) != folder:
         return f"is a {'file' if folder else 'folder'}, not a {kind}"
     return None
+
+
+def inside(folder: str, name: str) -> str | None:
+    """The real path of `name` (a file name a checkpoint or model folder's own index gives) joined
+    to `folder`, or None where it resolves outside `folder`: an index must not make a reader open
+    /etc/passwd or another folder's weights."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None
+    root = os.path.realpath(folder)
+    full = os.path.realpath(os.path.join(root, name))
+    return full if os.path.commonpath([root, full]) == root and full != root else None

@@ -39,8 +39,9 @@ def is_checkpoint(path: str) -> bool:
 
 
 def is_hf_folder(path: str) -> bool:
+    """A Hugging Face model folder: config.json beside *.safetensors weights or their index."""
     return os.path.isfile(os.path.join(path, "config.json")) and any(
-        f.endswith(".safetensors") for f in os.listdir(path))
+        f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(path))
 
 
 def scan(root: str) -> tuple[list[int], list[str]]:

@@ -40,7 +40,7 @@ import numpy as np
 from mlm_jax.cli import cli
 from mlm_jax.errors import UsageError
 from mlm_jax.config import Config, ModelConfig, padded_vocab_size
-from mlm_jax.paths import not_there, writable_dir
+from mlm_jax.paths import inside, not_there, writable_dir
 from mlm_jax.xla_flags import use_cpu_devices
 from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
@@ -94,7 +94,14 @@ def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
         raise HFError(f"--hf-dir {hf_dir}: no *.safetensors weights (PyTorch .bin files are not read)")
     out = {}
     for name in files:
-        path = os.path.join(hf_dir, name)
+        path = inside(hf_dir, name)
+        if path is None and os.path.isfile(index):
+            keys = sorted(k for k, v in weight_map.items() if v == name)
+            raise HFError(f"{index}: \"weight_map\" sends {keys[0]!r} to {name!r}, outside --hf-dir {hf_dir}; "
+                          "only files inside it are read")
+        if path is None:
+            raise HFError(f"{os.path.join(hf_dir, name)}: a link to {os.path.realpath(os.path.join(hf_dir, name))}, "
+                          f"outside --hf-dir {hf_dir}; only files inside it are read")
         if not os.path.isfile(path):
             raise HFError(f"{index}: names {name}, which is missing")
         try:

@@ -24,6 +24,7 @@ import numpy as np
 
 from mlm_jax.checkpoint.megatron import torch_pickle
 from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
+from mlm_jax.paths import inside
 
 METADATA_JSON, COMMON, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
 
@@ -51,7 +52,11 @@ class Files:
 
     def get(self, name: str, key: str) -> memoryview:
         if name not in self.maps:
-            path = os.path.join(self.folder, name)
+            path = inside(self.folder, name)
+            if path is None:
+                raise MegatronCheckpointError(
+                    f"{os.path.join(self.folder, DCP_METADATA)}: key {key!r} names the file {name!r}, which lies "
+                    f"outside the checkpoint folder {self.folder}; only files inside it are read")
             if not os.path.isfile(path):
                 raise MegatronCheckpointError(f"{path}: missing (it holds {key!r})")
             with open(path, "rb") as f:
