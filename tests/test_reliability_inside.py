@@ -94,3 +94,48 @@ def test_inside_resolves_names_within_the_folder_only(tmp_path):
     assert inside(str(tmp_path / "a"), "../a/f") == os.path.realpath(tmp_path / "a" / "f")  # out and back in
     for name in ("/etc/passwd", "../b", "..", "", ".", "f\0x", None):
         assert inside(str(tmp_path / "a"), name) is None, name
+
+
+class _Call:
+    """Pickles as `fn(*args)` (what a crafted checkpoint holds; unpickled here only by our reader)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _payloads():
+    import numpy as np
+
+    from numpy._core import multiarray  # numpy 2 (the installs here); numpy.core in numpy 1
+
+    return {"bytearray": _Call(bytearray, 10 ** 12),
+            "ndarray": _Call(np.ndarray, (10 ** 6, 10 ** 6), np.dtype("float64")),
+            "reconstruct": _Call(multiarray._reconstruct, np.ndarray, (10 ** 7, 10 ** 6), b"b")}
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "ndarray", "reconstruct"])
+def test_a_pickle_asking_for_a_huge_allocation_is_refused_naming_the_file(saved, tmp_path, capsys, kind):
+    """A `.metadata` whose pickle asks an allow-listed constructor for 8 TB: refused before any
+    allocation (the bound is the file's own size), one error line naming the file; the same
+    pickle holding a small array still loads."""
+    import pickle
+
+    import numpy as np
+
+    from mlm_jax.checkpoint.megatron import torch_pickle
+
+    bad = tmp_path / "meg"
+    shutil.copytree(saved / "meg", bad)
+    meta = _metadata(bad)
+    open(meta, "wb").write(pickle.dumps(_payloads()[kind], protocol=2))
+    assert hfc.main(["import-megatron", "--load", str(bad), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and meta in err and "more than the file's own" in err, err
+    with pytest.raises(MegatronCheckpointError, match="more than the file's own"):
+        mlm_jax.load(str(bad))
+    small = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert (torch_pickle.unpickle(pickle.dumps(small, protocol=2), None, where="x") == small).all()
+    assert torch_pickle.unpickle(pickle.dumps(_Call(bytearray, 4), protocol=2), None, where="x") == bytearray(4)

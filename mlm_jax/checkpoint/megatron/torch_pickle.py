@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
+import math
 import pickle
 import zipfile
+from collections.abc import Hashable
 from typing import Callable
 
 import ml_dtypes
@@ -361,10 +364,52 @@ class Archive:
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_codecs": "_codecs"}
 
 
+def _nbytes(shape, dtype) -> int | None:
+    """The bytes an array of `shape` and `dtype` takes (Python ints: no overflow), or None where
+    they are not an array's (numpy then refuses them itself)."""
+    try:
+        dims = [int(shape)] if isinstance(shape, int) else [int(n) for n in shape]
+        return math.prod(dims) * np.dtype(dtype).itemsize
+    except (TypeError, ValueError):
+        return None
+
+
+def _bounded_bytearray(unpickler, source=b"", *rest):
+    if isinstance(source, int):
+        unpickler.allocating(source, f"bytearray({source})")
+    return bytearray(source, *rest)
+
+
+def _bounded_ndarray(unpickler, shape=(), dtype=float, *rest, **kwargs):
+    unpickler.allocating(_nbytes(shape, dtype), f"numpy.ndarray of shape {shape}")
+    return np.ndarray(shape, dtype, *rest, **kwargs)
+
+
+def _bounded_reconstruct(unpickler, cls, shape, typecode):
+    unpickler.allocating(_nbytes(shape, typecode), f"numpy _reconstruct of shape {shape}")
+    if getattr(cls, "func", None) is _bounded_ndarray:  # numpy.ndarray as this unpickler hands it out
+        cls = np.ndarray
+    return _numpy_reconstruct(cls, shape, typecode)
+
+
+# The allow-listed constructors that allocate what their arguments ask: bounded by the file's size.
+_BOUNDED = {bytearray: _bounded_bytearray, np.ndarray: _bounded_ndarray, _numpy_reconstruct: _bounded_reconstruct}
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: memoryview, archive: Archive, allowed: dict[str, Callable]):
         super().__init__(io.BytesIO(data))
         self.archive, self.allowed = archive, allowed
+        # What the allow-listed constructors may allocate: no more than the file holds (a
+        # checkpoint's pickle rebuilds what it stores, it never asks for fresh gigabytes).
+        buf = getattr(archive, "buf", None)
+        self.limit = max(len(data), len(buf) if buf is not None else 0)
+
+    def allocating(self, nbytes: int | None, what: str) -> None:
+        if nbytes is not None and nbytes > self.limit:
+            raise MegatronCheckpointError(
+                f"{self.archive.where}: a pickled {what} asks for {nbytes:,} bytes, more than the file's own "
+                f"{self.limit:,}: refused (a checkpoint's pickle allocates no more than it holds)")
 
     def find_class(self, module: str, name: str):
         module = _PY2_MODULES.get(module, module)  # protocol 2 names Python 2's modules
@@ -373,7 +418,8 @@ class _Unpickler(pickle.Unpickler):
             raise MegatronCheckpointError(
                 f"{self.archive.where}: refuses to unpickle {module}.{name} (not on the allow-list of "
                 "torch/DCP/Megatron names a checkpoint needs; a checkpoint never runs code here)")
-        return target
+        bounded = _BOUNDED.get(target) if isinstance(target, Hashable) else None
+        return target if bounded is None else functools.partial(bounded, self)
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
