@@ -23,7 +23,8 @@ NO_EFFECT = [
     ["--use-mcore-models"], ["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine"],
     ["--no-masked-softmax-fusion"], ["--attention-softmax-in-fp32"], ["--cross-entropy-loss-fusion"],
     ["--no-create-attention-mask-in-dataloader"], ["--log-throughput"], ["--calculate-per-token-loss"],
-    ["--ckpt-format", "torch_dist"], ["--ckpt-format", "zarr"], ["--ckpt-format", "torch"], ["--manual-gc"],
+    ["--ckpt-format", "torch_dist"], ["--ckpt-format", "zarr"], ["--ckpt-format", "torch"],
+    ["--ckpt-format", "fsdp_dtensor"], ["--ckpt-format", "torch_dcp"], ["--manual-gc"],
     ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
     ["--empty-unused-memory-level", "2"], ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
 ]
@@ -43,6 +44,9 @@ def test_accepted_flag_changes_nothing(flag):
 def test_every_accepted_flag_is_tested_and_in_help(capsys):
     tested = {f[0] for f in NO_EFFECT} | {"--distributed-timeout-minutes", "--use-rotary-position-embeddings",
                                           "--no-position-embedding"}
+    # FSDP's (tests/test_fsdp.py: their mapping and refusals)
+    tested |= {"--torch-fsdp2-no-reshard-after-forward", "--num-distributed-optimizer-instances",
+               "--outer-dp-sharding-strategy"}
     assert tested == {flag for flag, _, _ in ACCEPTED}
     with pytest.raises(SystemExit):
         parse_args(["--help"])
@@ -88,7 +92,7 @@ def test_rotary_flags():
 @pytest.mark.parametrize("argv, message", [
     (["--distributed-backend", "mpi"], "--distributed-backend 'mpi': choose one of nccl, gloo"),
     (["--transformer-impl", "te"], "--transformer-impl 'te': choose one of local, transformer_engine"),
-    (["--ckpt-format", "hdf5"], "--ckpt-format 'hdf5': choose one of torch_dist, zarr, torch"),
+    (["--ckpt-format", "hdf5"], "--ckpt-format 'hdf5': choose one of torch_dist, zarr, torch, fsdp_dtensor, torch_dcp"),
     (["--empty-unused-memory-level", "3"], "--empty-unused-memory-level 3: choose one of 0, 1, 2"),
     (["--num-workers", "-1"], "--num-workers must be 0 or more, got -1"),
 ])
