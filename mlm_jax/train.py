@@ -79,23 +79,31 @@ def _check_run_outputs(cfg: Config, run_dir: str) -> None:
         writable_dir(t.tensorboard_dir, "--tensorboard-dir")
 
 
-def check_outputs(cfg: Config, run_dir: str, main: bool) -> None:
+def check_outputs(cfg: Config, run_dir: str, main: bool):
     """Every output path usable before the first step (UsageError naming the flag otherwise),
-    and a run folder holding an earlier run is not reused unless this run resumes (--load)."""
+    and a run folder holding an earlier run is not reused unless this run resumes (--load).
+    Process 0 locks the --save folder for the run (`checkpoint.lock.SaveLock`, returned; None
+    elsewhere): a second run writing into it is refused here."""
+    from mlm_jax.checkpoint.lock import SaveLock
     from mlm_jax.distributed import broadcast_str
     from mlm_jax.paths import writable_dir
 
     if cfg.checkpoint.save:  # every process writes its own shards
         writable_dir(cfg.checkpoint.save, "--save")
-    problem = ""
+    problem, lock = "", None
     if main:  # process 0 writes the run folder; every process raises the same error
         try:
             _check_run_outputs(cfg, run_dir)
+            if cfg.checkpoint.save:
+                lock = SaveLock.take(cfg.checkpoint.save, run_dir)
         except UsageError as e:
             problem = str(e)
     problem = broadcast_str(problem)
     if problem:
+        if lock is not None:
+            lock.release()
         raise UsageError(problem)
+    return lock
 
 
 def with_vocab_of(cfg: Config, tokenizer) -> Config:
@@ -105,11 +113,12 @@ def with_vocab_of(cfg: Config, tokenizer) -> Config:
     return cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size, padded_vocab_size=None))
 
 
-def prepare(cfg: Config, log) -> tuple[Config, Any, Any, str, bool, Callable]:
+def prepare(cfg: Config, log) -> tuple[Config, Any, Any, str, bool, Callable, Any]:
     """Join the other processes; find the --load checkpoint (with --use-checkpoint-args the model
     and tokenizer flags come from it) and build the tokenizer (whose vocab sizes the model), so
-    that the config is finalized once, knowing both; check every output path: all before any data
-    or compile work. Returns (cfg, found, tokenizer, run_dir, main, log)."""
+    that the config is finalized once, knowing both; check every output path and lock --save: all
+    before any data or compile work. Returns (cfg, found, tokenizer, run_dir, main, log, the save
+    folder's lock or None)."""
     import jax
 
     from mlm_jax import checkpoint as ckpt
@@ -129,10 +138,10 @@ def prepare(cfg: Config, log) -> tuple[Config, Any, Any, str, bool, Callable]:
     check_same_config(cfg)  # processes started with other flags fail here, naming the fields
     run_dir = os.path.abspath(broadcast_str(_run_dir(cfg)))  # one run folder, named by process 0
     main = jax.process_index() == 0
-    check_outputs(cfg, run_dir, main)
+    lock = check_outputs(cfg, run_dir, main)
     if not main:  # only process 0 prints; every process still does all the work
         log = lambda *args, **kwargs: None  # noqa: E731
-    return cfg, found, tokenizer, run_dir, main, log
+    return cfg, found, tokenizer, run_dir, main, log, lock
 
 
 # --------------------------------------------------------------------------- building
@@ -280,6 +289,17 @@ def close_all(*things) -> None:
 def train(cfg: Config, log=print) -> dict:
     """Run training as configured; returns a summary (final losses, timings, run dir). Ctrl-C
     stops after the current iteration, saves (with --save) and raises KeyboardInterrupt."""
+    start_time = time.time()
+    cfg, found, tokenizer, run_dir, main, log, lock = prepare(cfg, log)
+    try:
+        return _train(cfg, found, tokenizer, run_dir, main, log, start_time)
+    finally:  # --save's lock, on every way out
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, found, tokenizer, run_dir: str, main: bool, log, start_time: float) -> dict:
+    """`train` past `prepare`."""
     from tqdm import tqdm
 
     from mlm_jax import checkpoint as ckpt
@@ -287,8 +307,6 @@ def train(cfg: Config, log=print) -> dict:
 
     from mlm_jax.sharding.mesh import make_mesh
 
-    start_time = time.time()
-    cfg, found, tokenizer, run_dir, main, log = prepare(cfg, log)
     if log is print:  # lines above the progress bar, never glued to its end
         log = lambda *args: tqdm.write(" ".join(map(str, args)))  # noqa: E731
     mesh = make_mesh(cfg.parallel)
