@@ -337,6 +337,24 @@ def test_train_tokenizer_model_prefix_under_a_file(tmp_path):
     assert (tmp_path / "afile").read_text() == "keep"
 
 
+def test_train_tokenizer_never_overwrites_a_model_unless_asked(tmp_path):
+    """Issue "reliability, round three": `--model-prefix P` where P.model exists was overwritten
+    silently (a dataset made with the old model then failed on its vocab). Refused unless
+    --overwrite; with it, the new model replaces both files."""
+    (tmp_path / "in.txt").write_text("hello world, the quick brown fox\n" * 50)
+    args = ["--input", tmp_path / "in.txt", "--model-prefix", tmp_path / "tok", "--vocab-size", "300"]
+    rc, err = run("mlm_jax.data.train_tokenizer", args, tmp_path)
+    assert rc == 0, err
+    first = (tmp_path / "tok.model").read_bytes()
+    rc, err = run("mlm_jax.data.train_tokenizer", args[:-1] + ["310"], tmp_path)
+    assert_one_error(rc, err, 2, f"--model-prefix {tmp_path / 'tok'}", f"{tmp_path / 'tok.model'} exists", "--overwrite")
+    assert (tmp_path / "tok.model").read_bytes() == first
+    rc, err = run("mlm_jax.data.train_tokenizer", args[:-1] + ["310", "--overwrite"], tmp_path)
+    assert rc == 0, err
+    assert (tmp_path / "tok.model").read_bytes() != first
+    assert sorted(os.listdir(tmp_path)) == ["in.txt", "tok.model", "tok.vocab"]  # no temporary left
+
+
 # ----------------------------------------------------------------------------- python -m mlm_jax.train: flags
 
 TRAIN = "mlm_jax.train"
