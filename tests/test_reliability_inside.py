@@ -139,3 +139,20 @@ def test_a_pickle_asking_for_a_huge_allocation_is_refused_naming_the_file(saved,
     small = np.arange(6, dtype=np.float32).reshape(2, 3)
     assert (torch_pickle.unpickle(pickle.dumps(small, protocol=2), None, where="x") == small).all()
     assert torch_pickle.unpickle(pickle.dumps(_Call(bytearray, 4), protocol=2), None, where="x") == bytearray(4)
+
+
+@pytest.mark.parametrize("content", ["9" * 5000, "\udcff".encode("utf-8", "surrogatepass"), "iter_10"],
+                         ids=["5000 digits", "not utf-8", "a folder name"])
+def test_a_megatron_tracker_that_is_no_iteration_is_named(saved, tmp_path, capsys, content):
+    """latest_checkpointed_iteration.txt with 5000 digits gave int()'s ValueError without the
+    file; now one error line naming the file and what it should hold, through the import tool
+    and mlm_jax.load."""
+    bad = tmp_path / "meg"
+    shutil.copytree(saved / "meg", bad)
+    tracker = bad / "latest_checkpointed_iteration.txt"
+    tracker.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert hfc.main(["import-megatron", "--load", str(bad), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and str(tracker) in err and "an iteration number" in err, err
+    with pytest.raises(MegatronCheckpointError, match="an iteration number"):
+        mlm_jax.load(str(bad))

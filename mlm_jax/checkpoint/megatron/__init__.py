@@ -79,13 +79,15 @@ def resolve_iteration(path: str, step: int | None = None, flag: str = "") -> tup
     if step is not None:
         folder = os.path.join(path, f"iter_{step:07d}")
     elif os.path.isfile(tracker):
-        text = open(tracker).read().strip()
+        with open(tracker, "rb") as f:
+            text = f.read(256).decode("utf-8", errors="replace").strip()
         if text == "release":
             folder = os.path.join(path, "release")
-        elif text.isdigit():
+        elif text.isascii() and text.isdigit() and len(text) <= 18:  # an iteration (a few digits in practice)
             folder = os.path.join(path, f"iter_{int(text):07d}")
         else:
-            raise MegatronCheckpointError(f"{tracker}: holds {text[:40]!r}, an iteration or 'release' is expected")
+            raise MegatronCheckpointError(f"{tracker}: holds {text[:40]!r}{'...' if len(text) > 40 else ''}, an "
+                                          "iteration number (at most 18 digits) or 'release' is expected")
     else:
         folder = path
     lead = f"{flag} " if flag else ""
