@@ -265,6 +265,17 @@ def test_inspect_missing_data_path(tmp_path):
     assert_one_error(rc, err, 2, str(tmp_path / "nope.idx"), "missing")
 
 
+def test_a_bin_linked_to_a_device_file_is_not_a_regular_file(tmp_path):
+    """Issue "reliability, round three": a `.bin` symlinked to /dev/zero was called missing."""
+    prefix = small_dataset(tmp_path)
+    os.unlink(prefix + ".bin")
+    os.symlink("/dev/zero", prefix + ".bin")
+    rc, err = run(INSPECT, ["--data-path", prefix, "--seq-length", "8", "--train-samples", "4", "--show", "0:1"],
+                  tmp_path)
+    line = assert_one_error(rc, err, 2, f"{prefix}.bin", "not a regular file", "/dev/zero")
+    assert "missing" not in line
+
+
 def test_inspect_truncated_bin(tmp_path):
     prefix = small_dataset(tmp_path)
     with open(prefix + ".bin", "r+b") as f:

@@ -158,6 +158,11 @@ class IndexedDataset:
     def __init__(self, prefix: str):
         self.path_prefix = prefix
         ipath, bpath = idx_path(prefix), bin_path(prefix)
+        odd = [p for p in (ipath, bpath) if os.path.exists(p) and not os.path.isfile(p)]
+        if odd:  # a folder, a device, a pipe (a link to /dev/zero is no dataset)
+            kind = "a folder" if os.path.isdir(odd[0]) else "not a regular file"
+            raise IndexedDatasetError(f"indexed dataset {prefix!r}: {odd[0]} is {kind} "
+                                      f"({os.path.realpath(odd[0])}); a dataset is a .bin/.idx pair of files")
         missing = [p for p in (ipath, bpath) if not os.path.isfile(p)]
         if missing:
             raise MissingDatasetError(
