@@ -342,7 +342,10 @@ def load_model(args):
         raise UsageError(f"--load {args.load}: {why}; give a checkpoint, save, Hugging Face or Megatron-LM folder")
     tp = args.tensor_model_parallel_size
     if tp < 1 or jax.device_count() % tp:
-        raise UsageError(f"--tensor-model-parallel-size {tp} must divide the {jax.device_count()} devices")
+        n, platform = jax.device_count(), jax.devices()[0].platform
+        more = (f"; on a CPU, MLM_JAX_CPU_DEVICES={tp} (or a multiple) gives that many devices"
+                if platform == "cpu" else "")
+        raise UsageError(f"--tensor-model-parallel-size {tp} must divide the {n} {platform} device(s){more}")
     try:
         m = mlm_jax.load(args.load, mesh=make_mesh(ParallelConfig(tensor_model_parallel_size=tp)))
     except FileNotFoundError as e:

@@ -98,3 +98,13 @@ def test_the_command_line_ends_the_same_way(fx):
     """One subprocess: the real command's last line and exit code, without pytest's capture."""
     rc, out = cmd(["--load", fx / "a_folder", "--prompt-ids", "1 x"], fx, module="mlm_jax.generate")
     assert_named_error(rc, out, 2, "--prompt-ids", "'x' is not a token id")
+
+
+def test_generate_tensor_parallel_beyond_the_cpu_devices_names_the_variable(fx, tmp_path):
+    """Issue "reliability, round three": `generate --tensor-model-parallel-size 2` on one CPU
+    device said only "must divide the 1 devices"; the line now names MLM_JAX_CPU_DEVICES."""
+    from tests.test_reliability import assert_named_error
+
+    rc, out = cmd(["--load", fx / "a_folder", "--prompt-ids", "1", "--tensor-model-parallel-size", "2"], tmp_path,
+                  module="mlm_jax.generate")
+    assert_named_error(rc, out, 2, "--tensor-model-parallel-size 2", "1 cpu device", "MLM_JAX_CPU_DEVICES=2")
