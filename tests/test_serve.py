@@ -178,6 +178,11 @@ def test_bad_requests_are_400_naming_the_field(served):
     for field, body in bad_completions:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    # An empty prompt: a message that works on the endpoint (it has no add_BOS, Megatron's /api has)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 400 and "add_BOS" not in r.text and "give at least one token" in r.text, r.text
+    r = _put(server.url, {"prompts": [""], "tokens_to_generate": 2})
+    assert r.status_code == 400 and "add_BOS" in r.json()["message"], r.text
 
 
 def test_queue_limit_gives_503_and_timeout_504(served):

@@ -111,8 +111,12 @@ class Service:
                     for p in prompts]
 
         ids = await asyncio.get_running_loop().run_in_executor(None, run)
+        # What makes an empty prompt usable on this endpoint: Megatron's API has add_BOS; the
+        # OpenAI endpoints have no such field (a prompt there needs a token of its own).
+        empty = ("a prompt has no tokens; set add_BOS=true" if field == "prompts" else
+                 "a prompt has no tokens; give at least one token (text, or token ids)")
         for p in ids:
-            check(len(p) > 0, field, "a prompt has no tokens; set add_BOS=true")
+            check(len(p) > 0, field, empty)
             check(len(p) + new <= limit, {"prompts": "tokens_to_generate"}.get(field, "max_tokens"),
                   f"a prompt of {len(p)} tokens + {new} new tokens exceeds the {limit}-position context")
         return ids
