@@ -26,7 +26,6 @@ Results print as Megatron's line and go to --output-json (default: beside nothin
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -36,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.errors import UsageError
 from mlm_jax.paths import not_there
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlm_jax.paths import writable_file
     from mlm_jax.xla_flags import use_cpu_devices
 
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.evaluate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m mlm_jax.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--valid-data", required=True, help="LAMBADA .jsonl, WikiText file, or an indexed dataset prefix")
     p.add_argument("--seq-length", type=int, required=True)

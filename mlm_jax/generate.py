@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.data.vocab_check import prompt_outside_vocab
 from mlm_jax.errors import UsageError
@@ -360,7 +361,7 @@ def load_model(args):
 
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.generate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m mlm_jax.generate", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as space-separated token ids")

@@ -108,3 +108,23 @@ def test_generate_tensor_parallel_beyond_the_cpu_devices_names_the_variable(fx, 
     rc, out = cmd(["--load", fx / "a_folder", "--prompt-ids", "1", "--tensor-model-parallel-size", "2"], tmp_path,
                   module="mlm_jax.generate")
     assert_named_error(rc, out, 2, "--tensor-model-parallel-size 2", "1 cpu device", "MLM_JAX_CPU_DEVICES=2")
+
+
+@pytest.mark.parametrize("module,argv,names", [
+    ("mlm_jax.generate", ["--prompt-ids", "1"], ["the following arguments are required: --load"]),
+    ("mlm_jax.serve", ["--load", "x", "--port", "abc"], ["--port", "invalid int value: 'abc'"]),
+    ("mlm_jax.evaluate", ["--task", "LAMBADA"], ["the following arguments are required", "--valid-data"]),
+    ("mlm_jax.tools.checkpoint", ["import-hf"], ["the following arguments are required", "--hf-dir"]),
+    ("mlm_jax.tools.checkpoint", ["export-megatron", "--load", "a", "--save", "b", "--ckpt-format", "zarr"],
+     ["--ckpt-format", "invalid choice: 'zarr'"]),
+    ("mlm_jax.tools.text_generation_cli", [], ["the following arguments are required: address"]),
+])
+def test_every_tool_s_usage_error_is_one_error_line(tmp_path, module, argv, names):
+    """Issue "reliability, round three": generate, serve, evaluate and the checkpoint tools
+    printed argparse's usage screen and `python -m ...: error:`; now the one `error:` line (exit
+    2) of train."""
+    from tests.test_reliability import assert_named_error
+
+    rc, out = cmd(argv, tmp_path, module=module)
+    assert_named_error(rc, out, 2, *names)
+    assert "usage:" not in out

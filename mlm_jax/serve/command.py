@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import math
 import signal
 import socket
 from typing import Sequence
 
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.errors import EXIT_INTERRUPTED, UsageError
 
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlm_jax.generate import add_model_args
     from mlm_jax.xla_flags import use_cpu_devices
 
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.serve",
+    p = ArgumentParser(prog="python -m mlm_jax.serve",
                                 description="Serve a checkpoint: Megatron's PUT /api and OpenAI's /v1/completions.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")

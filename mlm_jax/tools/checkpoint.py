@@ -28,7 +28,6 @@ vocab rows only.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -37,6 +36,7 @@ import shutil
 
 import numpy as np
 
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.errors import UsageError
 from mlm_jax.config import Config, ModelConfig, padded_vocab_size
@@ -560,7 +560,7 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
 @cli
 def main(argv=None) -> int:
     """The command: exit 0, 2 (a bad flag, file or checkpoint) or 1, one `error:` line last."""
-    parser = argparse.ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
+    parser = ArgumentParser(prog="python -m mlm_jax.tools.checkpoint",
                                      description="Convert checkpoints between Hugging Face, Megatron-LM and mlm_jax.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import-hf", help="Hugging Face folder -> mlm_jax checkpoint (iteration 0)")

@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import urllib.error
 import urllib.request
 from typing import Sequence
 
+from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.errors import RunFailure, UsageError
 
@@ -37,7 +37,7 @@ def put(url: str, body: dict, timeout: float = 300.0) -> dict:
 
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlm_jax.tools.text_generation_cli", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m mlm_jax.tools.text_generation_cli", description=__doc__.split("\n\n")[0])
     p.add_argument("address", help="HOST:PORT of the server")
     args = p.parse_args(argv)
     host, _, port = args.address.rpartition(":")
