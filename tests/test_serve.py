@@ -236,11 +236,11 @@ def test_text_generation_cli(served):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: address 'nohost'")
 
 
-def start_serve(folder: str, env: dict, timeout: float = 120):
+def start_serve(folder: str, env: dict, timeout: float = 120, cwd=None):
     """(port, process) of `python -m mlm_jax.serve --load folder` on a free port, once /health answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlm_jax.serve", "--load", folder, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     deadline = time.time() + timeout
     while True:
         if proc.poll() is not None or time.time() > deadline:

@@ -41,14 +41,34 @@ def _logp(model, ids):
     return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
 
 
-def test_openai_models_and_model_check(served):
+def test_openai_models_and_model_check(served, capsys):
+    """The listing is exact (another id is not found); a completion naming another model is
+    answered by the one served, with a note in the log once per name (a single-model server, as
+    llama.cpp's and Megatron's)."""
     server, app, model, client = served
     assert [m.id for m in client.models.list().data] == ["tiny-gpt2"]
     assert client.models.retrieve("tiny-gpt2").id == "tiny-gpt2"
     with pytest.raises(openai.NotFoundError, match="tiny-gpt2"):
-        client.completions.create(model="gpt-4", prompt="w1", max_tokens=1)
-    with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
+    for _ in range(2):
+        r = client.completions.create(model="gpt-4", prompt="w1", max_tokens=1)
+        assert r.model == "tiny-gpt2" and len(r.choices) == 1
+    out = capsys.readouterr().out
+    assert out.count("note: a request names the model 'gpt-4'; this server serves one model, 'tiny-gpt2'") == 1, out
+
+
+def test_served_id_defaults_to_load_as_given(tmp_path):
+    """`serve --load ck` serves the id `ck` (what --help says), which a client names as given."""
+    make_gpt2(str(tmp_path / "ck"))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    port, proc = start_serve("ck", env, cwd=tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["ck"]
+        assert client.models.retrieve("ck").id == "ck"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
 
 
 def test_openai_echo_logprobs_equal_model_logits(served):

@@ -58,6 +58,7 @@ class Service:
         self.vocab = model.config.vocab_size
         self.eod = getattr(self.tok, "eod", None)
         self._beam_lock = threading.Lock()
+        self._other_names: set = set()  # model names asked for besides self.name (logged once each)
         self._beam_programs: dict = {}
         self.chars_per_token = self._longest_token()
         self.nl, self.nn, self.colon = (self._single(s) for s in ("\n", "\n\n", ":"))
@@ -199,8 +200,16 @@ class Service:
     # ---------------------------------------------------------------- OpenAI
 
     def check_model(self, name):
-        if name is not None and name != self.name:
-            raise BadRequest("model", f"the model {name!r} does not exist; this server serves {self.name!r}", 404)
+        """A request's `model`: this server serves one, so any name is answered by it (as
+        llama.cpp's and Megatron's servers do), with a note in the log the first time a name
+        other than the served id is asked for."""
+        if name is None or name == self.name or name in self._other_names:
+            return
+        if not isinstance(name, str):
+            raise BadRequest("model", f"model must be a string (this server serves {self.name!r})")
+        self._other_names.add(name)
+        self.log(f"note: a request names the model {name!r}; this server serves one model, {self.name!r}, "
+                 "and answers with it")
 
     def completion_rows(self, ids, r, new, prompt_scores) -> list[Row]:
         seed = _seed(r["seed"])
@@ -390,8 +399,10 @@ def make_app(model, max_batch: int = 16, max_queue: int = 64, timeout: float = 6
     async def models(request, o):
         return JSONResponse({"object": "list", "data": [svc.model_card()]})
 
-    async def model_one(request, o):
-        svc.check_model(request.path_params["name"])
+    async def model_one(request, o):  # the listing is exact: another id is not found here
+        name = request.path_params["name"]
+        if name != svc.name:
+            raise BadRequest("model", f"the model {name!r} does not exist; this server serves {svc.name!r}", 404)
         return JSONResponse(svc.model_card())
 
     async def health(request, o):

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=64, help="requests in flight before 503")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds before 504")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (413 beyond)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: --load)")
+    p.add_argument("--served-model-name", default=None, help="the model id the server reports (default: --load as given); a request naming another model is answered by this one, with a note in the log")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="static: a batch runs to its end before the next starts (for comparison)")
     args = p.parse_args(argv)
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"iteration {model.iteration}; devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
          f"(tensor parallel {args.tensor_model_parallel_size})")
     app = make_app(model, args.max_batch_size, args.max_queue, args.request_timeout, args.max_context,
-                   args.served_model_name, int(args.max_body_mb * (1 << 20)), args.batching == "continuous")
+                   args.served_model_name or args.load, int(args.max_body_mb * (1 << 20)), args.batching == "continuous")
     host, port = sock.getsockname()[:2]
     _log(f"serving {app.state.service.name!r} on http://{host}:{port} (Ctrl-C drains and stops)")
 
