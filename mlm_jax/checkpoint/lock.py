@@ -114,7 +114,7 @@ class SaveLock:
             return
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
+        except OSError:  # gone, or the folder turned read-only: the flock still goes with the fd
             pass
         if self.fd is not None:
             os.close(self.fd)
