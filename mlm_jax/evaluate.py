@@ -37,7 +37,7 @@ import numpy as np
 
 from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
-from mlm_jax.errors import UsageError
+from mlm_jax.errors import RunFailure, UsageError
 from mlm_jax.paths import not_there
 
 TASKS = ("LAMBADA", "WIKITEXT103", "VALID")
@@ -266,6 +266,9 @@ def evaluate(model, task: str, path: str, seq_length: int, micro_batch: int, ove
     rows, mask = lm_windows(tokens, seq_length, overlap, pad)
     losses, _ = scorer(rows, micro_batch)
     loss = float(np.sum(losses * mask)) / (len(tokens) - 1)
+    if not math.isfinite(loss):  # never a NaN result with exit 0
+        raise RunFailure(f"--load {model.path}: the model's loss on {path} is {loss} (its weights or activations "
+                         "are not finite); no result is written")
     out = {"task": task, "avg_loss": loss, "ppl": math.exp(min(20.0, loss)), "tokens": len(tokens),
            "windows": len(rows), "overlapping_eval": overlap}
     if words is not None:

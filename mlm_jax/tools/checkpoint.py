@@ -391,6 +391,21 @@ def config_from_hf_file(hf: dict, path: str) -> tuple[ModelConfig, str]:
         raise HFError(f"{path}: a value has the wrong type ({e})") from e
 
 
+def check_weights(tensors: dict[str, np.ndarray], hf_dir: str) -> None:
+    """Weights are floating point and finite: an integer tensor (a quantized export) or a NaN
+    or infinity (a corrupted file, a diverged run) would load and then answer every prompt with
+    token 0 and every evaluation with a NaN loss. Refused naming the tensor."""
+    for key in sorted(tensors):
+        x = tensors[key]
+        if not np.issubdtype(x.dtype, np.floating) and str(x.dtype) not in ("bfloat16",):
+            raise HFError(f"--hf-dir {hf_dir}: tensor {key!r} has dtype {x.dtype}; floating-point weights are "
+                          "expected (quantized checkpoints are not read: export the float model)")
+        bad = int(np.size(x) - np.count_nonzero(np.isfinite(x if x.dtype.kind == "f" else x.astype(np.float32))))
+        if bad:
+            raise HFError(f"--hf-dir {hf_dir}: tensor {key!r} holds {bad} NaN or infinite value(s) of {np.size(x)}; "
+                          "a model with them answers nothing useful (re-export it from a finite checkpoint)")
+
+
 def load_hf(hf_dir: str, divisible_by: int = 128, tensor_parallel: int = 1):
     """(ModelConfig with padded vocab, numpy params, original config, tensor naming) of a folder."""
     hf = read_hf_config(hf_dir)
@@ -398,6 +413,7 @@ def load_hf(hf_dir: str, divisible_by: int = 128, tensor_parallel: int = 1):
     padded = padded_vocab_size(m.vocab_size, divisible_by, tensor_parallel)
     m = dataclasses.replace(m, make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded)
     tensors = read_safetensors(hf_dir)
+    check_weights(tensors, hf_dir)
     params = hf_to_params(tensors, m, kind, padded)
     dtypes = sorted({str(v.dtype) for v in tensors.values()})
     naming = {"kind": kind, "prefix": _gpt2_prefix(tensors) if kind == "gpt2" else "",
