@@ -305,3 +305,18 @@ def test_chat_completions_with_a_template(tmp_path):
             client.chat.completions.create(model="chat", messages=[{"role": "user"}])
     finally:
         server.close()
+
+
+def test_a_client_gone_mid_body_is_one_log_line(served, capfd):
+    """Issue "reliability, round three": a client that disconnects mid-body printed starlette's
+    whole ClientDisconnect traceback; now one log line, and the server goes on answering."""
+    server, *_ = served
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                  b'{"prompts": ["w1')
+    time.sleep(1.0)
+    r = _put(server.url, {"prompts": ["w5 w9"], "tokens_to_generate": 1, "top_k": 1})
+    assert r.status_code == 200
+    out, err = capfd.readouterr()
+    assert "PUT /api: the client disconnected before its request body ended" in out + err, out + err
+    assert "Traceback" not in out + err and "ClientDisconnect" not in out + err

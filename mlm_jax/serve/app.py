@@ -361,7 +361,8 @@ def make_app(model, max_batch: int = 16, max_queue: int = 64, timeout: float = 6
     """The Starlette app serving `model` (a LoadedModel with a tokenizer); `app.state.service`
     holds its Service and `app.state.engine` its Engine (started with the app)."""
     from starlette.applications import Starlette
-    from starlette.responses import FileResponse, JSONResponse
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import FileResponse, JSONResponse, Response
     from starlette.routing import Route
 
     from mlm_jax.config import Config
@@ -389,6 +390,10 @@ def make_app(model, max_batch: int = 16, max_queue: int = 64, timeout: float = 6
                 o.status = e.status
                 headers = {"Retry-After": "1"} if e.status == 503 else None
                 response = JSONResponse(_error_body(path, e), status_code=e.status, headers=headers)
+            except ClientDisconnect:  # gone mid-body: nobody to answer, one log line
+                svc.log(f"{method} {path}: the client disconnected before its request body ended "
+                        f"({time.perf_counter() - t:.3f}s); nothing answered")
+                return Response(status_code=499)
             if getattr(response, "media_type", "") != "text/event-stream":
                 o.status = response.status_code
                 svc.log_request(method, path, o, time.perf_counter() - t)
