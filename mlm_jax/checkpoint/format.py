@@ -80,10 +80,15 @@ def config_from_dict(d: dict) -> Config:
     return Config(**sections)
 
 
+_MOE_FIELDS = ("moe_ffn_size", "moe_layer_freq", "moe_shared_expert_intermediate_size")
+
+
 def _shape_value(model, name):
     value = getattr(model, name)
     if name == "max_position_embeddings" and model.position_embedding_type != "learned_absolute":
         return None  # no table: the value does not shape anything
+    if name in _MOE_FIELDS and not model.num_experts:
+        return None  # a dense model: no expert shapes (moe_ffn_size only follows the FFN size)
     return value
 
 
