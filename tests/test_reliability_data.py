@@ -443,3 +443,22 @@ def test_train_bad_tokenizer_file(tmp_path):
                           *gpt2_args(tmp_path / "vocab.json", tmp_path / "merges.txt")], tmp_path)
     assert_one_error(rc, err, 2, f"--vocab-file {tmp_path / 'vocab.json'}", "not valid JSON at line 1")
 
+
+
+def test_mock_data_with_an_end_of_document_id_of_0(tmp_path):
+    """Issue "reliability, round three": --mock-data with a GPT-2 BPE vocabulary whose
+    `<|endoftext|>` is id 0 was refused ("at least 3 tokens, got eod 0"); it trains, the mock
+    tokens stepping over id 0."""
+    from mlm_jax.data.gpt_dataset import MockLowLevelDataset
+
+    low = MockLowLevelDataset(0, 50)
+    for i in range(20):
+        doc = low.get(i)
+        assert doc[-1] == 0 and (doc[:-1] > 0).all() and (doc < 50).all()
+    vocab = {"<|endoftext|>": 0, **{chr(c): i + 1 for i, c in enumerate(range(ord("a"), ord("z") + 1))}}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    rc, err = run(TRAIN, [*MOCK, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tmp_path / "vocab.json",
+                          "--merge-file", tmp_path / "merges.txt", "--train-iters", "1", "--run-dir", tmp_path / "r"],
+                  tmp_path)
+    assert rc == 0, err[-3000:]

@@ -192,7 +192,8 @@ def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_option
 
     if data_cfg.mock_data:
         split = _mask(split_matrix(parse_split("1,1,1")), wanted)
-        splits = build_gpt_splits(None, split, sizes, seq_length, seed, mock_eod=tokenizer.eod)
+        splits = build_gpt_splits(None, split, sizes, seq_length, seed, mock_eod=tokenizer.eod,
+                                  vocab=(tokenizer.vocab_size, "the tokenizer"))
         return Datasets(*splits, tokenizer)
 
     if data_cfg.uses_default_corpus:

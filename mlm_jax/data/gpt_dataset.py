@@ -200,17 +200,19 @@ class MockLowLevelDataset:
     """Megatron's MockGPTLowLevelDataset: 100000 synthetic documents, lengths from seed 0.
 
     Document i is `1, 2, ..., L_i - 1, eod`. Token ids wrap below `eod`, so any vocab works;
-    for eod >= 4096 the tokens equal Megatron's exactly.
+    for eod >= 4096 the tokens equal Megatron's exactly. An end-of-document id below 2 (GPT-2 BPE
+    vocabularies whose EOD is 0) wraps the tokens over the rest of the `vocab` instead.
     """
 
     seed = 0
     size = 100000
     max_sequence_length = 4096
 
-    def __init__(self, eod: int):
-        if eod < 2:
-            raise DatasetError(f"mock data needs a vocab of at least 3 tokens, got eod {eod}")
-        self.eod = int(eod)
+    def __init__(self, eod: int, vocab: int | None = None):
+        if eod < 2 and (vocab is None or vocab < 3):
+            raise DatasetError(f"mock data needs a vocab of at least 3 tokens, got {vocab or 'none'} "
+                               f"(end-of-document id {eod})")
+        self.eod, self.vocab = int(eod), vocab
         rng = np.random.default_rng(seed=self.seed)
         self.sequence_lengths = rng.integers(1, self.max_sequence_length, size=self.size, dtype=np.int32)
         self.path_prefix = None
@@ -223,7 +225,11 @@ class MockLowLevelDataset:
         if length is None:
             length = n - offset
         doc = np.empty(n, dtype=np.int64)
-        doc[:-1] = np.arange(n - 1) % (self.eod - 1) + 1
+        if self.eod >= 2:
+            doc[:-1] = np.arange(n - 1) % (self.eod - 1) + 1
+        else:  # ids 1.. of the vocab, stepping over the end-of-document id
+            t = np.arange(n - 1) % (self.vocab - 2) + 1
+            doc[:-1] = t + (t >= self.eod)
         doc[-1] = self.eod
         return doc[offset : offset + length]
 
@@ -385,7 +391,7 @@ def build_gpt_splits(
     (the model's vocab size, where it comes from): every token id must be below it.
     """
     if prefix is None:
-        low = MockLowLevelDataset(mock_eod)
+        low = MockLowLevelDataset(mock_eod, None if vocab is None else vocab[0])
         cache_dir = None
     else:
         low = IndexedDataset(prefix)
