@@ -155,7 +155,8 @@ def build_data(cfg: Config, schedule: BatchSchedule, tokenizer, log):
     t0 = time.perf_counter()
     sizes = megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
     sizes = (train_sample_count(cfg, schedule), *sizes[1:])
-    data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size, tokenizer=tokenizer)
+    data = build_datasets(cfg.data, t.seq_length, t.seed, sizes, vocab_size=cfg.model.vocab_size, tokenizer=tokenizer,
+                          wanted=(True, True, False))  # the test split: never read by training
     log(f"> data ready in {time.perf_counter() - t0:.1f} s: {len(data.train)} training samples"
         + (f", {len(data.valid)} validation samples" if data.valid is not None else ""))
     return data

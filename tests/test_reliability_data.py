@@ -462,3 +462,13 @@ def test_mock_data_with_an_end_of_document_id_of_0(tmp_path):
                           "--merge-file", tmp_path / "merges.txt", "--train-iters", "1", "--run-dir", tmp_path / "r"],
                   tmp_path)
     assert rc == 0, err[-3000:]
+
+
+def test_megatron_s_default_split_trains_on_a_small_corpus(tmp_path):
+    """Issue "reliability, round three": `--split 969,30,1` on a 40-document corpus was refused
+    because the 1 % test split held no document; training never reads the test split, so it
+    trains (an empty split that nothing reads is no error)."""
+    prefix = small_dataset(tmp_path)
+    rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "969,30,1", "--tokenizer-type", "NullTokenizer",
+                          "--vocab-size", "100", "--train-iters", "2", "--run-dir", tmp_path / "run"], tmp_path)
+    assert rc == 0, err[-3000:]

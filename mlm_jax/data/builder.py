@@ -166,8 +166,11 @@ def build_datasets(
     vocab_size: int | None = None,
     tokenizer_optional: bool = False,
     tokenizer=None,
+    wanted: tuple[bool, bool, bool] = (True, True, True),
 ) -> Datasets:
     """Build the (train, valid, test) datasets and the tokenizer of `data_cfg` (a `DataConfig`).
+    `wanted`: which of the three to build (None where not: training never reads the test split,
+    so a small corpus whose 1 % test share holds no document still trains).
 
     `num_samples`: samples each split must provide (`megatron_num_samples`); a split given 0
     or None still gets one epoch. `vocab_size`: NullTokenizer's `--vocab-size`, and the vocab
@@ -177,8 +180,7 @@ def build_datasets(
     it again. Every dataset's token ids must lie below the model's vocab (the tokenizer's): checked
     once per .bin (`vocab_check`), a `VocabularyError` naming it if not.
     """
-    return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, (True, True, True),
-                  tokenizer)
+    return _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, wanted, tokenizer)
 
 
 def _build(data_cfg, seq_length, seed, num_samples, vocab_size, tokenizer_optional, wanted, tokenizer=None) -> Datasets:
