@@ -51,3 +51,25 @@ def test_evaluate_never_prints_a_nan_result(tmp_path):
                   module="mlm_jax.evaluate")
     assert_named_error(rc, out, 1, f"--load {folder}", "loss on", "no result is written")
     assert "avg loss" not in out and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("edit,names", [
+    ({"n_head": 0}, ["config.json", "n_head 0: a positive integer is expected"]),
+    ({"n_head": 3}, ["config.json", "n_embd 32 is not divisible by n_head 3"]),
+    ({"n_layer": -1}, ["config.json", "n_layer -1: a positive integer is expected"]),
+    ({"n_layer": "two"}, ["config.json", "n_layer 'two': a positive integer is expected"]),
+    ({"n_embd": 64}, ["tensor 'transformer.h.0.attn.c_attn.weight' has shape (32, 96)", "(64,3,4,16)"]),
+], ids=["n_head 0", "n_head 3", "n_layer -1", "n_layer str", "wrong shapes"])
+def test_bad_hf_configs_and_shapes_are_named(tmp_path, capsys, edit, names):
+    """Issue "reliability, round three": bad HF configs or tensor shapes ended in a bare
+    ZeroDivisionError / ValueError / TypeError (exit 1); now exit 2 naming the key or tensor."""
+    import json
+
+    folder = tmp_path / "gpt2"
+    make_gpt2(str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(edit)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert hfc.main(["import-hf", "--hf-dir", str(folder), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and all(n in err for n in names), err

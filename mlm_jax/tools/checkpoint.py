@@ -378,10 +378,41 @@ def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dt
     return out
 
 
+# The sizes each kind's config.json must give as positive integers (None allowed where optional).
+_HF_SIZES = {
+    "gpt2": (("n_layer", False), ("n_embd", False), ("n_head", False), ("vocab_size", False), ("n_positions", False),
+             ("n_inner", True)),
+    "llama": (("num_hidden_layers", False), ("hidden_size", False), ("num_attention_heads", False),
+              ("num_key_value_heads", True), ("intermediate_size", False), ("vocab_size", False),
+              ("max_position_embeddings", True), ("head_dim", True)),
+}
+
+
+def check_hf_sizes(hf: dict, kind: str) -> None:
+    """The config's sizes are positive integers that divide as the model needs; an HFError
+    naming the key and the value otherwise (a 0 head count was a ZeroDivisionError)."""
+    for key, optional in _HF_SIZES["gpt2" if kind == "gpt2" else "llama"]:
+        value = hf.get(key)
+        if value is None and optional:
+            continue
+        if value is None:
+            raise KeyError(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HFError(f"{key} {value!r}: a positive integer is expected")
+    heads, hidden = (hf["n_head"], hf["n_embd"]) if kind == "gpt2" else (hf["num_attention_heads"], hf["hidden_size"])
+    head_key, hidden_key = ("n_head", "n_embd") if kind == "gpt2" else ("num_attention_heads", "hidden_size")
+    if not hf.get("head_dim") and hidden % heads:
+        raise HFError(f"{hidden_key} {hidden} is not divisible by {head_key} {heads}")
+    groups = hf.get("num_key_value_heads")
+    if kind != "gpt2" and groups and heads % groups:
+        raise HFError(f"num_attention_heads {heads} is not divisible by num_key_value_heads {groups}")
+
+
 def config_from_hf_file(hf: dict, path: str) -> tuple[ModelConfig, str]:
     """(ModelConfig, kind) of the Hugging Face config read from `path`; errors name the file."""
     try:
         kind = hf_kind(hf)
+        check_hf_sizes(hf, kind)
         return model_config_from_hf(hf), kind
     except HFError as e:
         raise HFError(f"{path}: {e}") from e

@@ -38,6 +38,7 @@ class _HFTensors:
         if name not in self.t:
             raise HFError(f"the safetensors have no tensor {name!r} (needed by a {self.kind} model of this config)")
         self.used.add(name)
+        self.last = name  # the tensor being converted: named if its shape does not fit
         return np.asarray(self.t[name], dtype=np.float32)
 
     def pad_rows(self, x: np.ndarray) -> np.ndarray:  # [V, ...] -> [padded, ...], zero rows
@@ -53,7 +54,13 @@ class _HFTensors:
 def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padded_vocab: int) -> dict:
     """Hugging Face tensors -> mlm_jax params (plain layout, fp32 numpy, vocab padded)."""
     src = _HFTensors(tensors, m, kind, padded_vocab)
-    params = _gpt2_params(src, m) if kind == "gpt2" else _llama_params(src, m, kind)
+    try:
+        params = _gpt2_params(src, m) if kind == "gpt2" else _llama_params(src, m, kind)
+    except ValueError as e:  # a reshape or stack that the tensor's shape does not allow
+        name = getattr(src, "last", None)
+        shape = tuple(src.t[name].shape) if name else None
+        raise HFError(f"tensor {name!r} has shape {shape}, which this config does not give it "
+                      f"({' '.join(str(e).split())})") from None
     unused = sorted(set(src.t) - src.used)
     if unused:
         raise HFError(f"the safetensors hold tensors this {kind} config does not use: {unused[:8]}"
