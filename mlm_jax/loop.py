@@ -48,6 +48,7 @@ class Loop:
         self.step_mem: dict = {}  # compiled memory analysis, where devices report no live memory
         self.compile_s: float | None = None
         self.eval_compiled = False  # the first evaluation compiles its step: said before it starts
+        self.valid_used_up: int | None = None  # the iteration whose evaluation found the validation data used up
         self.pending = None  # the previous step's (iteration, metrics), checked after the next dispatch
         self.skips_counted = start.iteration  # loss scaling: iterations whose skip is counted
         self.skips_in_a_row = 0  # loss scaling: overflowed iterations since the last clean one
@@ -96,6 +97,11 @@ class Loop:
             try:
                 batch, _ = next(self.valid_loader)
             except StopIteration:
+                if self.valid_used_up is None:  # said once, and at the end of the run
+                    self.valid_used_up = iteration
+                    self.log(f"> validation at iteration {iteration}: the validation data is used up (it was sized "
+                             "for the run's --train-iters, --eval-interval and --eval-iters from iteration 0; a "
+                             "resumed run that evaluates more often or longer reads past it); no validation from here")
                 break
             loss_sum, n = self.pz.eval_step(self.state["params"], batch)
             total, count = total + float(loss_sum), count + float(n)

@@ -63,10 +63,11 @@ def end_of_run_sample(cfg: Config, pz, params, data, n_params: int, iteration: i
     return sample
 
 
-def _valid_loss_text(first: float | None, last: float | None) -> str:
+def _valid_loss_text(first: float | None, last: float | None, used_up_at: int | None = None) -> str:
     losses = [v for v in (first, last) if v is not None]
     if not losses:
-        return "no validation"
+        return ("no validation" if used_up_at is None else
+                f"no validation (the validation data was used up at iteration {used_up_at})")
     loss = " -> ".join(f"{v:.2f}" for v in losses)
     ppl = " -> ".join(f"{perplexity(v):,.0f}" if perplexity(v) >= 100 else f"{perplexity(v):.1f}" for v in losses)
     return f"validation loss {loss} (perplexity {ppl})"
@@ -99,7 +100,9 @@ def done_lines(cfg: Config, summary: dict, data, elapsed_s: float) -> list[str]:
     """The run's last lines: the result in rounded figures, the run folder, the checkpoint and
     what to try next on it."""
     run_dir = summary["run_dir"]
-    lines = [f"> done: {_valid_loss_text(summary['first_valid_loss'], summary['final_valid_loss'])}; "
+    valid = _valid_loss_text(summary["first_valid_loss"], summary["final_valid_loss"],
+                             summary.get("validation_used_up_at"))
+    lines = [f"> done: {valid}; "
              f"iteration {summary['last_iteration']} in {duration(elapsed_s)}; run folder {shown_path(run_dir)}"]
     if summary["checkpoints"]:
         last = summary["checkpoints"][-1]

@@ -340,6 +340,7 @@ def _train(cfg: Config, found, tokenizer, run_dir: str, main: bool, log, start_t
     sample = (None if loop.exit_reason else
               end_of_run_sample(cfg, pz, loop.state["params"], data, n_params, loop.iteration, log))
     summary = {"run_dir": run_dir, "first_valid_loss": loop.first_valid, "final_valid_loss": loop.last_valid,
+               "validation_used_up_at": loop.valid_used_up,
                "final_train_loss": loop.last_train_loss, "iterations": max(t.train_iters, loop.iteration),
                "trained_iterations": loop.iteration - start.iteration,
                "parameters": n_params, "sample": sample, "exit_reason": loop.exit_reason,

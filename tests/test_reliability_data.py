@@ -472,3 +472,23 @@ def test_megatron_s_default_split_trains_on_a_small_corpus(tmp_path):
     rc, err = run(TRAIN, [*TINY, "--data-path", prefix, "--split", "969,30,1", "--tokenizer-type", "NullTokenizer",
                           "--vocab-size", "100", "--train-iters", "2", "--run-dir", tmp_path / "run"], tmp_path)
     assert rc == 0, err[-3000:]
+
+
+def test_a_resumed_run_whose_validation_data_is_used_up_says_so(tmp_path):
+    """Issue "reliability, round three": a resumed run whose validation data was used up ended
+    with `done: no validation` and no reason. The validation data is sized for the run's own
+    evaluations from iteration 0; a first run that evaluated far more has read past what the
+    resumed run's flags size: one line says so when it happens, and the last line why."""
+    prefix = small_dataset(tmp_path)
+    common = [*TINY, "--data-path", prefix, "--split", "50,50,0", "--tokenizer-type", "NullTokenizer",
+              "--vocab-size", "100", "--save", tmp_path / "ck", "--eval-iters"]
+    rc, err = run(TRAIN, common + ["10", "--eval-interval", "1", "--train-iters", "3", "--run-dir", tmp_path / "r1"],
+                  tmp_path)
+    assert rc == 0, err[-3000:]
+    p = subprocess.run([sys.executable, "-m", TRAIN, *map(str, common + [
+        "1", "--eval-interval", "5", "--train-iters", "5", "--load", tmp_path / "ck", "--run-dir", tmp_path / "r2"])],
+        cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "> validation at iteration 5: the validation data is used up" in out, out[-3000:]
+    assert "> done: no validation (the validation data was used up at iteration 5)" in out, out[-3000:]
