@@ -372,6 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p, args.tokens_to_generate)
     if not args.prompt and not args.prompt_ids:
         raise UsageError("give --prompt TEXT or --prompt-ids 'ID ID ...'")
+    for text in args.prompt:  # bytes that are not UTF-8 reach Python as lone surrogates
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raw = text[e.start].encode("utf-8", "surrogateescape")
+            raise UsageError(f"--prompt: not UTF-8 text (byte 0x{raw.hex()} at character {e.start}); give the "
+                             "prompt in UTF-8, or its token ids with --prompt-ids") from None
     ids = [_prompt_ids(s) for s in args.prompt_ids]
     m = load_model(args)
     if args.prompt and m.tokenizer is None:

@@ -331,3 +331,23 @@ def test_fsdp_memory_terms_and_the_search_picks_it_where_zero1_does_not_fit():
     assert best.fsdp == "optim_grads_params" and rows[0]["fits"], search.describe(best)
     cfg = finalize(parse_args(search.train_argv(LLAMA3_8B.split(), best)), 8)
     assert analytic.layout_of(cfg, 8) == best
+
+
+def test_a_model_no_layout_fits_says_only_more_gpus_help_and_how_many():
+    """Issue "reliability, round three": `plan --search` of a model whose state alone overflows
+    every layout (GPT-3 175B on 8 A100s) suggested a smaller batch or sequence; it says only more
+    GPUs would fit it, and about how many (where the search finds a fitting layout)."""
+    from mlm_jax.plan import search
+    from mlm_jax.plan.__main__ import _what_would_fit
+
+    cfg = finalize(parse_args(SMALL_LLAMA.replace("--global-batch-size 8", "--global-batch-size 64").split()), 1)
+    hw = analytic.hardware(__import__("mlm_jax.plan.targets", fromlist=["gpu"]).gpu("h100"))
+    usable = int(0.5 * analytic.GIB)  # a small "GPU": the ~2.4 GiB of fp32 state needs several
+    rows = search.search(cfg, 1, 8, hw, usable)
+    assert rows and not any(r["fits"] for r in rows)
+    text = _what_would_fit(cfg, rows, 1, 8, hw, usable)
+    assert text.startswith("the parameters and optimizer state alone overflow every layout, so only more GPUs"), text
+    assert "a smaller batch or sequence would not" in text
+    more = int(text.split("(about ")[1].split(":")[0])
+    assert any(r["fits"] for r in search.search(cfg, more, 8, hw, usable))
+    assert not any(r["fits"] for r in search.search(cfg, more // 2, 8, hw, usable))

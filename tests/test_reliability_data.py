@@ -106,6 +106,27 @@ def test_preprocess_null_tokenizer_on_words_names_file_and_line(tmp_path, earlie
     assert glob.glob(str(tmp_path / "out" / "*.tmp-*")) == []
 
 
+def test_preprocess_a_lone_surrogate_names_the_line_and_skips_with_the_flag(tmp_path):
+    """Issue "reliability, round three": a JSONL line whose text holds a lone surrogate escape
+    (`\\udcff`) ended in the tokenizer's `TypeError` without a line number, and
+    --skip-bad-lines did not skip it."""
+    src = jsonl(tmp_path / "s.jsonl", ['{"text": "1 2"}', '{"text": "3 \\udcff 4"}', '{"text": "5 6"}'])
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "o"), tmp_path)
+    assert_one_error(rc, err, 2, f"{src} line 2", "lone surrogate", "--skip-bad-lines")
+    rc, err = run(PRE, preprocess_args(src, tmp_path / "o", "--skip-bad-lines"), tmp_path)
+    assert rc == 0, err
+    assert "1 bad line" in err or "skipped" in err, err
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path):
+    """A non-UTF-8 --prompt (bytes on the command line) is refused naming the flag."""
+    p = subprocess.run([sys.executable.encode(), b"-m", b"mlm_jax.generate", b"--load", str(tmp_path).encode(),
+                        b"--prompt", b"caf\xe9"], cwd=tmp_path, env=cli_env(tmp_path), capture_output=True,
+                       timeout=120)
+    err = p.stderr.decode("utf-8", "replace")
+    assert_one_error(p.returncode, err, 2, "--prompt: not UTF-8 text (byte 0xe9 at character 3)")
+
+
 def test_preprocess_null_tokenizer_id_beyond_vocab_size(tmp_path):
     src = jsonl(tmp_path / "ids.jsonl", [{"text": "1 2"}, {"text": "3 100"}])
     rc, err = run(PRE, preprocess_args(src, tmp_path / "o"), tmp_path)

@@ -107,6 +107,11 @@ def _parse_line(raw: bytes, keys: list[str]) -> list[str]:
             raise BadLineError(f"missing key {key!r}")
         if not isinstance(obj[key], str):
             raise BadLineError(f"key {key!r} is a JSON {type(obj[key]).__name__}, not a string")
+        try:
+            obj[key].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate escape (\udcff): no text a tokenizer reads
+            raise BadLineError(f"key {key!r} holds a lone surrogate ({obj[key][e.start]!r} at character "
+                               f"{e.start}), not text") from None
         texts.append(obj[key])
     return texts
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -134,6 +135,33 @@ def _positive_search_flags(own) -> None:
         raise UsageError(f"--efficiency {own.efficiency}: must be in (0, 1]")
 
 
+def _what_would_fit(cfg, rows, gpus: int, per_node: int, hw, usable: int) -> str:
+    """Why nothing fits and what would: when even the state without activations (parameters,
+    optimizer, gradients) overflows every layout, only more GPUs help (the fewest, doubling, that
+    the search finds a fitting layout on); else a smaller batch or sequence helps too."""
+    from mlm_jax.plan import search
+
+    def state(r):
+        m = r["memory"]
+        return m["total"] - m.get("activations", 0) - m.get("logits", 0)
+
+    least = min(state(r) for r in rows)
+    only_gpus = least > usable
+    # The state shrinks about as 1 / GPUs: start the doubling where it would fit, then confirm
+    # (at most three searches: each is a few seconds to minutes on a large model).
+    k = max(1, math.ceil(math.log2(least / usable))) if least > usable else 1
+    more = None
+    for g in (gpus * 2 ** k, gpus * 2 ** (k + 1), gpus * 2 ** (k + 2)):
+        if cfg.train.global_batch_size and any(r["fits"] for r in search.search(cfg, g, per_node, hw, usable)):
+            more = g
+            break
+    fewest = f" (about {more}: the fewest, doubling, on which the search finds one)" if more else ""
+    if only_gpus:
+        return (f"the parameters and optimizer state alone overflow every layout, so only more GPUs would fit it"
+                f"{fewest}; a smaller batch or sequence would not")
+    return f"more GPUs{fewest}, a smaller --global-batch-size or --seq-length would help"
+
+
 def _search(cfg, train_argv, own, target) -> int:
     from mlm_jax.plan import analytic, search
     from mlm_jax.plan.check import GIB, mem_fraction
@@ -188,7 +216,7 @@ def _search(cfg, train_argv, own, target) -> int:
         print(f"> report written to {own.json}")
     if best is None:
         raise RunFailure(f"no layout fits {target.description} ({usable / GIB:.1f} GiB usable) on --gpus {own.gpus}: "
-                         "more GPUs, a smaller --global-batch-size or --seq-length would help")
+                         + _what_would_fit(cfg, rows, own.gpus, per_node, hw, usable))
     if best in confirmed:
         how = f"compiled: {compiled[best]:.2f} GiB per device, fits"
     elif own.confirm:
