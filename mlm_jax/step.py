@@ -19,7 +19,6 @@ the state under "loss_scale".
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax

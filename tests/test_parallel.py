@@ -30,6 +30,15 @@ LAYOUTS = {
 }
 
 
+def assert_matches_one_device(ref: tuple, got: tuple) -> None:
+    """(loss, grads) of a layout against one device's: the loss within LOSS_ATOL, the vocab
+    padding rows' gradient zero, every gradient leaf within GRAD_RTOL (padding cut off)."""
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert not np.any(grads["embed"][VOCAB:])
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+
+
 def assert_trees_close(ref: dict, got: dict, rtol: float, atol: float = GRAD_ATOL) -> None:
     ref_leaves = jax.tree_util.tree_leaves_with_path(ref)
     got_leaves = jax.tree.leaves(got)

@@ -15,7 +15,7 @@ import pytest
 
 from mlm_jax.checkpoint.lock import LOCK_NAME, SaveLock
 from mlm_jax.errors import UsageError
-from tests.test_reliability import ROOT, T, assert_named_error, cmd, env
+from tests.test_reliability import T, assert_named_error, cmd, env
 
 
 def _wait_for(path, proc, timeout=240):
