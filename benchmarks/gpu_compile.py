@@ -143,6 +143,10 @@ CASES = {
                                       LLAMA3_8B_DOTS.split() + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
     "llama3_8b_dots_fp8": ("Llama-3 8B dots (above) + Megatron's fp8 recipe (delayed, history 1024, max, "
                            "--fp8-param-gather)", 8, 8, LLAMA3_8B_DOTS.split() + FP8_MEGATRON),
+    "mixtral_ep8_micro12_capacity_fp8": ("Mixtral 8x7B shape, ep8, micro 12, capacity 1.0 padded (above) + fp8 "
+                                         "tensorwise (the experts too)", 8, 8,
+                                         (MIXTRAL_8GPU + CAPACITY + " --expert-model-parallel-size 8 --micro-batch-size 12 "
+                                          "--global-batch-size 96 --fp8-format hybrid --fp8-recipe tensorwise").split()),
     # Issue 51: sharded data parallelism (Megatron-FSDP) against the ZeRO-1 row above, same shapes.
     "llama3_8b_dots_fsdp": ("Llama-3 8B dots (above) with --use-megatron-fsdp (optim_grads_params)", 8, 8,
                             LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp"]),
@@ -195,7 +199,7 @@ def run_case(name: str, gpu: str, out: Path) -> dict:
         runs = r["cudnn_attention_runs"]
         row.update(estimated_ms=1000 * t["seconds"], estimated_mfu=t["mfu"], analytic_ms=1000 * t["analytic"]["seconds"],
                    executed_ratio=t["executed_matmul_flops_ratio"], gemm_ratio=t["executed_gemm_flops_ratio"],
-                   fp8_share=t.get("fp8_matmul_flops_share", 0.0),
+                   fp8_share=t.get("fp8_matmul_flops_share", 0.0), fp8_gemm_share=t.get("fp8_gemm_flops_share", 0.0),
                    cudnn_fwd_bwd=(f"{sum(n for k, n in runs.items() if k.endswith('Softmax'))}/"
                                   f"{sum(n for k, n in runs.items() if k.endswith('SoftmaxBackward'))}"),
                    top_kernels=t["top_kernels"])
@@ -229,7 +233,7 @@ def main() -> int:
     rows = []
     print(f"{'case':<24} {'GPUs':>5} {'layout':<28} {'GiB/device':>11} {'fits':>5} {'compile s':>9} "
           f"{'dp grads overlapped':>19} {'est. ms':>9} {'analytic ms':>11} {'est. MFU':>8} {'FLOPs/model':>11} "
-          f"{'GEMM/6NT':>8} {'fp8':>5} {'cuDNN f/b':>9}  attention")
+          f"{'GEMM/6NT':>8} {'fp8':>5} {'fp8 GEMM':>8} {'cuDNN f/b':>9}  attention")
     for name in a.cases.split(","):
         row = run_case(name, a.gpu, out)
         rows.append(row)
@@ -237,7 +241,8 @@ def main() -> int:
             print(f"{name:<24} {row['gpus']:>5} {row['layout']:<28} {row['gib']:>11.2f} {str(row['fits']):>5} "
                   f"{row['compile_seconds']:>9.1f} {row.get('grad_reduce_overlap', '-'):>19} {row['estimated_ms']:>9.1f} "
                   f"{row['analytic_ms']:>11.1f} {row['estimated_mfu']:>8.1%} {row['executed_ratio']:>11.3f} "
-                  f"{row['gemm_ratio']:>8.3f} {row['fp8_share']:>5.1%} {row['cudnn_fwd_bwd']:>9}  {row['attention']}",
+                  f"{row['gemm_ratio']:>8.3f} {row['fp8_share']:>5.1%} {row['fp8_gemm_share']:>8.1%} {row['cudnn_fwd_bwd']:>9}  "
+                  f"{row['attention']}",
                   flush=True)
         else:
             print(f"{name:<24} {row['gpus']:>5} failed (exit {row['exit']}): {row.get('error', '')}", flush=True)

@@ -58,7 +58,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     # fp8 (mlm_jax/models/fp8.py, docs/guides/fp8.md)
-    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2); needs --bf16"),
+    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2), and MoE experts with --moe-pad-expert-input-to-capacity; needs --bf16"),
     ("--fp8-recipe", "model", "fp8_recipe", "str", "delayed (scales from an amax history of earlier steps) | tensorwise (per-tensor current scaling: each tensor's amax in this step); blockwise | mxfp8 | custom are refused"),
     ("--fp8-margin", "model", "fp8_margin", "int", "fp8 scales keep 2^margin headroom below the format's largest value (default 0)"),
     ("--fp8-amax-history-len", "model", "fp8_amax_history_len", "int", "delayed scaling: steps of amax history kept per tensor (default 1)"),
@@ -106,6 +106,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--use-distributed-optimizer", "parallel", "use_distributed_optimizer", "true", "ZeRO-1: master params and Adam moments sharded over data"),
     ("--use-megatron-fsdp", "parallel", "use_megatron_fsdp", "true", "sharded data parallelism (Megatron-FSDP): what --data-parallel-sharding-strategy says is split over data (see docs/parallelism/data.md)"),
     ("--data-parallel-sharding-strategy", "parallel", "data_parallel_sharding_strategy", "str", "with --use-megatron-fsdp: no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2: gradients reduce-scattered each microbatch, held split) | optim_grads_params (default; ZeRO-3: parameters held split too, gathered one layer at a time in the forward and again in the backward)"),
+    ("--num-distributed-optimizer-instances", "parallel", "num_distributed_optimizer_instances", "int", "hybrid sharding: the data-parallel ranks in N groups (instances) of dp/N neighbouring ranks; the distributed optimizer (and FSDP) splits the state within an instance and each instance holds a copy; gradients reduce-scatter within, all-reduce across (default 1)"),
     ("--use-torch-fsdp2", "parallel", "use_torch_fsdp2", "true", "= --use-megatron-fsdp (one FSDP here; with --torch-fsdp2-no-reshard-after-forward: optim_grads)"),
     ("--pipeline-schedule", "parallel", "pipeline_schedule", "str", "gpipe | 1f1b | interleaved"),
     ("--num-virtual-stages-per-pipeline-rank", "parallel", "virtual_pipeline_model_parallel_size", "int", "interleaved chunks per rank"),
@@ -233,8 +234,7 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--no-position-embedding", "true", "no learned position table: accepted with rope positions, refused with learned_absolute"),
     ("--fp8-interval", "int", "accepted, no effect (deprecated in Transformer Engine 1.8: scales are computed every step)"),
     ("--torch-fsdp2-no-reshard-after-forward", "true", "with --use-torch-fsdp2: the parameters stay gathered (= --data-parallel-sharding-strategy optim_grads)"),
-    ("--num-distributed-optimizer-instances", "int", "copies of the sharded state across data parallelism (hybrid sharding); only 1 is built"),
-    ("--outer-dp-sharding-strategy", "str", "hybrid sharding's outer group: no_shard (the only value with one optimizer instance)"),
+    ("--outer-dp-sharding-strategy", "str", "hybrid sharding's outer group (--num-distributed-optimizer-instances > 1): no_shard (each instance holds the whole sharded state; optim, the state split over the instances too, is not built)"),
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
 ]
 
@@ -524,6 +524,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
     _check_fsdp(args, sections)  # before --overlap-param-gather's rule: FSDP runs on the distributed optimizer
     _map_accepted(args, sections)
+    _check_instances(sections)
     _check_fp8(sections)
     _check_choices(sections)
     _check_schedule_flags(args, sections)
@@ -582,19 +583,18 @@ def _check_fsdp(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> No
         parallel.setdefault("data_parallel_sharding_strategy", "optim_grads")
     if parallel.get("use_torch_fsdp2"):
         parallel["use_megatron_fsdp"] = True
-    instances = 1 if args["num_distributed_optimizer_instances"] is None else args["num_distributed_optimizer_instances"]
+    instances = parallel.get("num_distributed_optimizer_instances", 1)
     outer = args["outer_dp_sharding_strategy"] or "no_shard"
     if instances < 1:
         raise ConfigError(f"--num-distributed-optimizer-instances must be 1 or more, got {instances}")
-    if instances > 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances {instances}: hybrid sharding (the state split "
-                          "within groups of ranks, replicated across them) is not built; give 1 (the state split "
-                          "over all data-parallel ranks)")
     if outer not in ("no_shard", "optim"):
         raise ConfigError(f"--outer-dp-sharding-strategy {outer!r}: choose one of no_shard, optim")
     if outer != "no_shard":
-        raise ConfigError(f"--outer-dp-sharding-strategy {outer}: hybrid sharding is not built (it needs "
-                          "--num-distributed-optimizer-instances > 1); give no_shard")
+        if instances == 1:
+            raise ConfigError(f"--outer-dp-sharding-strategy {outer} needs --num-distributed-optimizer-instances > 1 "
+                              "(the outer group is the instances)")
+        raise ConfigError(f"--outer-dp-sharding-strategy {outer}: not built (the optimizer state split over the "
+                          "instances too); give no_shard: each instance holds the whole sharded state")
     strategy = parallel.get("data_parallel_sharding_strategy")
     if strategy is not None and strategy not in SHARDING_STRATEGIES:
         raise ConfigError(f"--data-parallel-sharding-strategy {strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
@@ -605,6 +605,15 @@ def _check_fsdp(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> No
         return
     if (strategy or "optim_grads_params") != "no_shard":
         parallel["use_distributed_optimizer"] = True
+
+
+def _check_instances(sections: dict[str, dict[str, Any]]) -> None:
+    """--num-distributed-optimizer-instances > 1 needs the distributed optimizer (Megatron-LM's rule)."""
+    parallel = sections["parallel"]
+    instances = parallel.get("num_distributed_optimizer_instances", 1)
+    if instances > 1 and not parallel.get("use_distributed_optimizer"):
+        raise ConfigError(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (or "
+                          "--use-megatron-fsdp): the instances are copies of the sharded optimizer state")
 
 
 def _check_fp8(sections: dict[str, dict[str, Any]]) -> None:

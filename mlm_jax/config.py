@@ -145,6 +145,9 @@ class ParallelConfig:
     use_megatron_fsdp: bool = False
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "optim_grads_params"
     use_torch_fsdp2: bool = False  # --use-torch-fsdp2: the same FSDP (use_megatron_fsdp is set too)
+    # --num-distributed-optimizer-instances: hybrid sharding, the data-parallel ranks in this many
+    # groups (the mesh's `replica` axis); the state is split within a group, copied across.
+    num_distributed_optimizer_instances: int = 1
     # Megatron's --grad-reduce-in-bf16: the data-parallel gradient reduction in bf16 (where the
     # step reduces once per step: mlm_jax/step.py `reduce_once_loss_and_grads`).
     grad_reduce_in_bf16: bool = False

@@ -72,6 +72,7 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_loss_scaling(cfg)
     validate_fp8(cfg.model)
     validate_sharded_data(cfg)
+    validate_instances(cfg, world_size)
     validate_attention_backend(cfg.model, cfg.data.reset_attention_mask)
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
@@ -309,6 +310,26 @@ def validate_sharded_data(cfg: Config) -> None:
     if m.fp8_param_gather:
         raise ConfigError(f"{flag} with --fp8-param-gather: not built (the per-layer gather sends bf16); leave out "
                           "--fp8-param-gather, or use --data-parallel-sharding-strategy optim")
+
+
+def validate_instances(cfg: Config, world_size: int) -> None:
+    """--num-distributed-optimizer-instances N (hybrid sharding): N groups of the data-parallel
+    ranks (with expert parallelism, of the ranks one expert's copies are on)."""
+    p = cfg.parallel
+    n = p.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    dp = data_parallel_size(p, world_size)
+    ranks = dp // p.expert_model_parallel_size
+    if ranks % n:
+        of = (f"the data-parallel size {dp}" if p.expert_model_parallel_size == 1 else
+              f"the data-parallel size {dp} over --expert-model-parallel-size {p.expert_model_parallel_size} = {ranks}")
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} does not divide {of} (each instance is an "
+                          "equal group of the data-parallel ranks)")
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} with --pipeline-model-parallel-size "
+                          f"{p.pipeline_model_parallel_size}: not built (the pipeline's per-rank schedule reduces over "
+                          "the data ranks of one group); give 1")
 
 
 def validate_context_parallel(cfg: Config) -> None:

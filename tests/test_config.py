@@ -43,7 +43,8 @@ def test_every_flag_in_the_table_parses():
             continue  # choices are checked separately
         if flag == "--num-query-groups":
             argv.append("--group-query-attention")
-        if flag == "--overlap-param-gather":  # Megatron's rule: only with the distributed optimizer
+        if flag in ("--overlap-param-gather", "--num-distributed-optimizer-instances"):  # Megatron's rule: only
+            # with the distributed optimizer
             argv.append("--use-distributed-optimizer")
         if flag == "--fp8-param-gather":  # with fp8 and the distributed optimizer (as in Megatron-LM)
             argv += ["--bf16", "--fp8-format", "hybrid", "--use-distributed-optimizer"]

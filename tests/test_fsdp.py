@@ -52,6 +52,19 @@ LAYOUTS = {
 }
 
 
+# Hybrid sharding (--num-distributed-optimizer-instances 2): the state split within each of two
+# instances of the data ranks, copied across them.
+HYBRID = dict(num_distributed_optimizer_instances=2)
+LAYOUTS.update({
+    "dp8_zero1_instances2": (ParallelConfig(use_distributed_optimizer=True, **HYBRID), 1, (), REFERENCE),
+    "dp8_zero3_instances2": (dataclasses.replace(ZERO3, **HYBRID), 1, (), REFERENCE),
+    "dp4_tp2_sp_zero2_instances2": (dataclasses.replace(ZERO2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                                        **HYBRID), 2, (), REFERENCE),
+    "ep2_dp4_moe_zero3_instances2": (dataclasses.replace(ZERO3, expert_model_parallel_size=2, **HYBRID), 1, MOE,
+                                     MOE_REFERENCE),
+})
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_every_gradient_match_single_device(name):
     parallel, micro, model, reference = LAYOUTS[name]
@@ -74,6 +87,18 @@ def test_the_layers_are_stored_split_over_data_one_layer_at_a_time():
     mu = pz.opt_sharding[0].mu["layers"] if hasattr(pz.opt_sharding[0], "mu") else None
     if mu is not None:
         assert [s.spec for s in jax.tree.leaves(mu, is_leaf=lambda s: hasattr(s, "spec"))] == [s.spec for s in specs]
+
+
+def test_hybrid_sharding_splits_the_state_within_an_instance():
+    """--num-distributed-optimizer-instances 2 on 8 ranks: the mesh's `replica` axis of 2 outside
+    `data` of 4; the parameters and optimizer state split over `data` alone (each instance a copy),
+    the batch rows over both."""
+    pz = build(LAYOUTS["dp8_zero3_instances2"][0], 1)
+    assert dict(pz.mesh.shape)["replica"] == 2 and dict(pz.mesh.shape)["data"] == 4
+    specs = [s.spec for s in jax.tree.leaves((pz.param_sharding, pz.opt_sharding), is_leaf=lambda s: hasattr(s, "spec"))]
+    assert not [sp for sp in specs if any("replica" in entry_axes(e) for e in sp)], specs
+    assert sum(any("data" in entry_axes(e) for e in sp) for sp in specs) >= len(specs) // 2
+    assert entry_axes(pz.batch_sharding().spec[1])[:2] == ("replica", "data"), pz.batch_sharding().spec
 
 
 def _data_collectives(name, num_layers=4):
@@ -189,9 +214,16 @@ def test_megatron_fsdp_flags_map_onto_the_strategy():
                                                            "--use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"],
      "--data-parallel-sharding-strategy 'zero3': choose one of no_shard, optim, optim_grads, optim_grads_params"),
-    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
-     "--num-distributed-optimizer-instances 2: hybrid sharding"),
-    (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], "--outer-dp-sharding-strategy optim: hybrid"),
+    (["--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer (or --use-megatron-fsdp)"),
+    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "0"],
+     "--num-distributed-optimizer-instances must be 1 or more, got 0"),
+    (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"],
+     "--outer-dp-sharding-strategy optim needs --num-distributed-optimizer-instances > 1"),
+    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"],
+     "--outer-dp-sharding-strategy optim: not built"),
+    (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "full"],
+     "--outer-dp-sharding-strategy 'full': choose one of no_shard, optim"),
     (["--torch-fsdp2-no-reshard-after-forward"], "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2"),
 ])
 def test_bad_fsdp_flags_are_refused_naming_the_flag(argv, message):
@@ -210,6 +242,29 @@ def test_what_fsdp_does_not_compose_with_is_refused(argv, message):
     assert "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params " + message in str(e.value)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--num-distributed-optimizer-instances", "3"],
+     "--num-distributed-optimizer-instances 3 does not divide the data-parallel size 4"),
+    (["--num-distributed-optimizer-instances", "2", "--pipeline-model-parallel-size", "2",
+      "--use-distributed-optimizer"], "--num-distributed-optimizer-instances 2 with --pipeline-model-parallel-size 2: "
+                                      "not built"),
+])
+def test_what_hybrid_sharding_cannot_do_is_refused(argv, message):
+    with pytest.raises(ConfigError) as e:
+        finalize(parse_args(TINY + ["--use-distributed-optimizer"] + argv), jax.device_count())
+    assert message in str(e.value), str(e.value)
+
+
+def test_a_hybrid_run_saves_what_any_layout_restores(tmp, straight):
+    """A run with 2 instances resumes the optim_grads_params checkpoint (the format is the global
+    arrays), names the layouts, and trains on as the checkpoint's own layout does."""
+    _, losses, _ = straight
+    _, resumed, log = _run(tmp, "hybrid", FSDP + ["--num-distributed-optimizer-instances", "2", "--load",
+                                                  str(tmp / "S"), "--ckpt-step", "2"])
+    assert "restored onto [replica=2 x data=2 x tensor=2, FSDP optim_grads_params]" in log, log
+    assert max(abs(resumed[i] - losses[i]) for i in (3, 4)) < 2e-5, (resumed, losses)
+
+
 def test_torch_fsdp2_runs_as_megatron_fsdp_and_says_so(tmp):
     _, losses, log = _run(tmp, "torch_fsdp2", ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], iters=1)
     assert "> --use-torch-fsdp2: runs as --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads" in log, log
@@ -221,7 +276,8 @@ def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "mlm_jax.train", "--use-megatron-fsdp",
-                        "--num-distributed-optimizer-instances", "4", "--run-dir", str(tmp_path)],
+                        "--outer-dp-sharding-strategy", "optim", "--run-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r
-    assert "--num-distributed-optimizer-instances 4: hybrid sharding" in r.stderr and "Traceback" not in r.stderr
+    assert "--outer-dp-sharding-strategy optim needs --num-distributed-optimizer-instances > 1" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -103,12 +103,20 @@ LAYOUTS = {
                                   "--fp8-amax-history-len 16 --fp8-amax-compute-algo max", True),
     "fp8_tensorwise_cp2_p2p_tp2_dots": (BF16 + FP8 + " --fp8-recipe tensorwise --context-parallel-size 2 --cp-comm-type p2p "
                                         "--tensor-model-parallel-size 2 --recompute-granularity dots", True),
+    # The experts' products fp8 too: batched matmuls over [experts, capacity] slots
+    "fp8_tensorwise_ep4_padded": (BF16 + FP8 + MOE + " --fp8-recipe tensorwise --expert-model-parallel-size 4 "
+                                  "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", True),
     # Megatron-FSDP: 4 layers, each gathered and reduce-scattered inside the layer loop
     "fsdp_params_dp8": (BF16 + " --use-megatron-fsdp --num-layers 4", True),
     "fsdp_params_tp2_sp_dp4": (BF16 + " --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel "
                                "--num-layers 4", True),
     "fsdp_grads_dp8": (BF16 + " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --num-layers 4", True),
+    # Hybrid sharding: 2 instances of 4 data ranks
+    "zero1_dp8_instances2": (BF16 + " --use-distributed-optimizer --num-distributed-optimizer-instances 2", True),
+    "fsdp_params_dp8_instances2": (BF16 + " --use-megatron-fsdp --num-distributed-optimizer-instances 2 --num-layers 4",
+                                   True),
 }
+HYBRID = [n for n in LAYOUTS if "--num-distributed-optimizer-instances" in LAYOUTS[n][0]]
 FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]
 FSDP = [n for n in LAYOUTS if "--use-megatron-fsdp" in LAYOUTS[n][0]]
 OVERLAP = [n for n in LAYOUTS if "--overlap-grad-reduce" in LAYOUTS[n][0]]
@@ -267,7 +275,7 @@ def test_overlap_grad_reduce_reduces_each_layer_in_the_backward_overlapping_comp
     r = _plan(plans, name)
     grads = _collectives(r, axis="data", kinds=("all-reduce", "reduce-scatter"), min_bytes=64 * 1024)
     # In the layer loop: run more often than the branch's microbatch loop alone would run them.
-    microbatches = 32 // (2 * r["mesh"]["data"])  # global batch / (micro batch x dp)
+    microbatches = 32 // (2 * r["mesh"]["data"] * r["mesh"].get("replica", 1))  # global batch / (micro batch x dp)
     in_layers = [c for c in grads if c["in_branch"] and c["runs"] > microbatches]
     zero = "--use-distributed-optimizer" in LAYOUTS[name][0]
     kind = "reduce-scatter" if zero else "all-reduce"  # into ZeRO's shards, or whole
@@ -305,7 +313,7 @@ def test_fsdp_gathers_and_reduce_scatters_one_layer_at_a_time_inside_the_layer_l
     # Bytes gathered a step: each layer once per microbatch (4 layers), twice under
     # optim_grads_params; the embedding's gather besides.
     gathered = sum(c["bytes"] * c["runs"] for c in gathers)
-    microbatches = 32 // (2 * r["mesh"]["data"])  # global batch / (micro batch x dp)
+    microbatches = 32 // (2 * r["mesh"]["data"] * r["mesh"].get("replica", 1))  # global batch / (micro batch x dp)
     forward = microbatches * 4 * LAYER_BF16_BYTES / tp
     assert (1.9 * forward if "fsdp_params" in name else 0.95 * forward) <= gathered, (gathered, forward)
     assert gathered <= (2.2 if "fsdp_params" in name else 1.2) * forward, (gathered, forward)
@@ -320,6 +328,33 @@ def test_fsdp_gathers_and_reduce_scatters_one_layer_at_a_time_inside_the_layer_l
     overlapped = sum(c["runs"] for c in looped if c["is_async"] and c["overlapped"])
     assert overlapped >= 0.6 * sum(c["runs"] for c in looped), [
         (c["bytes"], c["runs"], c["is_async"], c["overlapped"]) for c in looped]
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_sharding_reduces_within_an_instance_then_across(plans, name):
+    """--num-distributed-optimizer-instances 2 over 8 ranks: the gradients reduce-scattered over
+    `data` (each instance's 4 ranks; per layer inside the loop under FSDP), then each rank's
+    quarter share all-reduced over `replica`; nothing gathered over `replica` (each instance
+    holds the whole sharded state) and no gradient all-reduced whole. The bytes sent over each
+    axis are the analytic model's."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.plan import analytic
+    from mlm_jax.validation import finalize
+
+    r = _plan(plans, name)
+    assert r["mesh"]["replica"] == 2 and r["mesh"]["data"] == 4, r["mesh"]
+    across = [c for c in r["collective_list"] if "replica" in c["axes"] and c["bytes"] >= 1024]
+    assert across and all(c["axes"] == ["replica"] and c["kind"] == "all-reduce" for c in across), across
+    scattered = sum(c["bytes"] * c["runs"] for c in _collectives(r, axis="data", kinds=("reduce-scatter",)))
+    shares = sum(c["bytes"] * c["runs"] for c in across)
+    assert 0.24 * scattered <= shares <= 0.26 * scattered, (shares, scattered)
+    assert not _collectives(r, axis="data", kinds=("all-reduce",), min_bytes=1024)
+    if "fsdp" in name:
+        assert any(c["in_loop"] for c in across), across
+    cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
+    predicted, sent = analytic.communication(cfg, analytic.layout_of(cfg, 8)), r["sent_bytes_per_axis"]
+    assert abs(predicted["replica"] / sent["replica"] - 1) < 0.02, (predicted, sent)
+    assert abs(predicted["data"] / sent["data"] - 1) < 0.05, (predicted, sent)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -421,7 +456,9 @@ def test_fp8_projections_are_fp8_gemms(plans, name):
     """--fp8-format hybrid (delayed or tensorwise): the forward multiplies e4m3 x e4m3, the gradients e5m2 with e4m3, no
     product of them upcast (Triton's GEMMs upcast e5m2 x e4m3 to f16; GPU runs keep them off),
     and fp8 FLOPs are at least every projection's forward and two backward products (QKV,
-    attention output, both MLP matmuls: 3 x 2 x their weights per token and layer)."""
+    attention output, both MLP matmuls, or a MoE layer's experts at capacity: 3 x 2 x their
+    weights per token, choice and layer). The rest is the LM head and attention (bf16), at
+    these tiny sizes a quarter of the step or more."""
     from mlm_jax.arguments import parse_args
     from mlm_jax.plan import analytic
     from mlm_jax.validation import finalize
@@ -434,7 +471,9 @@ def test_fp8_projections_are_fp8_gemms(plans, name):
     cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
     m = cfg.model
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
-    weights = h * (a + 2 * g) * d + a * d * h + h * analytic.f_gate(m) + m.ffn_size * h
+    # (a MoE layer's experts: each token's top-k experts, at capacity factor 1 every slot a row)
+    mlp = (m.moe_router_topk if m.num_experts else 1) * (h * analytic.f_gate(m) + m.ffn_size * h)
+    weights = h * (a + 2 * g) * d + a * d * h + mlp
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     t = r["step_time"]
     assert t["fp8_matmul_flops"] >= 3 * 2 * weights * m.num_layers * tokens * (1 - 0.0015), t["fp8_matmul_flops"]
@@ -635,7 +674,9 @@ def _pipeline_runs(L) -> dict:
     return {"forward": (f_ticks + b_ticks) / units, "backward": b_ticks / units, "head": b_ticks / L.microbatches}
 
 
-MOE_LAYOUTS = [n for n in LAYOUTS if "--num-experts" in LAYOUTS[n][0]]
+# (padded to capacity the experts are batched matmuls, not the grouped kernel)
+MOE_LAYOUTS = [n for n in LAYOUTS if "--num-experts" in LAYOUTS[n][0]
+               and "--moe-pad-expert-input-to-capacity" not in LAYOUTS[n][0]]
 
 
 @pytest.mark.parametrize("name", MOE_LAYOUTS)

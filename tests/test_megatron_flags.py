@@ -45,8 +45,7 @@ def test_every_accepted_flag_is_tested_and_in_help(capsys):
     tested = {f[0] for f in NO_EFFECT} | {"--distributed-timeout-minutes", "--use-rotary-position-embeddings",
                                           "--no-position-embedding"}
     # FSDP's (tests/test_fsdp.py: their mapping and refusals)
-    tested |= {"--torch-fsdp2-no-reshard-after-forward", "--num-distributed-optimizer-instances",
-               "--outer-dp-sharding-strategy"}
+    tested |= {"--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy"}
     assert tested == {flag for flag, _, _ in ACCEPTED}
     with pytest.raises(SystemExit):
         parse_args(["--help"])

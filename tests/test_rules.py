@@ -36,9 +36,11 @@ def test_unsharded_and_the_named_specs():
     assert dict(activation_rules(True))["seq"] == ("context", "tensor")  # context-major
     assert dict(activation_rules(False))["seq"] == "context"
     assert dict(activation_rules(True))["context_seq"] == "context"
-    assert batch_spec() == P(None, ("data", "expert"), "context")  # [microbatch, batch, seq]
-    assert tokens_spec(4, {"data": 2, "expert": 2}) == P(("data", "expert"), None)
-    assert tokens_spec(3, {"data": 2, "expert": 1}) == P()
+    # [microbatch, batch, seq]; hybrid sharding's instances outermost
+    assert batch_spec() == P(None, ("replica", "data", "expert"), "context")
+    assert tokens_spec(4, {"replica": 1, "data": 2, "expert": 2}) == P(("replica", "data", "expert"), None)
+    assert tokens_spec(4, {"replica": 2, "data": 2, "expert": 2}) == P()  # 8 ranks of rows: 4 do not divide
+    assert tokens_spec(3, {"replica": 1, "data": 2, "expert": 1}) == P()
     assert pipe_stored(P(None, "tensor")) == P("pipe", "tensor")
     assert stage_chunks(P("pipe", "tensor")) == P(None, None, "tensor")
 

@@ -46,7 +46,7 @@ from flax import nnx
 
 from mlm_jax.config import FP8_FORMATS, FP8_RECIPES, ModelConfig  # noqa: F401 (the names fp8 offers)
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import varying, varying_axes
+from mlm_jax.sharding.mesh import psum, varying, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -63,7 +63,13 @@ class Recipe:
     # The manual mesh axes over which this program holds only its rank's rows (the trace's
     # `rank_split` where the product is traced; its backward may be traced outside that context).
     rows_over: tuple | None = None
+    # The manual mesh axes over which this program holds only a piece of the weight (a MoE
+    # layer's experts inside their dispatch: split over `expert` and `tensor`), else None.
+    weights_over: tuple | None = None
     history_max: bool = False  # delayed scaling: --fp8-amax-compute-algo max (else most_recent)
+    # The manual axes x and w vary over (set where the product is traced): in a shard_map that
+    # checks them, their cotangents must vary over no more.
+    operand_axes: tuple = ((), ())
 
 
 # The leaves of the amax histories (delayed scaling): one per projection of a layer, named
@@ -247,6 +253,31 @@ def _scaled(spec: str, a, b, scale, dtype):
     return (jnp.einsum(spec, a, b, preferred_element_type=dtype).astype(jnp.float32) * scale).astype(dtype)
 
 
+def experts(cfg: ModelConfig) -> Recipe | None:
+    """The fp8 recipe of a MoE layer's experts here, or None (they run in the compute dtype): fp8
+    where their products are batched matmuls over [experts, capacity] slots
+    (--moe-pad-expert-input-to-capacity: cuBLASLt fp8 GEMMs on an H100), with current
+    (tensorwise) scaling under either recipe (the histories cover the dense projections); the
+    dropless grouped matmul (a Pallas kernel, whose Triton lowering upcasts fp8) stays in the
+    compute dtype. Traced inside the experts' dispatch, every manual axis but `pipe` holds a
+    piece of the rows or of the weights (data and expert the rows, expert and tensor the weights),
+    so each amax is a max over them: the whole tensor's, as one device has it."""
+    rec = recipe(cfg)
+    if rec is None or not cfg.moe_pad_expert_input_to_capacity:
+        return None
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    axes = tuple(sorted(a for a in manual if a != "pipe")) or None
+    return dataclasses.replace(rec, rows_over=axes, weights_over=axes)
+
+
+def experts_note(cfg: ModelConfig) -> str | None:
+    """What an fp8 MoE run's log says of its experts where they stay in the compute dtype."""
+    if cfg.fp8_format is None or not cfg.num_experts or cfg.moe_pad_expert_input_to_capacity:
+        return None
+    return ("the MoE experts' grouped matmul stays bf16 (its Pallas-Triton kernel would upcast fp8); with "
+            "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity the experts multiply fp8 too")
+
+
 def here(rec: Recipe) -> Recipe:
     """`rec` with the rows split of the trace in force (`rows_over`)."""
     split = trace.current().rank_split
@@ -268,6 +299,7 @@ def bound_einsum(spec, x, w, rec, h=None):
     record comes out)."""
     if h is None:
         h = varying(jnp.zeros((3, 1), jnp.float32), sorted(varying_axes(x) | varying_axes(w)))
+    rec = dataclasses.replace(rec, operand_axes=(tuple(sorted(varying_axes(x))), tuple(sorted(varying_axes(w)))))
     return _product(spec, x, w, h, rec)
 
 
@@ -277,7 +309,7 @@ def _product(spec, x, w, h, rec):
 
 
 def _forward(spec, x, w, h, rec):
-    ax, aw = amax(x, rec.rows_over), amax(w)  # every rank holds the same weight
+    ax, aw = amax(x, rec.rows_over), amax(w, rec.weights_over)
     sx = scale_of(from_history(h[0], ax, rec), rec.forward, rec.margin)
     sw = scale_of(from_history(h[1], aw, rec), rec.forward, rec.margin)
     xq, wq = cast(x, sx, rec.forward), cast(w, sw, rec.forward)
@@ -297,7 +329,16 @@ def _backward(spec, rec, res, dy):
         dw = _scaled(f"{xs},{ys}->{ws}", x_kept, gq, sx * sg, dy.dtype)
     else:
         dw = jnp.einsum(f"{xs},{ys}->{ws}", x_kept, dy)
+    # In a shard_map that checks varying axes, a cotangent sums over the ranks its primal is the
+    # same on (the weight over the ranks of rows, as autodiff's transpose of the broadcast would).
+    dx, dw = _summed_to(dx, rec.operand_axes[0]), _summed_to(dw, rec.operand_axes[1])
     return dx, dw, record(jnp.concatenate([forward_amaxes, ag[None]]), h, ag)
+
+
+def _summed_to(d: jax.Array, axes: tuple) -> jax.Array:
+    """`d` summed over the manual axes it varies over and its primal (varying over `axes`) does not."""
+    extra = sorted(varying_axes(d) - set(axes))
+    return psum(d, extra) if extra else d
 
 
 _product.defvjp(_forward, _backward)

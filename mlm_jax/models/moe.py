@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.kernels.grouped_matmul import XLA, grouped_matmul
+from mlm_jax.models import fp8
 from mlm_jax.models.layers import cast, mlp_activation, normal, param, zeros
 from mlm_jax.models.mlp import MLP
 from mlm_jax.sharding import trace
@@ -333,10 +334,13 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, group
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
         e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
         buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
-        h = checkpoint_name(jnp.einsum("ecd,ed...->ec...", buf, w1), EXPERT_HIDDEN)  # [e, c, (2,) f]
+        rec = fp8.experts(cfg)
+        product = jnp.einsum if rec is None else (lambda spec, a, b: fp8.bound_einsum(spec, a, b, rec))
+        h = product("ecd,edf->ecf", buf, w1.reshape(n_local, w1.shape[1], -1)).reshape(*buf.shape[:2], *w1.shape[2:])
+        h = checkpoint_name(h, EXPERT_HIDDEN)  # [e, c, (2,) f]
         if b1 is not None:
             h = h + b1[:, None]
-        y_ecd = checkpoint_name(jnp.einsum("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2),
+        y_ecd = checkpoint_name(product("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2),
                                 EXPERT_OUT)
         ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
     return ys if grouped else jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order

@@ -23,7 +23,7 @@ from mlm_jax.config import Config
 from mlm_jax.models import fp8
 from mlm_jax.models.layers import compute_dtype, used_in_compute_dtype
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import DATA, EXPERT, psum
+from mlm_jax.sharding.mesh import DATA, EXPERT, REPLICA, psum
 from mlm_jax.sharding.rules import active_rules
 from mlm_jax.sharding.specs import entry_axes, pick_axes
 
@@ -45,13 +45,15 @@ def reduces_once(mesh: Mesh, aux_names=()) -> bool:
     (tokens, not gradients) runs in it (`parallel/experts.py`).
     """
     sizes = dict(mesh.shape)
-    return sizes[DATA] * sizes[EXPERT] > 1 and all(name.startswith("moe_") for name in aux_names)
+    return sizes[REPLICA] * sizes[DATA] * sizes[EXPERT] > 1 and all(name.startswith("moe_") for name in aux_names)
 
 
 def rank_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the per-rank body is manual over: `data`, and `expert` where the mesh has
-    expert parallelism (the batch rows are split over both)."""
-    return (DATA, EXPERT) if dict(mesh.shape)[EXPERT] > 1 else (DATA,)
+    """The mesh axes the per-rank body is manual over: `data`, `replica` where hybrid sharding
+    has instances, and `expert` where the mesh has expert parallelism (the batch rows are split
+    over all of them)."""
+    sizes = dict(mesh.shape)
+    return ((REPLICA,) if sizes[REPLICA] > 1 else ()) + (DATA,) + ((EXPERT,) if sizes[EXPERT] > 1 else ())
 
 
 def without_manual(axes, manual=(DATA,)):
@@ -128,12 +130,28 @@ def reduce_over_ranks(grads_r, storage, bf16: bool, reduced=None):
         return jax.tree_util.tree_map_with_path(
             lambda p, g, r, st: jax.lax.with_sharding_constraint(g, st) if reduced(p) else r, grads_r, rest, storage,
             is_leaf=lambda x: x is None)
-    if not bf16:
-        return jax.lax.with_sharding_constraint(fp8.sum_over(grads_r), storage)
-    summed = fp8.sum_over(
-        grads_r, sum_fn=lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), jax.lax.add, (0,)))
-    summed = jax.lax.with_sharding_constraint(summed, storage)  # the collective runs in bf16
-    return jax.tree.map(lambda g: g.astype(jnp.float32), summed)
+    def summed(grads, axis=0):
+        if not bf16:
+            return fp8.sum_over(grads, axis)
+        return fp8.sum_over(grads, axis, lambda g: jax.lax.reduce(g.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
+                                                                  jax.lax.add, (axis,)))
+
+    storage_leaves = jax.tree.leaves(storage)
+    replicas = dict(storage_leaves[0].mesh.shape).get(REPLICA, 1) if storage_leaves else 1
+    if replicas > 1:
+        # Hybrid sharding: first within each instance (the rows' ranks [replica, the rest]: a
+        # reduce-scatter over `data` into each instance's storage), then the shares across the
+        # instances (an all-reduce over `replica` of a share, not of the whole gradient).
+        def within(g, st):
+            return g.reshape(replicas, g.shape[0] // replicas, *g.shape[1:])
+
+        def per_instance(st):
+            return jax.sharding.NamedSharding(st.mesh, P(REPLICA, *st.spec))
+
+        grads_r = jax.lax.with_sharding_constraint(summed(jax.tree.map(within, grads_r, storage), axis=1),
+                                                   jax.tree.map(per_instance, storage))
+    out = jax.lax.with_sharding_constraint(summed(grads_r), storage)  # in bf16 with `bf16`
+    return out if not bf16 else jax.tree.map(lambda g: g.astype(jnp.float32), out)
 
 
 def bf16_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
@@ -175,7 +193,8 @@ def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return (f"--data-parallel-sharding-strategy {p.sharding_strategy} reduce-scatters each layer's gradient in "
                 "its backward already")
     why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
-           "expert parallelism" if rank_axes(mesh) != (DATA,) else
+           "expert parallelism" if EXPERT in rank_axes(mesh) else
+           "hybrid sharding: the reduction over the instances follows the backward" if REPLICA in rank_axes(mesh) else
            "delayed fp8 scaling's amax histories" if fp8.delayed(cfg.model) else "mixed dense/MoE layers")
     return f"the gradients are reduced once after the backward ({why}), not inside it"
 

@@ -110,6 +110,9 @@ class Layout:
     micro: int = 1
     microbatches: int = 1
     recompute: str | None = None  # None, "selective", "full" (uniform, 1 layer)
+    # --num-distributed-optimizer-instances (hybrid sharding): the data-parallel ranks in groups
+    # of dp / instances that split the state, each group a copy (the mesh's `replica` axis).
+    instances: int = 1
     schedule: str | None = None  # pipeline schedule; None: 1f1b (v=1) / interleaved
 
 
@@ -127,7 +130,14 @@ def layout_of(cfg, world: int) -> Layout:
                   vp=vp, sp=p.sequence_parallel,
                   zero=p.use_distributed_optimizer, micro=cfg.train.micro_batch_size,
                   fsdp=p.sharding_strategy if p.sharding_strategy in ("optim_grads", "optim_grads_params") else None,
-                  microbatches=num_microbatches(cfg, world) or 1, recompute=rec, schedule=p.pipeline_schedule)
+                  microbatches=num_microbatches(cfg, world) or 1, recompute=rec, schedule=p.pipeline_schedule,
+                  instances=p.num_distributed_optimizer_instances)
+
+
+def one_instance(L: Layout) -> Layout:
+    """The layout one hybrid-sharding instance runs (dp / instances ranks): its state split and
+    its collectives over `data` are those of that smaller data-parallel group."""
+    return dataclasses.replace(L, dp=L.dp // L.instances, instances=1)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -382,6 +392,8 @@ def loss_chunks(b: int, s: int, v: int, budget: int = 1 << 27, min_rows: int = 6
 
 def memory(cfg, L: Layout) -> dict:
     """Bytes per device, by term ([R] with mlm_jax's fp32 masters, see the module docstring)."""
+    if L.instances > 1:  # hybrid sharding: each instance holds what its dp / instances ranks would
+        return memory(cfg, one_instance(L))
     n = param_counts(cfg.model, L)
     low = cfg.model.bf16 or cfg.model.fp16
     # ZeRO shards over the mesh's `data` axis alone (dp / ep ranks), the dense weights too: the
@@ -566,14 +578,15 @@ def fp8_flops(cfg, L: Layout) -> float:
 
 
 def axis_spans_nodes(L: Layout, axis: str, per_node: int) -> bool:
-    """Whether `axis`'s device groups leave a node: mesh axes outer to inner pipe, data, expert,
-    context, tensor (mlm_jax/sharding/mesh.py); an axis stays inside a node when it and every
+    """Whether `axis`'s device groups leave a node: mesh axes outer to inner pipe, replica, data,
+    expert, context, tensor (mlm_jax/sharding/mesh.py); an axis stays inside a node when it and every
     axis inside it fit one. Joined axes ("pipe+data") leave a node when one of them does."""
     if "+" in axis:
         return any(axis_spans_nodes(L, a, per_node) for a in axis.split("+"))
-    sizes = {"tensor": L.tp, "context": L.cp, "expert": L.ep, "data": L.dp // L.ep, "pipe": L.pp}
+    sizes = {"tensor": L.tp, "context": L.cp, "expert": L.ep, "data": L.dp // L.ep // L.instances,
+             "replica": L.instances, "pipe": L.pp}
     inner = 1
-    for name in ("tensor", "context", "expert", "data", "pipe"):
+    for name in ("tensor", "context", "expert", "data", "replica", "pipe"):
         inner *= sizes[name]
         if name == axis:
             return inner > per_node and sizes[name] > 1
@@ -625,7 +638,13 @@ def communication(cfg, L: Layout) -> dict:
       a pipeline the embedding's share is reduced over
       data after pipe (its 1/P shard), and under ZeRO gathered over pipe and data at once
       ("pipe+data").
+    - replica (hybrid sharding, --num-distributed-optimizer-instances N): each instance's
+      collectives are those of its dp / N ranks ("data" above); then each rank's reduced
+      gradient share (1 / (dp / ep / N) of the gradient) is all-reduced over the N instances,
+      once per step, and under FSDP each layer's per microbatch.
     """
+    if L.instances > 1:
+        return _over_instances(cfg, L, communication(cfg, one_instance(L)))
     from mlm_jax.pipeline import lockstep
 
     m = cfg.model
@@ -740,6 +759,16 @@ def _sharded_layers_communication(cfg, L: Layout, out: dict, grad: int) -> None:
         out["data"] = (grad + 2) * (counts["compute"] - layers) * (L.dp - 1) / L.dp
     if dd > 1:
         out["data"] += per_mb * (dd - 1) / dd
+
+
+def _over_instances(cfg, L: Layout, out: dict) -> dict:
+    """`out` (one instance's bytes) with the all-reduce of the gradient shares over `replica`."""
+    counts = param_counts(cfg.model, L)
+    grad = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
+    dd = max(L.dp // L.ep // L.instances, 1)
+    shares = counts["compute"] if not L.fsdp else counts["compute"] + counts["layers"] * (L.microbatches - 1)
+    out["replica"] = 2 * grad * shares / dd * (L.instances - 1) / L.instances
+    return out
 
 
 def bubble(L: Layout) -> float:

@@ -563,6 +563,8 @@ def report(est: Estimate, cfg, target: Gpu, gpus: int, gpus_per_node: int, top: 
         # --fp8-format: the matmul and attention FLOPs whose operands are fp8 (at twice the peak)
         "fp8_matmul_flops": est.fp8_gemm_flops * gpus,
         "fp8_matmul_flops_share": est.fp8_gemm_flops / est.matmul_flops if est.matmul_flops else 0.0,
+        # of the GEMMs alone (the fused attention kernels, which stay bf16, left out)
+        "fp8_gemm_flops_share": est.fp8_gemm_flops / est.gemm_flops if est.gemm_flops else 0.0,
         "kernels": len(est.kernels),
         "analytic": {"seconds": pred["step_seconds"], "tokens_per_second": pred["tokens_per_second"],
                      "mfu": pred["mfu"], "efficiency": hw.efficiency},
@@ -599,7 +601,8 @@ def text(r: dict) -> str:
         + (f" (cuDNN attention's backward recomputing the scores: "
            f"{r['attention_recompute_flops'] / r['model_flops']:.3f} of it)" if r["attention_recompute_flops"] else "")
         + f"; the weights' matmuls alone / 6NT: {r['executed_gemm_flops_ratio']:.3f}"
-        + (f"; fp8 operands: {r['fp8_matmul_flops_share']:.1%} of the matmul FLOPs (at twice the bf16 peak)"
+        + (f"; fp8 operands: {r['fp8_matmul_flops_share']:.1%} of the matmul and attention FLOPs, "
+           f"{r['fp8_gemm_flops_share']:.1%} of the GEMMs' (at twice the bf16 peak)"
            if r["fp8_matmul_flops"] else ""),
         "top kernels (per step, share of the step, kind, runs, source):",
     ]

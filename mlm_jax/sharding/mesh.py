@@ -1,7 +1,10 @@
-"""The device mesh: five named axes, outer to inner, sizes from the parallel config.
+"""The device mesh: six named axes, outer to inner, sizes from the parallel config.
 
 Axis order mirrors Megatron's rank order (tp fastest, then cp, ep, dp, pp): the tensor axis is
 innermost so that tensor-parallel groups are neighbouring devices (one node's NVLink domain).
+Data parallelism is two axes: `replica` (--num-distributed-optimizer-instances, hybrid
+sharding's copies) outside `data` (the ranks of one instance, which split the sharded state):
+an instance is dp/N neighbouring data-parallel ranks, as Megatron groups them.
 Every axis always exists; a size of 1 is a no-op.
 """
 
@@ -14,17 +17,19 @@ from jax.sharding import AxisType, Mesh
 
 from mlm_jax.config import ParallelConfig, data_parallel_size
 
-PIPE, DATA, EXPERT, CONTEXT, TENSOR = "pipe", "data", "expert", "context", "tensor"
-AXES = (PIPE, DATA, EXPERT, CONTEXT, TENSOR)
+PIPE, REPLICA, DATA, EXPERT, CONTEXT, TENSOR = "pipe", "replica", "data", "expert", "context", "tensor"
+AXES = (PIPE, REPLICA, DATA, EXPERT, CONTEXT, TENSOR)
 
 
 def mesh_shape(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     """Axis name -> size. Expert parallelism is carved out of data parallelism (as Megatron)."""
     dp = data_parallel_size(parallel, world_size)
     ep = parallel.expert_model_parallel_size
+    instances = parallel.num_distributed_optimizer_instances
     return {
         PIPE: parallel.pipeline_model_parallel_size,
-        DATA: dp // ep,
+        REPLICA: instances,
+        DATA: dp // ep // instances,
         EXPERT: ep,
         CONTEXT: parallel.context_parallel_size,
         TENSOR: parallel.tensor_model_parallel_size,

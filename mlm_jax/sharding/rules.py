@@ -21,7 +21,7 @@ from typing import Sequence
 from jax.sharding import AxisType, PartitionSpec as P
 
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT, TENSOR
+from mlm_jax.sharding.mesh import CONTEXT, DATA, EXPERT, REPLICA, TENSOR
 
 Axes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, Axes], ...]
@@ -45,13 +45,13 @@ def param_rules() -> Rules:
 
 def activation_rules(sequence_parallel: bool) -> Rules:
     """Activations: batch over data (x expert: expert parallelism is carved out of data
-    parallelism, as Megatron's). The sequence is split over `context` everywhere (context
+    parallelism, as Megatron's; hybrid sharding's instances, `replica`, outermost). The sequence is split over `context` everywhere (context
     parallelism; a size-1 axis is a no-op): `context_seq` is that split, the sequence inside
     the tensor-parallel region (attention, MLP, logits); `seq`, at block boundaries, is
     additionally split over tensor when SP is on (context-major: gathering over tensor gives
     back `context_seq`)."""
     return (
-        ("batch", (DATA, EXPERT)),
+        ("batch", (REPLICA, DATA, EXPERT)),
         ("seq", (CONTEXT, TENSOR) if sequence_parallel else CONTEXT),
         ("context_seq", CONTEXT),
     ) + _PARAM_RULES
