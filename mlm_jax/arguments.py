@@ -522,6 +522,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
     if args["group_query_attention"] and sections["model"].get("num_query_groups") is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
+    sections["checkpoint"]["seq_length_given"] = args["seq_length"] is not None
     _check_fsdp(args, sections)  # before --overlap-param-gather's rule: FSDP runs on the distributed optimizer
     _map_accepted(args, sections)
     _check_instances(sections)

@@ -284,6 +284,9 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     ckpt_step: int | None = None  # load this iteration instead of the latest
     use_checkpoint_args: bool = False  # model sizes (and tokenizer) from the checkpoint
+    # Whether --seq-length was given (flag or --config): --use-checkpoint-args takes the
+    # checkpoint's otherwise, as Megatron-LM's load_args_from_checkpoint does.
+    seq_length_given: bool = True
     exit_signal_handler: bool = False  # SIGTERM: save and exit 0
     exit_interval: int | None = None  # save and exit when iteration % N == 0
     exit_duration_in_mins: float | None = None  # save and exit after this much wall time

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.paths import naming
 
 
 def flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> float:
@@ -167,7 +168,8 @@ class Logger:
         if console:
             self.write(console)
         if self.metrics:
-            self.metrics.write(json.dumps(_plain(record)) + "\n")
+            with naming(self.metrics.name):
+                self.metrics.write(json.dumps(_plain(record)) + "\n")
         if self.tb:
             step = int(record["iteration"])
             for key, value in record.items():
@@ -176,7 +178,8 @@ class Logger:
 
     def close(self) -> None:
         if self.metrics:
-            self.metrics.close()
+            with naming(self.metrics.name):
+                self.metrics.close()
         if self.tb:
             self.tb.close()
 

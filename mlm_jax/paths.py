@@ -11,10 +11,14 @@ Input paths: `not_there(path, kind)` says why a path is not the folder (or file)
 that a file given where a folder is needed is called a file, not missing. `inside(folder, name)`:
 a file name read from inside a checkpoint or model folder, resolved, or None where it leads out
 of that folder (an absolute path, `../`, a symlink pointing elsewhere).
+
+Writes: `naming(path)` makes an OSError raised inside it name `path` where it names no file (a
+full disk's `[Errno 28] No space left on device` from a write or a flush names none).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -23,6 +27,17 @@ from mlm_jax.errors import UsageError
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """Writes to `path` inside: an OSError that names no file is raised again naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def writable_dir(path: str, flag: str, shown: str | None = None) -> str:

@@ -25,6 +25,7 @@ from mlm_jax.cli import cli
 from mlm_jax.config import Config
 from mlm_jax.errors import UsageError
 from mlm_jax.loop import Loop
+from mlm_jax.paths import naming
 from mlm_jax.run_end import done_lines, end_of_run_sample
 from mlm_jax.validation import finalize, validate_checkpoint
 
@@ -267,7 +268,7 @@ def write_config(run_dir: str, cfg: Config, found=None) -> str:
     path = os.path.join(run_dir, "config.json")
     if found is not None and os.path.exists(path):
         path = os.path.join(run_dir, f"config.resumed-{found.iteration}.json")
-    with open(path, "w") as f:
+    with naming(path), open(path, "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     return path
 
@@ -349,7 +350,8 @@ def _train(cfg: Config, found, tokenizer, run_dir: str, main: bool, log, start_t
                "last_iteration": loop.iteration, "resumed_from": start.resumed_from,
                "checkpoints": saver.saved_paths}
     if main:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        path = os.path.join(run_dir, "summary.json")
+        with naming(path), open(path, "w") as f:
             json.dump(summary, f, indent=2)
     if saver.interrupted:
         log(f"> stopped by Ctrl-C at iteration {loop.iteration}"

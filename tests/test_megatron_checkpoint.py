@@ -348,6 +348,27 @@ def test_import_megatron_then_train_continues_at_its_iteration(tmp_path, capsys)
     assert "--no-load-optim" in last and "--finetune" in last, last
 
 
+def test_use_checkpoint_args_takes_the_sequence_length_from_the_checkpoint(tmp_path):
+    """`train --load <Megatron> --use-checkpoint-args` without --seq-length trains at the
+    checkpoint's (64 here, below the default 128 that its 64 positions once refused), as
+    Megatron-LM's load_args_from_checkpoint does; a given --seq-length stays."""
+    from mlm_jax.arguments import parse_args
+    from mlm_jax.train import train
+
+    root = _copy(tmp_path, "gpt", "dist_tp1")
+    flags = ["--load", root, "--use-checkpoint-args", "--no-load-optim", "--mock-data", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--train-iters", "11", "--lr", "1e-4", "--eval-iters", "0",
+             "--no-progress-bar", "--sample-tokens", "0", "--no-save-optim"]
+    logs = []
+    summary = train(parse_args(flags + ["--run-dir", str(tmp_path / "run")]), log=logs.append)
+    assert summary["iterations"] == 11
+    assert any("--use-checkpoint-args: model from" in str(line) and "sequence length 64" in str(line)
+               for line in logs), logs
+    logs = []
+    train(parse_args(flags + ["--seq-length", "16", "--run-dir", str(tmp_path / "run16")]), log=logs.append)
+    assert not any("sequence length" in str(line) for line in logs if "--use-checkpoint-args" in str(line)), logs
+
+
 def test_train_loads_a_megatron_checkpoint_directly(tmp_path, capsys):
     """`train --load <Megatron save root> --no-load-optim` continues at the Megatron iteration with
     its weights (the first step's loss equals the imported copy's), saving into the same folder

@@ -59,8 +59,8 @@ def ckpts(tmp_path_factory):
 def _export(src, dst, tp, pp, capsys=None):
     from mlm_jax.tools.checkpoint import main
 
-    rc = main(["export-megatron", "--load", src, "--save", dst, "--tensor-model-parallel-size", str(tp),
-               "--pipeline-model-parallel-size", str(pp)])
+    rc = main(["export-megatron", "--load", src, "--save", dst, "--ckpt-format", "torch", "--tensor-model-parallel-size",
+               str(tp), "--pipeline-model-parallel-size", str(pp)])
     return rc
 
 
@@ -200,7 +200,7 @@ def test_nothing_partial_is_left_on_failure(ckpts, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch_write.ArchiveWriter, "tensor", failing)
     with pytest.raises(OSError, match="disk full"):
-        export_megatron(ckpts["llama"][0], str(tmp_path / "megatron"), tensor_parallel=2, pipeline_parallel=2,
+        export_megatron(ckpts["llama"][0], str(tmp_path / "megatron"), "torch", tensor_parallel=2, pipeline_parallel=2,
                         log=lambda *a: None)
     assert os.listdir(tmp_path) == []
 
@@ -217,7 +217,7 @@ def test_torch_dist_export_reads_back_bitwise_in_megatron_cores_layout(ckpts, tm
 
     root, found, ref, logits = ckpts[model]
     dst = str(tmp_path / "megatron")
-    assert main(["export-megatron", "--load", root, "--save", dst, "--ckpt-format", "torch_dist"]) == 0
+    assert main(["export-megatron", "--load", root, "--save", dst]) == 0  # torch_dist: the default, as Megatron's
     assert [n for n in os.listdir(tmp_path) if n != "megatron"] == []  # no temp folder left
     it = os.path.join(dst, f"iter_{found.iteration:07d}")
     assert sorted(os.listdir(it)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
@@ -255,7 +255,10 @@ def test_torch_dist_refuses_what_it_does_not_write(ckpts, tmp_path, capsys):
     gpt = ckpts["gpt"][0]
     assert main(["export-megatron", "--load", gpt, "--save", str(tmp_path / "x"), "--ckpt-format", "torch_dist",
                  "--tensor-model-parallel-size", "2"]) == 2
-    assert "--ckpt-format torch_dist holds global tensors" in _last_error(capsys)
+    assert "--ckpt-format torch_dist (the default, as in Megatron-LM) holds global tensors" in _last_error(capsys)
+    assert main(["export-megatron", "--load", gpt, "--save", str(tmp_path / "x"), "--pipeline-model-parallel-size",
+                 "2"]) == 2  # the default format: told how to split the legacy one
+    assert "or add --ckpt-format torch (the legacy format they split)" in _last_error(capsys)
     assert os.listdir(tmp_path) == []
     with pytest.raises(MegatronCheckpointError):
         from mlm_jax.checkpoint.megatron.torch_write import write_legacy

@@ -92,6 +92,30 @@ def earlier_output(tmp_path):
     return snapshot(tmp_path / "out")
 
 
+def test_a_full_disk_in_preprocess_names_the_file(tmp_path, capsys, earlier_output):
+    """[Errno 28] from a write (here the output's temp .bin is /dev/full, a device every write
+    to which fails so) names the file it was writing; the earlier output stays. In-process: the
+    temp name carries the process id."""
+    from mlm_jax.data import preprocess
+
+    src = jsonl(tmp_path / "big.jsonl", [{"text": " ".join(str(i % 90) for i in range(5000))}] * 20)
+    prefix = str(tmp_path / "out" / "o")
+    temp = preprocess.output_prefix_for(prefix, "text") + f".tmp-{os.getpid()}.bin"
+    os.symlink("/dev/full", temp)
+    rc = preprocess.main(preprocess_args(src, prefix))
+    assert_one_error(rc, capsys.readouterr().err, 1, "No space left on device", temp)
+    assert_nothing_lost(earlier_output, tmp_path / "out")
+
+
+def test_a_full_disk_under_the_run_names_the_file(tmp_path):
+    """The run's metrics file on a full disk (/dev/full): exit 1, one line naming the file."""
+    full = tmp_path / "metrics.jsonl"
+    os.symlink("/dev/full", full)
+    rc, err = run("mlm_jax.train", TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--run-dir",
+                                           tmp_path / "run", "--metrics-file", full], tmp_path, timeout=300)
+    assert_one_error(rc, err, 1, "No space left on device", str(full))
+
+
 def test_preprocess_missing_input(tmp_path, earlier_output):
     rc, err = run(PRE, preprocess_args(tmp_path / "nope.jsonl", tmp_path / "out" / "o"), tmp_path)
     assert_one_error(rc, err, 2, "--input", "nope.jsonl: no such file")

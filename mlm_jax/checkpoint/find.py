@@ -165,9 +165,11 @@ def resolve_load(cfg: Config, log=print) -> tuple[Config, Found | None]:
         data = cfg.data
         if data.tokenizer_type is None:
             data = dataclasses.replace(data, **tokenizer_flags(found.path, found.meta.get("tokenizer")))
-        cfg = cfg.replace(model=model, data=data)
+        train = cfg.train if c.seq_length_given else dataclasses.replace(cfg.train, seq_length=saved.train.seq_length)
+        cfg = cfg.replace(model=model, data=data, train=train)
         log(f"> --use-checkpoint-args: model from {found.path}: {cfg.model.num_layers} layers, hidden "
             f"{cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}"
+            + ("" if c.seq_length_given else f", sequence length {train.seq_length}")
             + (f"; tokenizer {data.tokenizer_type} from the checkpoint" if data is not cfg.data or
                data.tokenizer_type else ""))
     return cfg, found
@@ -214,10 +216,14 @@ def megatron_found(path: str, step: int | None, tensor_parallel: int, optimizer:
     data = Config().data
     if record is not None:
         data = dataclasses.replace(data, tokenizer_type=record["tokenizer_type"])
+    train = Config().train  # the sequence length it trained at (--use-checkpoint-args takes it)
+    seq = getattr(ck.args, "seq_length", None)
+    if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0:
+        train = dataclasses.replace(train, seq_length=seq)
     iteration = ck.iteration or 0  # a release checkpoint: weights at iteration 0
     meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": ck.consumed_samples,
             "opt_step": adam.step if adam else iteration, "has_optimizer": adam is not None, "rng": None, "tokenizer": record, "layout": None,
-            "config": config_to_dict(Config(model=ck.config, data=data)),
+            "config": config_to_dict(Config(model=ck.config, data=data, train=train)),
             "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
                          "schedule_samples": ck.schedule_samples}}
     if adam is not None and ck.schedule_samples is not None:

@@ -24,6 +24,7 @@ Megatron's files read here unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from typing import Iterable, Sequence
@@ -31,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from mlm_jax.errors import UsageError
+from mlm_jax.paths import naming
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -304,7 +306,8 @@ class IndexedDatasetBuilder:
                     f"token ids in [{lo}, {hi}] do not fit the dataset dtype {self.dtype.name}; "
                     "choose the dtype from the tokenizer's vocab size (optimal_dtype)"
                 )
-        self._out.write(np.ascontiguousarray(arr, dtype=self.dtype.newbyteorder("<")).tobytes())
+        with naming(self.bin_file):
+            self._out.write(np.ascontiguousarray(arr, dtype=self.dtype.newbyteorder("<")).tobytes())
         return int(arr.size)
 
     def add_item(self, tokens) -> None:
@@ -341,12 +344,14 @@ class IndexedDatasetBuilder:
         self.document_indices.extend((base + np.cumsum(nonempty)).tolist())
 
     def finalize(self, idx_file: str) -> None:
-        self._out.close()
-        with open(idx_file, "wb") as f:
+        with naming(self.bin_file):
+            self._out.close()
+        with naming(idx_file), open(idx_file, "wb") as f:
             f.write(encode_index(self.sequence_lengths, self.document_indices, self.dtype))
 
     def abort(self) -> None:
-        self._out.close()
+        with contextlib.suppress(OSError):  # a full disk's unwritten bytes: the file is removed anyway
+            self._out.close()
 
 
 def write_indexed_dataset(prefix: str, documents: Iterable, dtype=np.uint16) -> str:

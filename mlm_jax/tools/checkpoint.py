@@ -4,7 +4,7 @@ Mixtral (MixtralForCausalLM); Megatron-LM checkpoints (torch_dist or legacy torc
     python -m mlm_jax.tools.checkpoint import-hf --hf-dir DIR --save OUT
     python -m mlm_jax.tools.checkpoint export-hf --load CKPT --hf-dir OUT [--dtype bfloat16]
     python -m mlm_jax.tools.checkpoint import-megatron --load MEGATRON_DIR --save OUT
-    python -m mlm_jax.tools.checkpoint export-megatron --load CKPT --save DIR [--ckpt-format torch|torch_dist]
+    python -m mlm_jax.tools.checkpoint export-megatron --load CKPT --save DIR [--ckpt-format torch_dist|torch]
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 
 Local files only: `config.json` plus `model.safetensors` or sharded `model-0000x-of-0000y.safetensors`
@@ -505,7 +505,7 @@ def import_megatron(load: str, save: str, step: int | None = None, log=print) ->
     return path
 
 
-def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_parallel: int = 1,
+def export_megatron(load: str, save: str, ckpt_format: str = "torch_dist", tensor_parallel: int = 1,
                     pipeline_parallel: int = 1, step: int | None = None, log=print) -> str:
     """Write the mlm_jax checkpoint `load` as a Megatron-LM checkpoint (fp32 weights and args; no
     optimizer or RNG state) under `save`: Megatron-Core's `torch_dist` (global tensors, any
@@ -520,8 +520,9 @@ def export_megatron(load: str, save: str, ckpt_format: str = "torch", tensor_par
         raise MegatronCheckpointError(f"--ckpt-format {ckpt_format}: choose torch_dist or torch")
     if ckpt_format == "torch_dist" and (tensor_parallel, pipeline_parallel) != (1, 1):
         raise MegatronCheckpointError(
-            "--ckpt-format torch_dist holds global tensors that any parallel layout loads: leave out "
-            "--tensor-model-parallel-size / --pipeline-model-parallel-size (they split the legacy torch format)")
+            "--ckpt-format torch_dist (the default, as in Megatron-LM) holds global tensors that any parallel "
+            "layout loads: leave out --tensor-model-parallel-size / --pipeline-model-parallel-size, or add "
+            "--ckpt-format torch (the legacy format they split)")
     save_abs = os.path.abspath(save)
     if os.path.exists(save_abs) and (not os.path.isdir(save_abs) or os.listdir(save_abs)):
         raise MegatronCheckpointError(f"--save {save}: exists and is not empty")
@@ -626,13 +627,13 @@ def main(argv=None) -> int:
                      "or one iter_XXXXXXX folder")
     meg.add_argument("--save", required=True, help="mlm_jax save folder to create")
     meg.add_argument("--ckpt-step", type=int, default=None, help="iteration to import (default: the tracker's)")
-    mex = sub.add_parser("export-megatron", help="mlm_jax checkpoint -> Megatron-LM checkpoint (legacy torch)")
+    mex = sub.add_parser("export-megatron", help="mlm_jax checkpoint -> Megatron-LM checkpoint (torch_dist, or legacy torch)")
     mex.add_argument("--load", required=True, help="an mlm_jax save folder (latest) or checkpoint folder")
     mex.add_argument("--save", required=True, help="Megatron save root to create (must not exist or be empty)")
     mex.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default latest)")
-    mex.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
-                     help="torch: legacy mp_rank_* files, split by the sizes below; torch_dist: Megatron-Core's "
-                          "global tensors, loadable at any parallel layout")
+    mex.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch"),
+                     help="torch_dist (default, as Megatron-LM's): Megatron-Core's global tensors, loadable at any "
+                          "parallel layout; torch: legacy mp_rank_* files, split by the sizes below")
     mex.add_argument("--tensor-model-parallel-size", type=int, default=1)
     mex.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
