@@ -7,12 +7,14 @@ transformers' GPT2LMHeadModel / LlamaForCausalLM forward (fp64), not with mlm_ja
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 import mlm_jax
+from mlm_jax.arguments import parse_args
 from mlm_jax.config import ParallelConfig
 from mlm_jax.sharding.mesh import make_mesh
 from mlm_jax.tools import checkpoint as hfc
@@ -408,3 +410,44 @@ def test_training_continues_from_an_imported_checkpoint(gpt2, tmp_path):
     assert summary["parameters"] == n and summary["resumed_from"] == saved
     assert summary["final_train_loss"] is not None and np.isfinite(summary["final_train_loss"])
     assert summary["checkpoints"] == [] and not os.path.exists(tmp_path / "run" / "checkpoints")  # --no-final-checkpoint
+
+
+def test_export_hf_writes_the_tokenizer_as_transformers_reads_it(tmp_path):
+    """A run whose GPT-2 BPE files carry Megatron's names (gpt2-vocab.json, gpt2-merges.txt):
+    export-hf writes vocab.json, merges.txt and a tokenizer_config.json naming GPT2Tokenizer
+    (transformers' AutoTokenizer loads them: tests/check_hf_tokenizer_export.py, by hand);
+    import-hf of the export, and `mlm_jax.load` of it, tokenize as the original; a folder holding
+    Megatron's names imports its tokenizer too."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from mlm_jax.data.tokenizers import build_tokenizer
+    from tests.tiny_flags import tiny, train_run
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab.update({"Ġw": 256, "or": 257, "<|endoftext|>": 258})
+    (tok / "gpt2-vocab.json").write_text(json.dumps(vocab))
+    (tok / "gpt2-merges.txt").write_text("#version: 0.2\nĠ w\no r\n")
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tok / "gpt2-vocab.json"),
+             "--merge-file", str(tok / "gpt2-merges.txt")]
+    train_run(tiny(*flags, "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "8",
+                   "--save", str(tmp_path / "ck")), tmp_path / "run")
+    assert hfc.main(["export-hf", "--load", str(tmp_path / "ck"), "--hf-dir", str(tmp_path / "hf")]) == 0
+    names = set(os.listdir(tmp_path / "hf"))
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= names and not names & {"gpt2-vocab.json",
+                                                                                            "gpt2-merges.txt"}, names
+    config = json.load(open(tmp_path / "hf" / "tokenizer_config.json"))
+    assert config["tokenizer_class"] == "GPT2Tokenizer" and config["eos_token"] == "<|endoftext|>", config
+    original = build_tokenizer(parse_args(flags).data)
+    text = "hello world, word for word"
+    assert hfc.main(["import-hf", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "back")]) == 0
+    for path in (tmp_path / "back", tmp_path / "hf"):
+        got = mlm_jax.load(str(path)).tokenizer
+        assert got is not None and list(got.tokenize(text)) == list(original.tokenize(text)), path
+    megatron_names = tmp_path / "megatron_names"
+    shutil.copytree(tmp_path / "hf", megatron_names)
+    os.rename(megatron_names / "vocab.json", megatron_names / "gpt2-vocab.json")
+    os.rename(megatron_names / "merges.txt", megatron_names / "gpt2-merges.txt")
+    got = mlm_jax.load(str(megatron_names)).tokenizer
+    assert got is not None and list(got.tokenize(text)) == list(original.tokenize(text))

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 
 import numpy as np
 
@@ -44,8 +43,12 @@ from mlm_jax.paths import inside, not_there, writable_dir
 from mlm_jax.xla_flags import use_cpu_devices
 from mlm_jax.tools.hf_mapping import HFError, _flatten, _gpt2_prefix, hf_to_params, params_to_hf
 
+# Megatron-LM's names of the same files (its scripts' `--vocab-file gpt2-vocab.json`, and an mlm_jax
+# checkpoint's tokenizer/ folder, which keeps the names it was given): read as the Hugging Face ones.
+MEGATRON_NAMES = {"gpt2-vocab.json": "vocab.json", "gpt2-merges.txt": "merges.txt", "spm.model": "tokenizer.model"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json", *MEGATRON_NAMES)
+_SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 # --------------------------------------------------------------------------- files
@@ -153,17 +156,58 @@ def tokenizer_files(folder: str) -> dict[str, bytes]:
 
 
 def hf_tokenizer_record(files: dict[str, bytes], vocab_size: int) -> dict | None:
-    """The mlm_jax tokenizer record for a folder's tokenizer files (None: no tokenizer there)."""
+    """The mlm_jax tokenizer record for a folder's tokenizer files (None: no tokenizer there), read
+    under the Hugging Face names or Megatron-LM's (`MEGATRON_NAMES`)."""
+    def named(hf: str) -> str | None:
+        return hf if hf in files else next((m for m, h in MEGATRON_NAMES.items() if h == hf and m in files), None)
+
     if "tokenizer.json" in files:
         return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer.json",
                 "vocab_size": vocab_size}
-    if "vocab.json" in files and "merges.txt" in files:
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json", "merge_file": "merges.txt",
+    vocab, merges, model = named("vocab.json"), named("merges.txt"), named("tokenizer.model")
+    if vocab and merges:
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges,
                 "vocab_size": vocab_size}
-    if "tokenizer.model" in files:
-        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": "tokenizer.model",
-                "vocab_size": vocab_size}
+    if model:
+        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model, "vocab_size": vocab_size}
     return None
+
+
+def hf_tokenizer_export(folder: str, record: dict | None, max_length: int) -> tuple[dict[str, bytes], str | None]:
+    """The files an export writes for the checkpoint's tokenizer (its tokenizer/ `folder`, described
+    by `record`) under the names transformers reads (vocab.json + merges.txt, tokenizer.model,
+    tokenizer.json) with a tokenizer_config.json naming the class, and a note where transformers
+    has no such tokenizer (TikTokenizer, Llama-3's tiktoken file: carried under its own name)."""
+    files = {}
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name != "commit_success.txt":
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[name] = f.read()
+    if not files or not record:
+        return files, None
+    kind = record.get("tokenizer_type")
+    renames = ({record.get("vocab_file"): "vocab.json", record.get("merge_file"): "merges.txt"}
+               if kind == "GPT2BPETokenizer" else
+               {record.get("tokenizer_model"): "tokenizer.model"} if kind in _SENTENCEPIECE else
+               {record.get("tokenizer_model"): "tokenizer.json"} if kind == "HuggingFaceTokenizer" else {})
+    renames = {os.path.basename(src): dst for src, dst in renames.items() if src}
+    out = {renames.get(name, name): data for name, data in files.items()}
+    if "tokenizer_config.json" not in out:
+        config = {"model_max_length": max_length}
+        if kind == "GPT2BPETokenizer":
+            eod = next((tok for tok, i in json.loads(out["vocab.json"]).items() if i == record.get("eod")),
+                       "<|endoftext|>")
+            config.update(tokenizer_class="GPT2Tokenizer", bos_token=eod, eos_token=eod, unk_token=eod)
+        elif kind in _SENTENCEPIECE:
+            config.update(tokenizer_class="LlamaTokenizer", add_bos_token=kind == "Llama2Tokenizer",
+                          add_eos_token=False)
+        elif kind == "HuggingFaceTokenizer":
+            config.update(tokenizer_class="PreTrainedTokenizerFast")
+        else:
+            return out, f"{kind} has no transformers tokenizer: its files are carried under their own names"
+        out["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
+    return out, None
 
 
 # --------------------------------------------------------------------------- configs
@@ -593,15 +637,14 @@ def export_hf(load: str, hf_dir: str, dtype: str | None = None, step: int | None
         config.setdefault("eos_token_id", tok["eod"])
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    carried = []
-    folder = os.path.join(found.path, TOKENIZER)
-    if os.path.isdir(folder):
-        for name in sorted(os.listdir(folder)):
-            if name != "commit_success.txt":
-                shutil.copy(os.path.join(folder, name), os.path.join(hf_dir, name))
-                carried.append(name)
+    carried, note = hf_tokenizer_export(os.path.join(found.path, TOKENIZER), found.meta.get("tokenizer"),
+                                        m.max_position_embeddings)
+    for name, data in carried.items():
+        with open(os.path.join(hf_dir, name), "wb") as f:
+            f.write(data)
     log(f"> exported iteration {found.iteration} of {found.path} as {config['architectures'][0]} ({dtype}) "
-        f"to {hf_dir}: {', '.join(written)}" + (f"; tokenizer files: {', '.join(carried)}" if carried else ""))
+        f"to {hf_dir}: {', '.join(written)}" + (f"; tokenizer files: {', '.join(carried)}" if carried else "")
+        + (f" ({note})" if note else ""))
     return hf_dir
 
 
