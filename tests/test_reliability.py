@@ -246,6 +246,25 @@ def test_damaged_checkpoint_names_the_array_and_the_previous_one(work, capfd):
         assert_named_error(rc, out, 2, str(tmp / f"ck_{name}" / "6"), "damaged", named, "--ckpt-step 4")
 
 
+def test_a_flipped_bit_is_caught_by_the_checksums_written_at_save(work):
+    """A bit flipped in an array file that still reads (Orbax checksums its shard index, not the
+    values): the load names the array and the previous complete checkpoint, training and
+    `mlm_jax.load` alike (they once trained on, or generated from, the damaged weights)."""
+    tmp, _, _, _ = work
+    bad = tmp / "ck_flip"
+    shutil.copytree(tmp / "ck", bad)
+    data = bad / "6" / "params" / "ocdbt.process_0" / "d"
+    largest = max(data.iterdir(), key=lambda f: f.stat().st_size)
+    raw = bytearray(largest.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    largest.write_bytes(bytes(raw))
+    rc, out = cmd(T + ["--train-iters", "8", "--load", "ck_flip", "--run-dir", "run_flip"], tmp)
+    line = assert_named_error(rc, out, 2, f"--load {bad / '6'}", "damaged", "--ckpt-step 4")
+    assert re.search(r"array params/\S+ differs from the checksum written when it was saved", line), line
+    with pytest.raises(ckpt.CheckpointError, match=r"array params/\S+ differs from the checksum .* --ckpt-step 4"):
+        mlm_jax.load(str(bad))
+
+
 def test_bad_hugging_face_files_name_the_file(work, capsys):
     tmp, _, _, _ = work
     good = tmp / "hf"  # exported by test_relative_paths_resume_load_and_export, or here

@@ -197,19 +197,40 @@ def damaged_error(found: Found, exc: BaseException) -> CheckpointError | None:
 
 def read_items(found: Found, items: dict, optimizer: bool = False) -> dict:
     """Orbax's restore of `items` from `found`, with its failures as one named error: a damaged
-    array file names the array; an optimizer state that does not fit names --no-load-optim."""
+    array file names the array (one that reads but differs from its checksum written at save
+    too); an optimizer state that does not fit names --no-load-optim."""
     import orbax.checkpoint as ocp
 
     ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     with quiet_orbax():
         try:
-            return ckptr.restore(found.path, args=ocp.args.Composite(**items))
+            restored = ckptr.restore(found.path, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - translated below, or re-raised as is
             error = e
+        else:
+            check_fingerprints(found, {name: restored[name] for name in items if name in (PARAMS, OPT_STATE)})
+            return restored
         # The failed read's abandoned coroutines and futures report themselves when collected:
         # collect them now, while their reports are silenced (a notebook has no exit to hide them).
         gc.collect()
     _raise_read_error(found, error, optimizer)
+
+
+def check_fingerprints(found: Found, restored: dict) -> None:
+    """A CheckpointError naming the first restored array that differs from its checksum written
+    at save (`checkpoint/fingerprint.py`; checkpoints saved before them have none to check)."""
+    recorded = found.meta.get("fingerprints")
+    if not recorded or not restored:
+        return
+    from mlm_jax.checkpoint.fingerprint import mismatched
+
+    bad = mismatched(restored, recorded)
+    if bad:
+        name = "/".join(re.findall(r"[\w.-]+", bad[0]))  # ['params']['layers']['wo'] -> params/layers/wo
+        raise CheckpointError(
+            f"--load {found.path}: the checkpoint is damaged: array {name} differs from the checksum written "
+            f"when it was saved" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            + f"; {previous_hint(found.path)}")
 
 
 def _raise_read_error(found: Found, e: Exception, optimizer: bool):

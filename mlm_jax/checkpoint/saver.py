@@ -239,11 +239,12 @@ class Saver:
                  f"({'written in' if wait else 'seen done'} {time.perf_counter() - t_start:.2f} s "
                  "after the save began)")
 
-    def _meta(self, iteration: int, state: dict, consumed_samples: int, rng_key_data) -> dict:
+    def _meta(self, iteration: int, state: dict, consumed_samples: int, rng_key_data, saved: dict) -> dict:
         import jax
         import numpy as np
 
         from mlm_jax import loss_scale as ls
+        from mlm_jax.checkpoint.fingerprint import fingerprints
 
         # fp16's loss scaler (only in runs that have one: other runs' metadata is unchanged).
         scaler = {"loss_scale": ls.to_record(state[ls.KEY])} if ls.KEY in state else {}
@@ -258,6 +259,8 @@ class Saver:
                     if self.c.save_rng and rng_key_data is not None else None),
             "config": config_to_dict(self.cfg), "tokenizer": self.tokenizer,
             "layout": layout_record(self.pz), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            # each saved array's checksum, checked at load (checkpoint/fingerprint.py)
+            "fingerprints": fingerprints(saved),
         }
 
     def save(self, iteration: int, state: dict, consumed_samples: int, rng_key_data) -> float:
@@ -272,8 +275,9 @@ class Saver:
         if pipe is not None:
             params = jax.jit(pipe.to_plain, out_shardings=p_sh)(params)
             opt_state = jax.jit(pipe.to_plain, out_shardings=o_sh)(opt_state)
+        saved = {PARAMS: params, **({OPT_STATE: opt_state} if self.c.save_optim else {})}
         items = {PARAMS: ocp.args.StandardSave(params),
-                 META: ocp.args.JsonSave(self._meta(iteration, state, consumed_samples, rng_key_data)),
+                 META: ocp.args.JsonSave(self._meta(iteration, state, consumed_samples, rng_key_data, saved)),
                  TOKENIZER: files_handler()(self.files)}
         if self.c.save_optim:
             items[OPT_STATE] = ocp.args.StandardSave(opt_state)
