@@ -77,6 +77,12 @@ class ModelConfig:
     moe_z_loss_coeff: float | None = None
     moe_router_pre_softmax: bool = False
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # DeepSeek's group-limited routing (--moe-router-num-groups, --moe-router-group-topk): the
+    # experts in groups, a token's top-k taken within its best `group_topk` groups (a group's score:
+    # the sum of its top k / group_topk experts' scores); None: over all experts.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # the routing weights times this (DeepSeek-V3: 2.5)
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
     moe_pad_expert_input_to_capacity: bool = False

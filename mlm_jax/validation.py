@@ -500,6 +500,28 @@ def validate_instruments(i: InstrumentsConfig) -> None:
         )
 
 
+def validate_router_groups(m: ModelConfig) -> None:
+    """--moe-router-num-groups G / --moe-router-group-topk g (Megatron-LM's rules): both or neither;
+    G equal groups of the experts, g of them chosen, enough experts in them for the top-k."""
+    G, g, E, K = m.moe_router_num_groups, m.moe_router_group_topk, m.num_experts, m.moe_router_topk
+    if (G is None) != (g is None):
+        given = "--moe-router-num-groups" if G is not None else "--moe-router-group-topk"
+        raise ConfigError(f"{given} needs {'--moe-router-group-topk' if G is not None else '--moe-router-num-groups'} "
+                          "too (group-limited routing)")
+    if m.moe_router_topk_scaling_factor is not None and not m.moe_router_topk_scaling_factor > 0:
+        raise ConfigError(f"--moe-router-topk-scaling-factor must be a positive number, got "
+                          f"{m.moe_router_topk_scaling_factor}")
+    if G is None:
+        return
+    if G < 1 or E % G:
+        raise ConfigError(f"--moe-router-num-groups {G} must divide --num-experts {E} (equal groups)")
+    if not 1 <= g <= G:
+        raise ConfigError(f"--moe-router-group-topk {g} must be between 1 and --moe-router-num-groups {G}")
+    if K % g or K // g > E // G:
+        raise ConfigError(f"--moe-router-topk {K} must be a multiple of --moe-router-group-topk {g} with at most "
+                          f"{E // G} (the experts of a group) per group")
+
+
 def validate_moe(cfg: Config, world_size: int) -> None:
     """Mixture-of-experts rules: experts over the expert-parallel ranks, top-k, the layer pattern."""
     m, p = cfg.model, cfg.parallel
@@ -525,6 +547,7 @@ def validate_moe(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep}")
     if not 1 <= K <= E:
         raise ConfigError(f"--moe-router-topk {K} must be between 1 and --num-experts {E}")
+    validate_router_groups(m)
     etp = p.expert_tensor_parallel_size or tp
     if etp != tp:
         raise ConfigError(

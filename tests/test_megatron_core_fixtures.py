@@ -111,3 +111,34 @@ def test_megatron_adam_state_resumes_and_steps_as_megatron_core(layout):
     want = np.asarray(RESUME["logits_after_next_step"], np.float32)
     print(layout, "max |logits - Megatron-Core's after the next step| =", np.abs(got - want).max())
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- import -> export args
+
+# The args that change what a GPT computes, in the names Megatron-Core's own args use.
+FUNCTION_ARGS = ("openai_gelu", "bias_gelu_fusion", "swiglu", "normalization", "norm_epsilon", "layernorm_epsilon",
+                 "add_bias_linear", "add_qkv_bias", "position_embedding_type", "add_position_embedding", "rotary_base",
+                 "rotary_percent", "untie_embeddings_and_output_weights", "apply_layernorm_1p", "num_layers",
+                 "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "num_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax")
+
+
+@pytest.mark.parametrize("kind", sorted({k for k, _ in CASES}))
+def test_import_then_export_keeps_every_model_arg(kind, tmp_path):
+    """import-megatron then export-megatron (torch_dist) of Megatron-Core's own checkpoint: every
+    arg that changes the function is the source's (the GPT-2 style's GELU once came back as
+    openai_gelu True, bias_gelu_fusion False), and the export's logits are the source's."""
+    from mlm_jax.checkpoint.megatron import read_checkpoint
+    from mlm_jax.tools.checkpoint import main
+
+    folder = next(f for k, f in CASES if k == kind and "dist" in f)
+    source = os.path.join(HERE, folder)
+    assert main(["import-megatron", "--load", source, "--save", str(tmp_path / "imported")]) == 0
+    assert main(["export-megatron", "--load", str(tmp_path / "imported"), "--save", str(tmp_path / "export")]) == 0
+    src, out = read_checkpoint(source).args, read_checkpoint(str(tmp_path / "export")).args
+    differ = {name: (getattr(src, name), getattr(out, name, "missing")) for name in FUNCTION_ARGS
+              if hasattr(src, name) and getattr(src, name) != getattr(out, name, "missing")}
+    assert not differ, differ
+    ids = np.asarray(MANIFEST["ids"], np.int32)
+    np.testing.assert_allclose(mlm_jax.load(str(tmp_path / "export")).logits(ids)[0],
+                               np.asarray(MANIFEST["models"][kind]["logits"], np.float32), rtol=0, atol=1e-5)

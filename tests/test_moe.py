@@ -275,6 +275,10 @@ LAYOUTS = {
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4,
         MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
     "tp4_pp2": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8, MOE),
+    # DeepSeek's router: sigmoid scores, group-limited top-k, scaled weights
+    "ep2_dp4_group_limited": (ParallelConfig(expert_model_parallel_size=2), 1,
+                              MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_num_groups", 2),
+                                     ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5))),
     "tp4_pp2_capacity_probs_padded": (
         ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
         MOE + (("moe_expert_capacity_factor", 0.5), ("moe_pad_expert_input_to_capacity", True))),
@@ -319,8 +323,36 @@ def test_moe_losses_move_the_router_gradient():
 # --------------------------------------------------------------------------- flags
 
 
+def test_group_limited_routing_takes_the_top_k_within_the_best_groups():
+    """--moe-router-num-groups 4 --moe-router-group-topk 2, top-4 of 8 experts (pairs): each token's
+    groups scored by the sum of their best 2 scores, the experts taken within the best 2 groups
+    (Megatron-Core's group_limited_topk), checked against a hand-written loop; the weights times
+    --moe-router-topk-scaling-factor."""
+    from mlm_jax.models import moe
+
+    cfg = ModelConfig(num_experts=8, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                      moe_router_score_function="sigmoid")
+    scores = np.array(jax.random.uniform(jax.random.key(3), (16, 8)), np.float32)
+    scores[0] = [0.9, 0.0, 0.5, 0.5, 0.7, 0.1, 0.0, 0.0]  # groups 0.9, 1.0, 0.8, 0.0
+    values, idx = moe.top_k(cfg, jnp.asarray(scores))
+    for t in range(16):
+        groups = scores[t].reshape(4, 2)
+        best = np.argsort(-np.sort(groups, axis=1)[:, -2:].sum(axis=1), kind="stable")[:2]
+        allowed = [e for e in range(8) if e // 2 in best]
+        want = sorted(allowed, key=lambda e: -scores[t, e])[:4]
+        assert sorted(np.asarray(idx[t]).tolist()) == sorted(want), (t, idx[t], want)
+        np.testing.assert_allclose(np.asarray(values[t]), np.sort(scores[t, want])[::-1], rtol=0, atol=0)
+    assert sorted(np.asarray(idx[0]).tolist()) == [0, 1, 2, 3]  # groups 1 and 0, though expert 4 beats 2 and 3
+    plain, _, _ = moe._scores_and_choice(cfg, jnp.asarray(scores))
+    scaled = dataclasses.replace(cfg, moe_router_topk_scaling_factor=2.5)
+    np.testing.assert_allclose(np.asarray(moe._scores_and_choice(scaled, jnp.asarray(scores))[0]),
+                               2.5 * np.asarray(plain), rtol=1e-6)
+
+
 def test_moe_flags_map_onto_the_config():
     cfg = parse_args(["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
+                      "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                      "--moe-router-topk-scaling-factor", "2.5",
                       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
                       "--moe-z-loss-coeff", "0.001", "--moe-router-pre-softmax",
                       "--moe-router-score-function", "sigmoid", "--moe-expert-capacity-factor", "1.5",
@@ -330,6 +362,7 @@ def test_moe_flags_map_onto_the_config():
                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
     m = cfg.model
     assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq) == (8, 2, (0, 1, 1, 1))
+    assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == (4, 2, 2.5)
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.moe_router_load_balancing_type == "seq_aux_loss" and m.moe_router_pre_softmax
     assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy) == (1.5, "position")
@@ -362,6 +395,16 @@ def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
     (ParallelConfig(), dict(num_experts=4, moe_pad_expert_input_to_capacity=True),
      "needs --moe-expert-capacity-factor"),
     (ParallelConfig(expert_model_parallel_size=2), dict(), "needs --num-experts"),
+    (ParallelConfig(), dict(num_experts=4, moe_router_num_groups=2), "--moe-router-num-groups needs "
+                                                                     "--moe-router-group-topk"),
+    (ParallelConfig(), dict(num_experts=6, moe_router_num_groups=4, moe_router_group_topk=1),
+     "--moe-router-num-groups 4 must divide --num-experts 6"),
+    (ParallelConfig(), dict(num_experts=4, moe_router_num_groups=2, moe_router_group_topk=3),
+     "--moe-router-group-topk 3 must be between 1 and --moe-router-num-groups 2"),
+    (ParallelConfig(), dict(num_experts=8, moe_router_topk=3, moe_router_num_groups=4, moe_router_group_topk=2),
+     "--moe-router-topk 3 must be a multiple of --moe-router-group-topk 2"),
+    (ParallelConfig(), dict(num_experts=4, moe_router_topk_scaling_factor=0.0),
+     "--moe-router-topk-scaling-factor must be a positive number"),
 ])
 def test_invalid_moe_configs_fail_naming_the_rule(parallel, model, message):
     with pytest.raises(ConfigError, match=None) as e:

@@ -106,19 +106,41 @@ def route_groups(rows: int) -> int:
     return groups if rows % groups == 0 else 1
 
 
+def top_k(cfg: ModelConfig, scores_te):
+    """(values, indices) [T, K] of each token's top-k experts; with group-limited routing
+    (--moe-router-num-groups G, --moe-router-group-topk g) among the experts of its g best groups,
+    a group scored by the sum of its best K/g scores (Megatron-Core's `group_limited_topk`)."""
+    K, G, g = cfg.moe_router_topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if not G:
+        return jax.lax.top_k(scores_te, K)
+    T, E = scores_te.shape
+    group_tg = jnp.sum(jax.lax.top_k(scores_te.reshape(T, G, E // G), K // g)[0], axis=-1)  # [T, G]
+    _, best_tg = jax.lax.top_k(group_tg, g)
+    in_best_tg = jnp.any(jax.nn.one_hot(best_tg, G, dtype=bool), axis=1)  # [T, G]
+    allowed_te = jnp.repeat(in_best_tg, E // G, axis=1)
+    return jax.lax.top_k(jnp.where(allowed_te, scores_te, -jnp.inf), K)
+
+
 def _scores_and_choice(cfg: ModelConfig, logits_te):
     """(probs [T, K], experts [T, K], scores for the aux loss [T, E])."""
+    probs, idx, scores = _unscaled_choice(cfg, logits_te)
+    if cfg.moe_router_topk_scaling_factor:
+        probs = probs * cfg.moe_router_topk_scaling_factor
+    return probs, idx, scores
+
+
+def _unscaled_choice(cfg: ModelConfig, logits_te):
     K = cfg.moe_router_topk
     if cfg.moe_router_score_function == "sigmoid":
         s = jax.nn.sigmoid(logits_te)
-        top, idx = jax.lax.top_k(s, K)
+        top, idx = top_k(cfg, s)
         probs = top / (jnp.sum(top, -1, keepdims=True) + 1e-20) if K > 1 else top
         return probs, idx, s / (jnp.sum(s, -1, keepdims=True) + 1e-20)
     full = jax.nn.softmax(logits_te, axis=-1)
     if cfg.moe_router_pre_softmax:
-        probs, idx = jax.lax.top_k(full, K)
+        probs, idx = top_k(cfg, full)
     else:
-        top, idx = jax.lax.top_k(logits_te, K)
+        top, idx = top_k(cfg, logits_te)
         probs = jax.nn.softmax(top, axis=-1)
     return probs, idx, full
 

@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "rope_scaling": "rope scaling", "mtp_num_layers": "multi-token prediction layers",
     "squared_relu": "squared ReLU", "quick_geglu": "quick GeGLU", "moe_router_enable_expert_bias":
     "the router's expert bias", "moe_shared_expert_gate": "a gated shared expert",
-    "moe_router_topk_scaling_factor": "scaled router weights", "moe_router_num_groups": "group-limited routing",
     "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP weights", "softmax_scale": "a custom softmax scale",
     "window_size": "sliding-window attention", "heterogeneous_layers_config_path": "heterogeneous layers",
     "experimental_attention_variant": "an experimental attention variant",
@@ -37,12 +36,11 @@ UNSUPPORTED = {
 
 
 def _is_set(name: str, value) -> bool:
-    """Whether an UNSUPPORTED setting is on (None, False, 0, "" and [] are off; a scaling factor
-    of 1 is no scaling)."""
+    """Whether an UNSUPPORTED setting is on (None, False, 0, "" and [] are off)."""
     if value is None or value is False or value in ("", []):
         return False
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value != (1 if name == "moe_router_topk_scaling_factor" else 0)
+        return value != 0
     return True
 
 

@@ -166,13 +166,26 @@ def megatron_args(m: ModelConfig, tp: int, pp: int, iteration: int, consumed_sam
         tokenizer_model=tok.get("tokenizer_model"), tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
         transformer_impl="local", use_rotary_position_embeddings=m.position_embedding_type == "rope",
-        bias_gelu_fusion=False, iteration=iteration, consumed_train_samples=consumed_samples,
-        consumed_valid_samples=0, ckpt_format=ckpt_format, bf16=False, fp16=False)
+        iteration=iteration, consumed_train_samples=consumed_samples,
+        consumed_valid_samples=0, ckpt_format=ckpt_format, bf16=False, fp16=False,
+        # Megatron's names of the same settings (older releases read these, newer ones both);
+        # add_qkv_bias is a QKV bias without the others' (add_bias_linear covers QKV's too).
+        layernorm_epsilon=m.norm_epsilon, add_qkv_bias=False,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        **_gelu_args(m))
     if m.num_experts:
         # The experts are written as the local spec's SequentialMLP (layout_write.py): Megatron
         # builds that one for these args (mlm_jax's own field says how mlm_jax computes them).
         fields.update(moe_ffn_hidden_size=m.moe_ffn_size, moe_grouped_gemm=False)
     return argparse.Namespace(**fields)
+
+
+def _gelu_args(m: ModelConfig) -> dict:
+    """The GELU as Megatron-Core's args say it: with biases, the tanh approximation is its fused
+    bias + GELU (bias_gelu_fusion, what a GPT-2 run's args hold: args.py maps it back), else
+    openai_gelu; the exact GELU is neither."""
+    fused = m.openai_gelu and m.add_bias_linear and not m.swiglu
+    return {"bias_gelu_fusion": fused, "openai_gelu": m.openai_gelu and not fused}
 
 
 # --------------------------------------------------------------------------- the checkpoint
