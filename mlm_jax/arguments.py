@@ -239,6 +239,7 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--torch-fsdp2-no-reshard-after-forward", "true", "with --use-torch-fsdp2: the parameters stay gathered (= --data-parallel-sharding-strategy optim_grads)"),
     ("--outer-dp-sharding-strategy", "str", "hybrid sharding's outer group (--num-distributed-optimizer-instances > 1): no_shard (each instance holds the whole sharded state; optim, the state split over the instances too, is not built)"),
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
+    ("--moe-router-dtype", "str", "fp32: accepted, no effect (the router computes in fp32); fp64 is refused"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -246,13 +247,20 @@ _ACCEPTED_CHOICES = {
     "--transformer-impl": ("local", "transformer_engine"),
     "--ckpt-format": ("torch_dist", "zarr", "torch", "fsdp_dtensor", "torch_dcp"),
     "--empty-unused-memory-level": (0, 1, 2),
+    "--moe-router-dtype": ("fp32", "fp64"),
 }
 
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
 # Refused flags that take a value (the others are switches).
+_MLA = "multi-latent attention (DeepSeek-V3) is not built yet"
+_EXPERT_BIAS = "the router's aux-loss-free expert bias (DeepSeek-V3) is not built yet; use --moe-aux-loss-coeff"
+_MTP = "multi-token prediction (DeepSeek-V3) is not built yet"
 _REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-file", "--fp8-quantizer-factory",
-                       "--fp4-quantizer-factory")
+                       "--fp4-quantizer-factory", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                       "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale",
+                       "--mscale-all-dim", "--moe-router-bias-update-rate", "--mtp-num-layers",
+                       "--mtp-loss-scaling-factor")
 
 # Megatron flags refused with the reason (nothing else takes them).
 REFUSED = {
@@ -266,6 +274,14 @@ REFUSED = {
     "--te-precision-config-file": "Transformer Engine's per-module precision file: not built (fp8 is set for "
                                   "all projections by --fp8-format, with --first-last-layers-bf16)",
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
+    # DeepSeek-V3's (issue 54): group-limited routing and the weights' scaling factor are built
+    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
+    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--qk-layernorm": "query/key layer norms are not built yet",
+    "--rotary-scaling-factor": "YaRN rope scaling (DeepSeek-V3) is not built yet",
+    "--mscale": "YaRN rope scaling (DeepSeek-V3) is not built yet",
+    "--mscale-all-dim": "YaRN rope scaling (DeepSeek-V3) is not built yet",
+    "--moe-router-enable-expert-bias": _EXPERT_BIAS, "--moe-router-bias-update-rate": _EXPERT_BIAS,
+    "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
 }
 
 # Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).
@@ -674,6 +690,9 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
         sections["distributed"].setdefault("coordinator_timeout", minutes * 60.0)
     if given["--num-workers"] is not None and given["--num-workers"] < 0:
         raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
+    if given["--moe-router-dtype"] == "fp64":
+        raise ConfigError("--moe-router-dtype fp64: not built (jax runs with 64-bit floats off); the router computes "
+                          "in fp32: give fp32 or leave it out")
     model = sections["model"]
     if given["--use-rotary-position-embeddings"]:
         if model.get("position_embedding_type", "rope") != "rope":

@@ -27,6 +27,7 @@ NO_EFFECT = [
     ["--ckpt-format", "fsdp_dtensor"], ["--ckpt-format", "torch_dcp"], ["--manual-gc"],
     ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
     ["--empty-unused-memory-level", "2"], ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
+    ["--moe-router-dtype", "fp32"],
 ]
 
 # Megatron's fp8/fp4 flags not built here: each refused in one line naming it, with the reason.
@@ -34,6 +35,13 @@ FP8_REFUSED = [["--tp-only-amax-red"], ["--fp8-dot-product-attention"],
                ["--fp8-multi-head-attention"], ["--fp8-output-proj"], ["--fp4-format", "e2m1"],
                ["--fp4-recipe", "nvfp4"], ["--fp4-param-gather"], ["--te-precision-config-file", "p.yaml"],
                ["--fp8-quantizer-factory", "a.b"], ["--fp4-quantizer-factory", "a.b"]]
+# DeepSeek-V3's flags not built yet (issue 54): the same.
+DEEPSEEK_REFUSED = [["--multi-latent-attention"], ["--q-lora-rank", "1536"], ["--kv-lora-rank", "512"],
+                    ["--qk-head-dim", "128"], ["--qk-pos-emb-head-dim", "64"], ["--v-head-dim", "128"],
+                    ["--qk-layernorm"], ["--rotary-scaling-factor", "40"], ["--mscale", "1.0"],
+                    ["--mscale-all-dim", "1.0"], ["--moe-router-enable-expert-bias"],
+                    ["--moe-router-bias-update-rate", "1e-3"], ["--mtp-num-layers", "1"],
+                    ["--mtp-loss-scaling-factor", "0.1"]]
 
 
 @pytest.mark.parametrize("flag", NO_EFFECT, ids=lambda f: " ".join(f))
@@ -106,7 +114,19 @@ def test_fp8_flags_not_built_are_refused_by_name(flag):
     with pytest.raises(ConfigError) as e:
         parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"] + flag)
     assert str(e.value) == f"{flag[0]}: {REFUSED[flag[0]]}"
-    assert set(REFUSED) == {f[0] for f in FP8_REFUSED}
+    assert set(REFUSED) == {f[0] for f in FP8_REFUSED + DEEPSEEK_REFUSED}
+
+
+@pytest.mark.parametrize("flag", DEEPSEEK_REFUSED, ids=lambda f: f[0])
+def test_deepseek_flags_not_built_are_refused_by_name(flag):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--num-experts", "8"] + flag)
+    assert str(e.value) == f"{flag[0]}: {REFUSED[flag[0]]}" and "not built yet" in str(e.value)
+
+
+def test_the_router_dtype_fp64_is_refused():
+    with pytest.raises(ConfigError, match="--moe-router-dtype fp64: not built"):
+        parse_args(["--moe-router-dtype", "fp64"])
 
 
 @pytest.mark.parametrize("recipe,why", [
