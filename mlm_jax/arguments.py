@@ -97,6 +97,8 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--moe-router-num-groups", "model", "moe_router_num_groups", "int", "group-limited routing (DeepSeek): the experts in this many equal groups; with --moe-router-group-topk"),
     ("--moe-router-group-topk", "model", "moe_router_group_topk", "int", "group-limited routing: a token's top-k experts are taken within its best this-many groups (a group scored by the sum of its top k/group-topk experts' scores)"),
     ("--moe-router-topk-scaling-factor", "model", "moe_router_topk_scaling_factor", "float", "the routing weights times this factor (DeepSeek-V3: 2.5)"),
+    ("--moe-router-enable-expert-bias", "model", "moe_router_enable_expert_bias", "true", "aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the sigmoid scores for the top-k choice only, moved by --moe-router-bias-update-rate after each step towards the mean load of the step's tokens over every rank"),
+    ("--moe-router-bias-update-rate", "model", "moe_router_bias_update_rate", "float", "the expert bias's step: bias += rate x sign(mean load - the expert's load) (default 1e-3)"),
     ("--moe-expert-capacity-factor", "model", "moe_expert_capacity_factor", "float", "capacity per expert (default: dropless)"),
     ("--moe-token-drop-policy", "model", "moe_token_drop_policy", "str", "probs | position: which tokens over capacity drop"),
     ("--moe-pad-expert-input-to-capacity", "model", "moe_pad_expert_input_to_capacity", "true", "every expert computes exactly its capacity"),
@@ -254,12 +256,11 @@ _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
 # Refused flags that take a value (the others are switches).
 _MLA = "multi-latent attention (DeepSeek-V3) is not built yet"
-_EXPERT_BIAS = "the router's aux-loss-free expert bias (DeepSeek-V3) is not built yet; use --moe-aux-loss-coeff"
 _MTP = "multi-token prediction (DeepSeek-V3) is not built yet"
 _REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-file", "--fp8-quantizer-factory",
                        "--fp4-quantizer-factory", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
                        "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale",
-                       "--mscale-all-dim", "--moe-router-bias-update-rate", "--mtp-num-layers",
+                       "--mscale-all-dim", "--mtp-num-layers",
                        "--mtp-loss-scaling-factor")
 
 # Megatron flags refused with the reason (nothing else takes them).
@@ -280,7 +281,6 @@ REFUSED = {
     "--rotary-scaling-factor": "YaRN rope scaling (DeepSeek-V3) is not built yet",
     "--mscale": "YaRN rope scaling (DeepSeek-V3) is not built yet",
     "--mscale-all-dim": "YaRN rope scaling (DeepSeek-V3) is not built yet",
-    "--moe-router-enable-expert-bias": _EXPERT_BIAS, "--moe-router-bias-update-rate": _EXPERT_BIAS,
     "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
 }
 

@@ -83,6 +83,11 @@ class ModelConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None  # the routing weights times this (DeepSeek-V3: 2.5)
+    # Aux-loss-free balancing (--moe-router-enable-expert-bias): a per-expert bias added to the
+    # sigmoid scores for the top-k choice only, moved after each step by the update rate towards
+    # the mean load (models/moe.py `updated_bias`).
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
     moe_pad_expert_input_to_capacity: bool = False

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from mlm_jax.config import OptimConfig
-from mlm_jax.models import fp8
+from mlm_jax.models import fp8, moe
 
 
 def schedule_lengths(cfg: OptimConfig, train_iters: int, train_samples: int | None = None):
@@ -109,9 +109,11 @@ _NO_DECAY = frozenset({"bqkv", "bo", "b1", "b2", "bias", "scale"})
 
 def decay_mask(params) -> dict:
     """Weight decay on matrices only: not on biases or norm scales (Megatron's no_wd rule), nor on
-    delayed fp8 scaling's amax histories (no weights: the step writes them, `fp8.rolled`)."""
+    delayed fp8 scaling's amax histories or the MoE expert biases (no weights: the step writes
+    them, `fp8.rolled`, `moe.biased`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) not in _NO_DECAY and not fp8.is_history(path), params
+        lambda path, _: getattr(path[-1], "key", None) not in _NO_DECAY and not fp8.is_history(path)
+        and not moe.is_expert_bias(path), params
     )
 
 

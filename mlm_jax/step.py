@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax import loss_scale as ls
 from mlm_jax.config import Config
-from mlm_jax.models import fp8
+from mlm_jax.models import fp8, moe
 from mlm_jax.models.layers import compute_dtype
 from mlm_jax.parallel import fsdp
 from mlm_jax.optim import apply_lr, decoupled_lr_for, lr_for
@@ -278,7 +278,7 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
             loss, grads, found_inf = ls.unscale(loss, grads, state[ls.KEY]["scale"])
         # Delayed fp8 scaling: the amax histories' records come as their gradients; they are
         # written into the histories, and the optimizer and the norm see zeros there.
-        grads = fp8.without_records(grads)
+        grads = moe.without_loads(fp8.without_records(grads))  # and the expert biases' loads
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         lr = lr_for(cfg, state["schedule_samples"])
@@ -292,7 +292,10 @@ def train_step(cfg: Config, tx: optax.GradientTransformation, loss_and_grads: Lo
             "tokens": jnp.sum(batch["loss_mask"]),
             "aux": aux,
         }
-        new_state = {"params": fp8.rolled(optax.apply_updates(params, updates), records), "opt_state": opt_state,
+        new_params = fp8.rolled(optax.apply_updates(params, updates), records)
+        if cfg.model.moe_router_enable_expert_bias:
+            new_params = moe.biased(new_params, records, cfg.model.moe_router_bias_update_rate)
+        new_state = {"params": new_params, "opt_state": opt_state,
                      "step": state["step"] + 1, "schedule_samples": state["schedule_samples"] + samples}
         if scaler is not None:
             new_state, metrics = skip_on_overflow(scaler, state, new_state, metrics, found_inf)

@@ -511,6 +511,11 @@ def validate_router_groups(m: ModelConfig) -> None:
     if m.moe_router_topk_scaling_factor is not None and not m.moe_router_topk_scaling_factor > 0:
         raise ConfigError(f"--moe-router-topk-scaling-factor must be a positive number, got "
                           f"{m.moe_router_topk_scaling_factor}")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (the bias moves "
+                          "sigmoid scores, as in DeepSeek-V3 and Megatron-Core)")
+    if m.moe_router_enable_expert_bias and not m.moe_router_bias_update_rate > 0:
+        raise ConfigError(f"--moe-router-bias-update-rate must be a positive number, got {m.moe_router_bias_update_rate}")
     if G is None:
         return
     if G < 1 or E % G:
@@ -562,6 +567,10 @@ def validate_moe(cfg: Config, world_size: int) -> None:
                               f"({m.num_layers} layers)")
     elif freq < 1:
         raise ConfigError(f"--moe-layer-freq {freq} must be a positive integer or a list pattern")
+    if m.moe_router_enable_expert_bias and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--moe-router-enable-expert-bias with --pipeline-model-parallel-size "
+                          f"{p.pipeline_model_parallel_size}: not built (the schedule's idle slots would count "
+                          "tokens); use --moe-aux-loss-coeff with the pipeline")
     mixed = len({m.is_moe_layer(i) for i in range(m.num_layers)}) > 1
     if mixed and p.pipeline_model_parallel_size > 1:
         raise ConfigError(

@@ -39,8 +39,7 @@ FP8_REFUSED = [["--tp-only-amax-red"], ["--fp8-dot-product-attention"],
 DEEPSEEK_REFUSED = [["--multi-latent-attention"], ["--q-lora-rank", "1536"], ["--kv-lora-rank", "512"],
                     ["--qk-head-dim", "128"], ["--qk-pos-emb-head-dim", "64"], ["--v-head-dim", "128"],
                     ["--qk-layernorm"], ["--rotary-scaling-factor", "40"], ["--mscale", "1.0"],
-                    ["--mscale-all-dim", "1.0"], ["--moe-router-enable-expert-bias"],
-                    ["--moe-router-bias-update-rate", "1e-3"], ["--mtp-num-layers", "1"],
+                    ["--mscale-all-dim", "1.0"], ["--mtp-num-layers", "1"],
                     ["--mtp-loss-scaling-factor", "0.1"]]
 
 

@@ -275,10 +275,15 @@ LAYOUTS = {
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4,
         MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
     "tp4_pp2": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8, MOE),
-    # DeepSeek's router: sigmoid scores, group-limited top-k, scaled weights
-    "ep2_dp4_group_limited": (ParallelConfig(expert_model_parallel_size=2), 1,
-                              MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_num_groups", 2),
-                                     ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5))),
+    # DeepSeek's router: sigmoid scores, group-limited top-k, scaled weights, the expert bias (whose
+    # "gradient", the loads, is compared as every leaf: summed over the ranks, the one device's)
+    "ep2_dp4_group_limited_expert_bias": (
+        ParallelConfig(expert_model_parallel_size=2), 1,
+        MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_num_groups", 2), ("moe_router_group_topk", 1),
+               ("moe_router_topk_scaling_factor", 2.5), ("moe_router_enable_expert_bias", True))),
+    "dp2_tp2_ep2_sp_expert_bias": (
+        ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), 2,
+        MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True))),
     "tp4_pp2_capacity_probs_padded": (
         ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
         MOE + (("moe_expert_capacity_factor", 0.5), ("moe_pad_expert_input_to_capacity", True))),
@@ -349,10 +354,37 @@ def test_group_limited_routing_takes_the_top_k_within_the_best_groups():
                                2.5 * np.asarray(plain), rtol=1e-6)
 
 
+def test_the_expert_bias_moves_by_megatrons_rule_after_a_step():
+    """--moe-router-enable-expert-bias: the loads come back as the bias's gradient, each layer's
+    summing to the step's tokens x top-k; the step moves the bias by rate x sign(mean - load)
+    (Megatron-Core's get_updated_expert_bias; by hand: loads [3, 1, 2, 2] -> [-r, +r, 0, 0]) and
+    nothing else touches it (no Adam, no weight decay); a moved bias changes the next choice."""
+    from tests.parallel_util import build, fixed_batch, place
+
+    np.testing.assert_array_equal(moe_lib.updated_bias(np.zeros(4, np.float32), np.array([3., 1., 2., 2.]), 0.5),
+                                  [-0.5, 0.5, 0.0, 0.0])
+    model = dict(MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+                        ("moe_router_bias_update_rate", 0.01)))
+    pz = build(*REFERENCE, jax.devices()[:1], **model)
+    state = pz.init(0)
+    batch = place(pz, fixed_batch())
+    _, grads = pz.loss_and_grads(state["params"], batch, jax.random.key(0))
+    loads = np.asarray(grads["layers"]["mlp"]["expert_bias"])  # [layers, E]
+    tokens = fixed_batch()["tokens"].size
+    np.testing.assert_array_equal(loads.sum(axis=1), [tokens * 2] * loads.shape[0])
+    new, _ = pz.train_step(state, batch, jax.random.key(0))
+    want = 0.01 * np.sign(loads.mean(axis=1, keepdims=True) - loads)
+    np.testing.assert_allclose(np.asarray(new["params"]["layers"]["mlp"]["expert_bias"]), want, rtol=0, atol=1e-7)
+    assert np.abs(want).sum() > 0
+    moved = moe_lib.route(pz.cfg.model, jnp.zeros((1, 2, 4)), jnp.asarray([0.0, 0.3, 0.0, 0.2]))
+    assert sorted(np.asarray(moved.experts_tk[0]).tolist()) == [1, 3]  # equal scores: the bias chooses
+
+
 def test_moe_flags_map_onto_the_config():
     cfg = parse_args(["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
                       "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
-                      "--moe-router-topk-scaling-factor", "2.5",
+                      "--moe-router-topk-scaling-factor", "2.5", "--moe-router-enable-expert-bias",
+                      "--moe-router-bias-update-rate", "0.002",
                       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
                       "--moe-z-loss-coeff", "0.001", "--moe-router-pre-softmax",
                       "--moe-router-score-function", "sigmoid", "--moe-expert-capacity-factor", "1.5",
@@ -363,6 +395,7 @@ def test_moe_flags_map_onto_the_config():
     m = cfg.model
     assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq) == (8, 2, (0, 1, 1, 1))
     assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == (4, 2, 2.5)
+    assert m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate == 0.002
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.moe_router_load_balancing_type == "seq_aux_loss" and m.moe_router_pre_softmax
     assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy) == (1.5, "position")
@@ -405,6 +438,13 @@ def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
      "--moe-router-topk 3 must be a multiple of --moe-router-group-topk 2"),
     (ParallelConfig(), dict(num_experts=4, moe_router_topk_scaling_factor=0.0),
      "--moe-router-topk-scaling-factor must be a positive number"),
+    (ParallelConfig(), dict(num_experts=4, moe_router_enable_expert_bias=True),
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    (ParallelConfig(), dict(num_experts=4, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                            moe_router_bias_update_rate=-1.0), "--moe-router-bias-update-rate must be a positive"),
+    (ParallelConfig(pipeline_model_parallel_size=2), dict(num_experts=4, moe_router_enable_expert_bias=True,
+                                                          moe_router_score_function="sigmoid"),
+     "--moe-router-enable-expert-bias with --pipeline-model-parallel-size 2: not built"),
 ])
 def test_invalid_moe_configs_fail_naming_the_rule(parallel, model, message):
     with pytest.raises(ConfigError, match=None) as e:

@@ -51,7 +51,7 @@ ARCH_FIELDS = (
     "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
-    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
     "apply_layernorm_1p", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
     "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
     "rope_scaling_original_max_position_embeddings",

@@ -121,19 +121,24 @@ def top_k(cfg: ModelConfig, scores_te):
     return jax.lax.top_k(jnp.where(allowed_te, scores_te, -jnp.inf), K)
 
 
-def _scores_and_choice(cfg: ModelConfig, logits_te):
-    """(probs [T, K], experts [T, K], scores for the aux loss [T, E])."""
-    probs, idx, scores = _unscaled_choice(cfg, logits_te)
+def _scores_and_choice(cfg: ModelConfig, logits_te, bias_e=None):
+    """(probs [T, K], experts [T, K], scores for the aux loss [T, E]); `bias_e` the expert bias
+    (--moe-router-enable-expert-bias), added to the scores for the choice only."""
+    probs, idx, scores = _unscaled_choice(cfg, logits_te, bias_e)
     if cfg.moe_router_topk_scaling_factor:
         probs = probs * cfg.moe_router_topk_scaling_factor
     return probs, idx, scores
 
 
-def _unscaled_choice(cfg: ModelConfig, logits_te):
+def _unscaled_choice(cfg: ModelConfig, logits_te, bias_e=None):
     K = cfg.moe_router_topk
     if cfg.moe_router_score_function == "sigmoid":
         s = jax.nn.sigmoid(logits_te)
-        top, idx = top_k(cfg, s)
+        if bias_e is None:
+            top, idx = top_k(cfg, s)
+        else:
+            _, idx = top_k(cfg, s + jax.lax.stop_gradient(bias_e))
+            top = jnp.take_along_axis(s, idx, axis=1)
         probs = top / (jnp.sum(top, -1, keepdims=True) + 1e-20) if K > 1 else top
         return probs, idx, s / (jnp.sum(s, -1, keepdims=True) + 1e-20)
     full = jax.nn.softmax(logits_te, axis=-1)
@@ -195,11 +200,53 @@ def keep_mask(cfg: ModelConfig, probs_tk, experts_tk, groups: int = 1) -> jax.Ar
     return jnp.take_along_axis(keep_gne.reshape(T, E), experts_tk, axis=1)  # [T, K]
 
 
-def route(cfg: ModelConfig, logits_bse) -> Routing:
-    """The router's choice for a microbatch's fp32 logits [b, s, E] (tokens flattened b-major)."""
+# --------------------------------------------------------------------------- the expert bias
+# Aux-loss-free balancing (DeepSeek-V3; Megatron-Core's --moe-router-enable-expert-bias): each MoE
+# layer's `expert_bias` [E] (fp32, a parameter no optimizer moves) is added to the sigmoid scores
+# for the top-k choice. The tokens each expert kept in a microbatch come back as the bias's
+# "gradient" (`_loads_as_gradient`), so the step's gradient sums (microbatches, then the ranks:
+# data, expert, tensor) make them the whole step's loads, as Megatron's all-reduce over the
+# tensor, data and context ranks does; the step then moves the bias (`updated`).
+EXPERT_BIAS = "expert_bias"
+
+
+def is_expert_bias(path) -> bool:
+    """Whether a pytree key path leads to an expert bias leaf."""
+    return str(getattr(path[-1], "key", path[-1])) == EXPERT_BIAS if path else False
+
+
+@jax.custom_vjp
+def _loads_as_gradient(bias_e, loads_e):
+    return bias_e
+
+
+_loads_as_gradient.defvjp(lambda bias_e, loads_e: (bias_e, loads_e),
+                          lambda loads_e, g: (loads_e.astype(g.dtype), jnp.zeros_like(loads_e)))
+
+
+def updated_bias(bias, loads, rate: float):
+    """Megatron-Core's `get_updated_expert_bias`: bias + rate x sign(mean load - load), per layer
+    (the last dim the experts)."""
+    return bias + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
+
+
+def without_loads(grads):
+    """The gradients with the expert biases' loads zeroed (no optimizer, norm or clipping sees them)."""
+    return jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if is_expert_bias(p) else g, grads)
+
+
+def biased(params, grads, rate: float):
+    """The parameters with each expert bias moved by the step's loads (its "gradient")."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, prm, g: updated_bias(prm, g.astype(prm.dtype), rate) if is_expert_bias(p) else prm, params, grads)
+
+
+def route(cfg: ModelConfig, logits_bse, bias_e=None) -> Routing:
+    """The router's choice for a microbatch's fp32 logits [b, s, E] (tokens flattened b-major);
+    `bias_e` the layer's expert bias (or None)."""
     b, s, E = logits_bse.shape
     logits_te = logits_bse.reshape(b * s, E)  # [T, E]
-    probs_tk, experts_tk, scores_te = _scores_and_choice(cfg, logits_te)
+    probs_tk, experts_tk, scores_te = _scores_and_choice(cfg, logits_te, bias_e)
     chosen_te = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32), axis=1)  # [T, E]
     lb = load_balancing_loss(cfg, scores_te.reshape(b, s, E), chosen_te.reshape(b, s, E))
     kept_tk = keep_mask(cfg, probs_tk, experts_tk, route_groups(b))
@@ -215,6 +262,9 @@ def route(cfg: ModelConfig, logits_bse) -> Routing:
         "moe_layers": jnp.full((), share, jnp.float32),
     }
     weights_tk = jnp.where(kept_tk, probs_tk, 0.0)
+    if bias_e is not None:  # this rank's loads come back as the bias's gradient (0 x: no other effect)
+        loads_e = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1))
+        weights_tk = weights_tk + 0.0 * _loads_as_gradient(bias_e, jax.lax.stop_gradient(loads_e))[experts_tk]
     return Routing(experts_tk, weights_tk, kept_tk, stats)
 
 
@@ -247,6 +297,8 @@ class MoE(nnx.Module):
             self.b1 = self.b2 = None
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs) if shared else None
+        self.expert_bias = (nnx.Param(jnp.zeros((E,), jnp.float32), out_sharding=(None,))
+                            if cfg.moe_router_enable_expert_bias else None)
 
     def __call__(self, y_bsd) -> tuple[jax.Array, dict]:
         # The expert-parallel dispatch where a step installed one (parallel/experts.py).
@@ -254,7 +306,7 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, y_bsd.dtype
         b, s, d = y_bsd.shape
         logits = jnp.einsum("bsd,de->bse", y_bsd.astype(jnp.float32), self.router[...])  # [b, s, E] fp32
-        r = route(cfg, logits)
+        r = route(cfg, logits, None if self.expert_bias is None else self.expert_bias[...])
         experts_bsk = r.experts_tk.reshape(b, s, -1)
         weights_bsk = r.weights_tk.reshape(b, s, -1).astype(dt)
         out = dispatch_and_combine(cfg, y_bsd, experts_bsk, weights_bsk, cast(self.w1, dt),

@@ -370,6 +370,8 @@ def _mixtral_export_kind(m: ModelConfig, kind: str) -> str:
         (kind != "llama", "Llama's attention and norms (rope, RMSNorm, SwiGLU, no biases)"),
         (any(not m.is_moe_layer(i) for i in range(m.num_layers)), "every layer MoE (--moe-layer-freq 1)"),
         (m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax, "the softmax router without pre-softmax"),
+        (bool(m.moe_router_num_groups or m.moe_router_topk_scaling_factor or m.moe_router_enable_expert_bias),
+         "plain top-k routing (no groups, scaling factor or expert bias)"),
         (m.moe_expert_capacity_factor is not None, "dropless experts (no --moe-expert-capacity-factor)"),
         (bool(m.moe_shared_expert_intermediate_size), "no shared expert"),
     ] if bad]
