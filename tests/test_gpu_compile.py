@@ -335,20 +335,21 @@ def test_hybrid_sharding_reduces_within_an_instance_then_across(plans, name):
     """--num-distributed-optimizer-instances 2 over 8 ranks: the gradients reduce-scattered over
     `data` (each instance's 4 ranks; per layer inside the loop under FSDP), then each rank's
     quarter share all-reduced over `replica`; nothing gathered over `replica` (each instance
-    holds the whole sharded state) and no gradient all-reduced whole. The bytes sent over each
-    axis are the analytic model's."""
+    holds the whole sharded state) and no gradient all-reduced whole (but the few-KiB vectors no
+    dim of which splits over `data`, as in every FSDP layout). The bytes sent over each axis are
+    the analytic model's."""
     from mlm_jax.arguments import parse_args
     from mlm_jax.plan import analytic
     from mlm_jax.validation import finalize
 
     r = _plan(plans, name)
     assert r["mesh"]["replica"] == 2 and r["mesh"]["data"] == 4, r["mesh"]
-    across = [c for c in r["collective_list"] if "replica" in c["axes"] and c["bytes"] >= 1024]
+    across = [c for c in r["collective_list"] if "replica" in c["axes"] and c["bytes"] >= 64 * 1024]
     assert across and all(c["axes"] == ["replica"] and c["kind"] == "all-reduce" for c in across), across
     scattered = sum(c["bytes"] * c["runs"] for c in _collectives(r, axis="data", kinds=("reduce-scatter",)))
     shares = sum(c["bytes"] * c["runs"] for c in across)
     assert 0.24 * scattered <= shares <= 0.26 * scattered, (shares, scattered)
-    assert not _collectives(r, axis="data", kinds=("all-reduce",), min_bytes=1024)
+    assert not _collectives(r, axis="data", kinds=("all-reduce",), min_bytes=64 * 1024)
     if "fsdp" in name:
         assert any(c["in_loop"] for c in across), across
     cfg = finalize(parse_args(shlex.split(LAYOUTS[name][0])), 8)
