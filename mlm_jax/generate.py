@@ -37,7 +37,7 @@ from flax import nnx
 from mlm_jax.arguments import ArgumentParser
 from mlm_jax.cli import cli
 from mlm_jax.data.vocab_check import prompt_outside_vocab
-from mlm_jax.errors import UsageError
+from mlm_jax.errors import RunFailure, UsageError
 from mlm_jax.xla_flags import use_cpu_devices
 
 MIN_PROMPT_BUCKET = 8
@@ -390,8 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--prompt-ids {given!r}: {problem}")
     outs = m.generate(list(args.prompt) + ids, max_new_tokens=args.tokens_to_generate,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, logprobs=args.logprobs)
+                      seed=args.seed, logprobs=True)
     prompts = list(args.prompt) + [" ".join(map(str, row)) for row in ids]
+    for i, out in enumerate(outs, 1):  # NaN logits sample token 0 forever: no result to print
+        if not np.all(np.isfinite(out.logprobs)):
+            raise RunFailure(f"--load {args.load}: the model's outputs are not finite (NaN or inf) for prompt {i}: "
+                             "its weights hold non-finite values (a diverged run?); load an earlier checkpoint "
+                             "(its iteration folder)")
     for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
         print(sample_text(prompt, out.text if out.text is not None else " ".join(map(str, out.tokens)), i))
         if args.logprobs:

@@ -53,6 +53,18 @@ def test_evaluate_never_prints_a_nan_result(tmp_path):
     assert "avg loss" not in out and not (tmp_path / "r.json").exists()
 
 
+def test_generate_never_prints_tokens_of_non_finite_logits(tmp_path):
+    """The same overflowing model through generate: the logits are not finite (they once sampled
+    token 0 every step, exit 0); one error line naming --load, exit 1, nothing printed."""
+    folder = str(tmp_path / "gpt2")
+    make_gpt2(folder)
+    _edit(folder, "transformer.ln_f.weight", lambda x: np.full_like(x, 3e38))
+    rc, out = cmd(["--load", folder, "--prompt-ids", "1 2 3", "--tokens-to-generate", "4"], tmp_path,
+                  module="mlm_jax.generate")
+    assert_named_error(rc, out, 1, f"--load {folder}", "not finite (NaN or inf) for prompt 1")
+    assert "1 2 3" not in out.replace(f"--load {folder}", "")
+
+
 @pytest.mark.parametrize("edit,names", [
     ({"n_head": 0}, ["config.json", "n_head 0: a positive integer is expected"]),
     ({"n_head": 3}, ["config.json", "n_embd 32 is not divisible by n_head 3"]),
