@@ -46,7 +46,7 @@ from flax import nnx
 
 from mlm_jax.config import FP8_FORMATS, FP8_RECIPES, ModelConfig  # noqa: F401 (the names fp8 offers)
 from mlm_jax.sharding import trace
-from mlm_jax.sharding.mesh import psum, varying, varying_axes
+from mlm_jax.sharding.mesh import in_mesh_order, psum, varying, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -266,7 +266,7 @@ def experts(cfg: ModelConfig) -> Recipe | None:
     if rec is None or not cfg.moe_pad_expert_input_to_capacity:
         return None
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-    axes = tuple(sorted(a for a in manual if a != "pipe")) or None
+    axes = in_mesh_order(a for a in manual if a != "pipe") or None
     return dataclasses.replace(rec, rows_over=axes, weights_over=axes)
 
 

@@ -49,11 +49,12 @@ def reduces_once(mesh: Mesh, aux_names=()) -> bool:
 
 
 def rank_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the per-rank body is manual over: `data`, `replica` where hybrid sharding
-    has instances, and `expert` where the mesh has expert parallelism (the batch rows are split
-    over all of them)."""
+    """The mesh axes the per-rank body is manual over: `replica` and `data` (hybrid sharding's
+    instances and their ranks; `replica` also at size 1, as the batch rule names it: a nested
+    shard_map's manual axes then stay in mesh order, which jax 0.12 checks), and `expert` where the
+    mesh has expert parallelism (the batch rows are split over all of them)."""
     sizes = dict(mesh.shape)
-    return ((REPLICA,) if sizes[REPLICA] > 1 else ()) + (DATA,) + ((EXPERT,) if sizes[EXPERT] > 1 else ())
+    return (REPLICA, DATA) + ((EXPERT,) if sizes[EXPERT] > 1 else ())
 
 
 def without_manual(axes, manual=(DATA,)):
@@ -175,7 +176,7 @@ def overlaps_grad_reduce(cfg: Config, mesh: Mesh) -> bool:
     mixed dense/MoE stacks keep the one reduction after the backward."""
     m = cfg.model
     return (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline_model_parallel_size == 1
-            and reduces_once(mesh) and rank_axes(mesh) == (DATA,)
+            and reduces_once(mesh) and dict(mesh.shape)[EXPERT] == dict(mesh.shape)[REPLICA] == 1
             and len({m.is_moe_layer(i) for i in range(m.num_layers)}) == 1
             and not fp8.delayed(m)  # amax histories, whose records a max combines (the per-layer reduction sums)
             and cfg.parallel.sharding_strategy not in ("optim_grads", "optim_grads_params"))  # FSDP does it already
@@ -193,8 +194,9 @@ def overlap_grad_reduce_note(cfg: Config, mesh: Mesh) -> str | None:
         return (f"--data-parallel-sharding-strategy {p.sharding_strategy} reduce-scatters each layer's gradient in "
                 "its backward already")
     why = ("the pipeline reduces after its schedule" if p.pipeline_model_parallel_size > 1 else
-           "expert parallelism" if EXPERT in rank_axes(mesh) else
-           "hybrid sharding: the reduction over the instances follows the backward" if REPLICA in rank_axes(mesh) else
+           "expert parallelism" if dict(mesh.shape)[EXPERT] > 1 else
+           "hybrid sharding: the reduction over the instances follows the backward" if dict(mesh.shape)[REPLICA] > 1
+           else
            "delayed fp8 scaling's amax histories" if fp8.delayed(cfg.model) else "mixed dense/MoE layers")
     return f"the gradients are reduced once after the backward ({why}), not inside it"
 

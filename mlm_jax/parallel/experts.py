@@ -48,7 +48,7 @@ from mlm_jax import platform
 from mlm_jax.config import ModelConfig
 from mlm_jax.models.moe import (EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS, all_experts_here, expert_ffn,
                                  local_experts, route_groups, row_capacity)
-from mlm_jax.sharding.mesh import EXPERT, TENSOR, psum, varying, varying_axes, zeros_like_typed
+from mlm_jax.sharding.mesh import EXPERT, TENSOR, in_mesh_order, psum, varying, varying_axes, zeros_like_typed
 from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
@@ -295,7 +295,7 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
         leaves, kept["tree"] = jax.tree.flatten(vjp)
         kept["input_of"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
         stored = [leaf for leaf, i in zip(leaves, kept["input_of"]) if i is None]
-        kept["varying"] = [tuple(sorted(varying_axes(leaf))) for leaf in stored]
+        kept["varying"] = [in_mesh_order(varying_axes(leaf)) for leaf in stored]
         return out, [leaf[None] for leaf in stored]
 
     def bwd_body(args, residuals, g):
@@ -312,10 +312,10 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     def stacked():
         # a residual per device (unchecked: every manual axis), on a new leading dim
-        return [P(axes if check_vma else tuple(sorted(manual))) for axes in kept["varying"]]
+        return [P(axes if check_vma else in_mesh_order(manual)) for axes in kept["varying"]]
 
     def fwd_map(*args):
-        every = P(tuple(sorted(manual)))
+        every = P(in_mesh_order(manual))
         jax.eval_shape(lambda *a: jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, every),
                                                 axis_names=manual, check_vma=check_vma)(*a), *args)
         return jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, stacked()), axis_names=manual,
@@ -360,7 +360,7 @@ def _spec_axes(spec) -> set:
 
 
 def _sum_over(x, axes):
-    return psum(x, tuple(sorted(axes))) if axes else x
+    return psum(x, in_mesh_order(axes)) if axes else x
 
 
 def _weight_names(cfg: ModelConfig, w1_ndim: int):

@@ -48,6 +48,13 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def in_mesh_order(axes) -> tuple[str, ...]:
+    """Mesh `axes` (any iterable) in the mesh's order, as a spec's entry must name them (jax 0.12
+    aborts on manual axes out of it)."""
+    axes = set(axes)
+    return tuple(a for a in AXES if a in axes)
+
+
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which `x` (an array or a jax.ShapeDtypeStruct) varies inside
     a shard_map: its values may differ per device there."""
