@@ -213,7 +213,12 @@ def amax(x: jax.Array, rows_over=None) -> jax.Array:
     its own rows)."""
     m = jnp.max(jnp.abs(x)).astype(jnp.float32)
     if rows_over is not None:
-        m = jax.lax.pmax(m, rows_over)
+        # Where the shard_map tracks it, only over the axes x varies over (it is the same on the
+        # others, and jax 0.12 refuses a pmax over axes in mixed states); untracked, over all.
+        known = varying_axes(m)
+        axes = tuple(a for a in rows_over if a in known) if known else tuple(rows_over)
+        if axes:
+            m = jax.lax.pmax(m, axes)
     return jax.lax.stop_gradient(m)
 
 
