@@ -150,17 +150,6 @@ CASES = {
     # Issue 51: sharded data parallelism (Megatron-FSDP) against the ZeRO-1 row above, same shapes.
     "llama3_8b_dots_fsdp": ("Llama-3 8B dots (above) with --use-megatron-fsdp (optim_grads_params)", 8, 8,
                             LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp"]),
-    # Hybrid sharding on 8 nodes: the state split within a node, each node a copy (64 GPUs, global batch 64)
-    "llama3_8b_dots_fsdp_dp64": ("Llama-3 8B dots, FSDP (optim_grads_params) over all 64 H100s (8 nodes), micro 1", 64, 8,
-                                 LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp", "--global-batch-size", "64"]),
-    "llama3_8b_dots_fsdp_dp64_instances8": ("the same with --num-distributed-optimizer-instances 8 (one per node)", 64,
-                                            8, LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp", "--global-batch-size",
-                                                                         "64", "--num-distributed-optimizer-instances", "8"]),
-    "llama3_8b_dots_zero1_dp64": ("Llama-3 8B dots, ZeRO-1 over all 64 H100s", 64, 8,
-                                  LLAMA3_8B_DOTS.split() + ["--global-batch-size", "64"]),
-    "llama3_8b_dots_zero1_dp64_instances8": ("the same with --num-distributed-optimizer-instances 8", 64, 8,
-                                             LLAMA3_8B_DOTS.split() + ["--global-batch-size", "64",
-                                                                       "--num-distributed-optimizer-instances", "8"]),
     "llama3_8b_dots_fsdp_grads": ("Llama-3 8B dots (above) with --use-megatron-fsdp --data-parallel-sharding-strategy "
                                   "optim_grads", 8, 8, LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp",
                                   "--data-parallel-sharding-strategy", "optim_grads"]),
