@@ -342,7 +342,7 @@ def _backward(spec, rec, res, dy):
 
 def _summed_to(d: jax.Array, axes: tuple) -> jax.Array:
     """`d` summed over the manual axes it varies over and its primal (varying over `axes`) does not."""
-    extra = sorted(varying_axes(d) - set(axes))
+    extra = in_mesh_order(varying_axes(d) - set(axes))
     return psum(d, extra) if extra else d
 
 

@@ -206,7 +206,7 @@ def keep_mask(cfg: ModelConfig, probs_tk, experts_tk, groups: int = 1) -> jax.Ar
 # for the top-k choice. The tokens each expert kept in a microbatch come back as the bias's
 # "gradient" (`_loads_as_gradient`), so the step's gradient sums (microbatches, then the ranks:
 # data, expert, tensor) make them the whole step's loads, as Megatron's all-reduce over the
-# tensor, data and context ranks does; the step then moves the bias (`updated`).
+# tensor, data and context ranks does; the step then moves the bias (`biased`, `updated_bias`).
 EXPERT_BIAS = "expert_bias"
 
 
