@@ -304,7 +304,7 @@ def check_same_config(cfg) -> None:
         return
     from mlm_jax.peers import check_same_config as check
 
-    check(cfg, _joined.process_id, _joined.num_processes, _joined.timeout)
+    check(cfg, _joined.process_id, _joined.num_processes, _joined.timeout, watch=_watch, label=process_label())
 
 
 _joined: Plan | None = None  # set by `initialize` once this process has joined
@@ -346,10 +346,14 @@ def fail(message: str, code: int = 1, suspect_peers: bool = False) -> int:
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
-        # One write, then nothing more on stderr: jax's coordination agent logs the peers' exits
-        # from its own thread (seen once in the suite, inside this line and after it).
-        os.write(2, (line + "\n").encode())
+        # Nothing more on stderr, then one write: jax's coordination agent logs the peers' exits
+        # from its own thread (seen in the suite after this line, when stderr was silenced after
+        # the write). An abort meanwhile repeats the line on the same descriptor.
+        out = os.dup(2)
+        if _watch is not None:
+            _watch.err_fd = out
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        os.write(out, (line + "\n").encode())
         os._exit(code)
     print(line, file=sys.stderr, flush=True)
     return code

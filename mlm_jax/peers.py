@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from mlm_jax.errors import ConfigError
+from mlm_jax.errors import ConfigError, exit_code
 
 PREFIX = "mlm_jax/heartbeat/"
 CONFIG_PREFIX = "mlm_jax/config/"
@@ -54,6 +54,7 @@ class PeerWatch:
         self.seen: dict[int, tuple[str, float]] = {j: ("", now) for j in range(num_processes)}
         self.last_answer = now  # when the store last answered (process 0 hosts it)
         self.leaving: tuple[str, int] | None = None  # (error line, exit code) once failing
+        self.err_fd = 2  # where the leaving line goes: `distributed.fail` silences fd 2 as it leaves
         self.count = 0
 
     def start(self) -> "PeerWatch":
@@ -160,9 +161,14 @@ def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str
     return out
 
 
-def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: float, client=None) -> None:
+def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: float, client=None,
+                      watch: PeerWatch | None = None, label: str = "") -> None:
     """Every process compares its config with every other's; any difference is a ConfigError
-    naming the fields, raised on every process before anything is compiled."""
+    naming the fields, raised on every process before anything is compiled.
+
+    `watch`: told how this process leaves before the barrier that lets process 0 go, since
+    process 0's exit takes the coordination service with it and jax then aborts the others,
+    maybe before they reach their own error line (`label` starts that line)."""
     client = client if client is not None else _client()
     mine = json.loads(json.dumps(flat_config(cfg), default=str))  # as the others will read it
     client.key_value_set(f"{CONFIG_PREFIX}{process_id}", json.dumps(mine), allow_overwrite=True)
@@ -181,6 +187,8 @@ def check_same_config(cfg: Any, process_id: int, num_processes: int, timeout: fl
             more = f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else ""
             problem = (f"the processes were started with different configurations: {shown}{more}; "
                        "start every process with the same flags")
+    if problem is not None and watch is not None:
+        watch.leaving = (f"error: {label}{problem}", exit_code(ConfigError(problem)))
     # Nobody leaves before everyone has read: process 0's exit would take the store with it.
     try:
         client.wait_at_barrier("mlm_jax/config_compared", int(timeout * 1000))
@@ -213,7 +221,7 @@ def report_aborts(watch: PeerWatch, coordinator_address: str, coordinator: tuple
     def on_abort(signum):
         if watch.leaving is not None:  # already failing on its own: say that, not jax's abort
             line, code = watch.leaving
-            os.write(2, f"{line}\n".encode())
+            os.write(watch.err_fd, f"{line}\n".encode())
             os._exit(code)
         reason = watch.verdict()
         if reason is None and watch.pid != 0:
