@@ -68,6 +68,18 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--first-last-layers-bf16", "model", "first_last_layers_bf16", "true", "with --fp8-format: the first and last layers' projections stay bf16"),
     ("--num-layers-at-start-in-bf16", "model", "num_layers_at_start_in_bf16", "int", "with --first-last-layers-bf16: layers at the start kept in bf16 (default 1)"),
     ("--num-layers-at-end-in-bf16", "model", "num_layers_at_end_in_bf16", "int", "with --first-last-layers-bf16: layers at the end kept in bf16 (default 1)"),
+    # multi-latent attention (DeepSeek-V3; mlm_jax/models/mla.py)
+    ("--multi-latent-attention", "model", "multi_latent_attention", "true", "multi-latent attention (DeepSeek-V2/V3): keys and values from a per-token latent"),
+    ("--q-lora-rank", "model", "q_lora_rank", "int", "with --multi-latent-attention: the queries' latent rank (default none: queries projected directly)"),
+    ("--kv-lora-rank", "model", "kv_lora_rank", "int", "with --multi-latent-attention: the keys' and values' latent rank (default 32)"),
+    ("--qk-head-dim", "model", "qk_head_dim", "int", "with --multi-latent-attention: a head's query/key channels without position (default 128)"),
+    ("--qk-pos-emb-head-dim", "model", "qk_pos_emb_head_dim", "int", "with --multi-latent-attention: a head's query/key channels with rope (default 64)"),
+    ("--v-head-dim", "model", "v_head_dim", "int", "with --multi-latent-attention: a head's value channels (default 128)"),
+    ("--qk-layernorm", "model", "qk_layernorm", "true", "with --multi-latent-attention: norms (--normalization) on the query and key/value latents"),
+    ("--rope-type", "model", "rope_type", "str", "rope | yarn: multi-latent attention's rope (default yarn, as Megatron's)"),
+    ("--rotary-scaling-factor", "model", "rotary_scaling_factor", "float", "YaRN's context extension factor (multi-latent attention; default 1: plain rope)"),
+    ("--mscale", "model", "mscale", "float", "YaRN's magnitude scale of the rope part (multi-latent attention; default 1.0)"),
+    ("--mscale-all-dim", "model", "mscale_all_dim", "float", "YaRN's magnitude scale of the whole head, squared into the scores' scale (multi-latent attention; default 0.0)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # Megatron's norm, rope, LR, gradient-reduction and XLA-overlap flags
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
@@ -242,6 +254,7 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--outer-dp-sharding-strategy", "str", "hybrid sharding's outer group (--num-distributed-optimizer-instances > 1): no_shard (each instance holds the whole sharded state; optim, the state split over the instances too, is not built)"),
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
     ("--moe-router-dtype", "str", "fp32: accepted, no effect (the router computes in fp32); fp64 is refused"),
+    ("--cache-mla-latents", "true", "accepted, no effect: decoding a multi-latent attention model always caches its latents"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -255,13 +268,9 @@ _ACCEPTED_CHOICES = {
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
 # Refused flags that take a value (the others are switches).
-_MLA = "multi-latent attention (DeepSeek-V3) is not built yet"
 _MTP = "multi-token prediction (DeepSeek-V3) is not built yet"
 _REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-file", "--fp8-quantizer-factory",
-                       "--fp4-quantizer-factory", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-                       "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale",
-                       "--mscale-all-dim", "--mtp-num-layers",
-                       "--mtp-loss-scaling-factor")
+                       "--fp4-quantizer-factory", "--mtp-num-layers", "--mtp-loss-scaling-factor")
 
 # Megatron flags refused with the reason (nothing else takes them).
 REFUSED = {
@@ -275,12 +284,7 @@ REFUSED = {
     "--te-precision-config-file": "Transformer Engine's per-module precision file: not built (fp8 is set for "
                                   "all projections by --fp8-format, with --first-last-layers-bf16)",
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
-    # DeepSeek-V3's (issue 54): group-limited routing and the weights' scaling factor are built
-    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
-    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--qk-layernorm": "query/key layer norms are not built yet",
-    "--rotary-scaling-factor": "YaRN rope scaling (DeepSeek-V3) is not built yet",
-    "--mscale": "YaRN rope scaling (DeepSeek-V3) is not built yet",
-    "--mscale-all-dim": "YaRN rope scaling (DeepSeek-V3) is not built yet",
+    # DeepSeek-V3's (issue 54): multi-latent attention and the router are built
     "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
 }
 

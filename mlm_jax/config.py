@@ -58,6 +58,27 @@ class ModelConfig:
     rope_scaling_low_freq_factor: float = 1.0
     rope_scaling_high_freq_factor: float = 4.0
     rope_scaling_original_max_position_embeddings: int = 8192
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention and its MLA
+    # flags, mlm_jax/models/mla.py): queries (through a rank-q_lora_rank latent when given) and
+    # keys/values from one rank-kv_lora_rank latent per token; each head's query and key are
+    # qk_head_dim channels without position plus qk_pos_emb_head_dim with rope (the key's rope
+    # part shared by the heads), its value v_head_dim channels. `qk_layernorm`: norms on the
+    # latents. Rope: `rope_type` None means YaRN for MLA (Megatron's), with
+    # `rotary_scaling_factor`, `mscale`, `mscale_all_dim` and the original positions below.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_layernorm: bool = False
+    rope_type: Literal["rope", "yarn"] | None = None
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int = 4096  # MLATransformerConfig's; Megatron has no flag for MLA's
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
@@ -120,7 +141,32 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """A head's query/key channels (MLA: the no-position and rope parts together)."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        """A head's value (and attention output) channels."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def attention_weights(self) -> int:
+        """One layer's attention projection weights: the multiply-adds per token (QKV and output;
+        MLA's down and up projections)."""
+        d, h, k = self.hidden_size, self.num_attention_heads, self.head_dim
+        if not self.multi_latent_attention:
+            return d * (h + 2 * self.query_groups) * k + h * k * d
+        q = d * h * k if self.q_lora_rank is None else self.q_lora_rank * (d + h * k)
+        kv = d * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * h * (self.qk_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d
+
+    @property
+    def attention_core_width(self) -> int:
+        """Per query token and key, the multiply-adds of a layer's scores and weighted sum:
+        heads x (query/key channels + value channels)."""
+        return self.num_attention_heads * (self.head_dim + self.value_head_dim)
 
     @property
     def query_groups(self) -> int:

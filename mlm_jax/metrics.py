@@ -21,20 +21,20 @@ def flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> flo
     """Training FLOPs per token (forward + backward = 3 x forward), recomputation excluded.
 
     Matmuls: 2 FLOPs per weight per token (q/k/v/o, MLP, LM head; not the embedding lookup).
-    Attention scores and the weighted sum: 2 x 2 x seq x (heads x head_dim) per token per layer
-    under Megatron's convention (`causal=False`, the full square); the causal mask halves it.
+    Attention scores and the weighted sum: 2 x seq x heads x (query/key + value head dims) per
+    token per layer (4 x seq x heads x head_dim without MLA) under Megatron's convention (`causal=False`, the full square); the causal mask halves it.
     Mixture-of-experts layers count their *active* parameters: the router, the top-k experts a
     token goes through and the shared expert (not all E experts).
     """
-    d, h, g, k, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim, m.ffn_size
-    attn_weights = d * (h + 2 * g) * k + h * k * d
+    d, f = m.hidden_size, m.ffn_size
+    attn_weights = m.attention_weights
     per_ffn = d * (3 if m.swiglu else 2)  # weights per hidden unit of an MLP
     mlp = [d * f * (3 if m.swiglu else 2) if not m.is_moe_layer(i) else
            d * m.num_experts + per_ffn * (m.moe_router_topk * m.moe_ffn_size
                                           + (m.moe_shared_expert_intermediate_size or 0))
            for i in range(m.num_layers)]
     forward = 2.0 * (m.num_layers * attn_weights + sum(mlp) + d * m.vocab)
-    attention = 4.0 * seq_length * h * k * m.num_layers
+    attention = 2.0 * seq_length * m.attention_core_width * m.num_layers
     forward += attention / 2 if causal else attention
     return 3.0 * forward
 
@@ -44,11 +44,11 @@ def active_params(m: ModelConfig) -> int | None:
     MFU use. None for a dense model (every parameter is active)."""
     if not m.num_experts:
         return None
-    d, h, g, k = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    d = m.hidden_size
     per_ffn = d * (3 if m.swiglu else 2)
     total = d * m.vocab * (2 if m.untie_embeddings_and_output_weights else 1)
     for i in range(m.num_layers):
-        total += d * (h + 2 * g) * k + h * k * d
+        total += m.attention_weights
         total += (d * m.num_experts + per_ffn * (m.moe_router_topk * m.moe_ffn_size
                                                  + (m.moe_shared_expert_intermediate_size or 0))
                   if m.is_moe_layer(i) else per_ffn * m.ffn_size)

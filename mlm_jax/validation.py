@@ -59,6 +59,7 @@ def validate(cfg: Config, world_size: int) -> None:
     The groups run in this order, so a config breaking several rules is refused for the first.
     """
     validate_sizes(cfg)
+    validate_mla(cfg)
     validate_pipeline(cfg, world_size)
     validate_context_parallel(cfg)
     validate_moe(cfg, world_size)
@@ -77,6 +78,53 @@ def validate(cfg: Config, world_size: int) -> None:
     validate_checkpoint(cfg.checkpoint)
     validate_instruments(cfg.instruments)
     validate_finite(cfg)
+
+
+_YARN_FLAGS = (("--rotary-scaling-factor", "rotary_scaling_factor", 1.0), ("--mscale", "mscale", 1.0),
+               ("--mscale-all-dim", "mscale_all_dim", 0.0))
+
+
+def validate_mla(cfg: Config) -> None:
+    """--multi-latent-attention's sizes, and what it does not compose with (Megatron's rules and
+    what is not built here); its flags without it are refused rather than ignored."""
+    m, p = cfg.model, cfg.parallel
+    if m.rope_type not in (None, "rope", "yarn"):
+        raise ConfigError(f"--rope-type {m.rope_type!r}: choose rope or yarn")
+    if not m.multi_latent_attention:
+        if m.qk_layernorm:
+            raise ConfigError("--qk-layernorm without --multi-latent-attention: per-head query/key norms of "
+                              "standard attention are not built (with MLA they are the latents' norms)")
+        if m.rope_type == "yarn":
+            raise ConfigError("--rope-type yarn needs --multi-latent-attention (as in Megatron-LM, standard "
+                              "attention takes rope; Llama 3.1's scaling is --use-rope-scaling)")
+        for flag, field, default in _YARN_FLAGS:
+            if getattr(m, field) != default:
+                raise ConfigError(f"{flag} {getattr(m, field)} is multi-latent attention's YaRN rope; add "
+                                  "--multi-latent-attention (Llama 3.1's rope scaling is --use-rope-scaling)")
+        return
+    for flag, value in (("--kv-lora-rank", m.kv_lora_rank), ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim),
+                        ("--v-head-dim", m.v_head_dim)):
+        _positive(flag, value)
+    if m.q_lora_rank is not None:
+        _positive("--q-lora-rank", m.q_lora_rank)
+    if m.qk_head_dim < 0:
+        raise ConfigError(f"--qk-head-dim must be 0 or more, got {m.qk_head_dim}")
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim must be even (rope turns channel pairs), got {m.qk_pos_emb_head_dim}")
+    if not (math.isfinite(m.rotary_scaling_factor) and m.rotary_scaling_factor > 0):
+        raise ConfigError(f"--rotary-scaling-factor must be a positive number, got {m.rotary_scaling_factor}")
+    if m.num_query_groups is not None:
+        raise ConfigError("--group-query-attention and --multi-latent-attention exclude each other (as in "
+                          "Megatron-LM): MLA's heads each have their own keys and values")
+    if p.context_parallel_size > 1:
+        raise ConfigError(f"--multi-latent-attention with --context-parallel-size {p.context_parallel_size}: "
+                          "context parallelism of MLA is not built yet; use tensor, data, expert or pipeline parallelism")
+    if m.fp8_format is not None:
+        raise ConfigError(f"--multi-latent-attention with --fp8-format {m.fp8_format}: MLA's projections in fp8 "
+                          "are not built yet; use --bf16")
+    if m.use_rope_scaling:
+        raise ConfigError("--use-rope-scaling (Llama 3.1's) with --multi-latent-attention: MLA's rope is YaRN "
+                          "(--rotary-scaling-factor, --mscale, --mscale-all-dim)")
 
 
 def validate_divisors(cfg: Config) -> None:

@@ -17,13 +17,18 @@ V = 100
 GPT2_STYLE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64)
 LLAMA_STYLE = dict(GPT2_STYLE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                    num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
+# DeepSeek-V3's attention (tests/test_mla.py): latents, YaRN rope, a latent cache when decoding
+MLA_STYLE = dict({k: v for k, v in LLAMA_STYLE.items() if k != "num_query_groups"}, multi_latent_attention=True,
+                 q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5,
+                 qk_layernorm=True, rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE, "mla": MLA_STYLE}
 
 
 @functools.lru_cache(maxsize=None)
 def memory_model(tp: int, style: str, seed: int = 0) -> LoadedModel:
     """A randomly initialised model (std 0.5: peaked, so greedy choices are clear) on a tp mesh,
-    `style` "gpt2" or "llama"; one per arguments for the whole session (compiles are shared)."""
-    style = GPT2_STYLE if style == "gpt2" else LLAMA_STYLE
+    `style` "gpt2", "llama" or "mla"; one per arguments for the whole session (compiles are shared)."""
+    style = STYLES[style]
     m = ModelConfig(vocab_size=V, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.5, **style)
     m = dataclasses.replace(m, padded_vocab_size=padded_vocab_size(V, m.make_vocab_size_divisible_by, tp))
     mesh = make_mesh(ParallelConfig(tensor_model_parallel_size=tp))

@@ -56,6 +56,9 @@ def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
         return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
     if documents:
         return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
+    if m.multi_latent_attention:
+        return (f"multi-latent attention's query/key head dim {m.head_dim} differs from its value head dim "
+                f"{m.value_head_dim}, which jax's cuDNN entry point does not take (not built here)")
     if m.head_dim % 8 or m.head_dim > 128:
         return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
     return None
@@ -118,7 +121,7 @@ def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff:
     custom VJP (autodiff keeps the probabilities; see `attention`'s `inputs_only`). `blocks` > 1:
     the plain causal order without dropout in that many query blocks (`_attend_causal`)."""
     b, s, h, k = q_bshk.shape
-    g = k_btgk.shape[2]
+    g, kv = k_btgk.shape[2], v_btgk.shape[3]  # kv: the value head dim (MLA's differs from k)
     r = h // g
     q = q_bshk.reshape(b, s, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * s, k)
     mask = jnp.tile(mask_bst, (1, r, 1))[:, None]  # [b or 1, 1, r*s, t]: row r*s_i + j is query j
@@ -128,7 +131,7 @@ def _xla_attention(q_bshk, k_btgk, v_btgk, mask_bst, rate: float, key, autodiff:
     else:
         core = _attend_plain if autodiff else _attend
         out = core(q, k_bgtk, v_bgtk, mask, key, row_offset(), rate)
-    return out.reshape(b, g, r, s, k).transpose(0, 3, 1, 2, 4).reshape(b, s, h, k)
+    return out.reshape(b, g, r, s, kv).transpose(0, 3, 1, 2, 4).reshape(b, s, h, kv)
 
 
 # q k^T in fp32 from compute-dtype operands; differentiated by autodiff (the `inputs_only` core),
@@ -259,8 +262,8 @@ def _causal_backward(static, residuals, d_out):
     r, blocks = static
     q, k, v, mask, lse, out = residuals
     rows = q.shape[2] // r // blocks
-    minor = (*k.shape[:2], k.shape[3], k.shape[2])  # [b, g, k, t]: the blocks' key and value gradients
-    d_q, d_k, d_v = [], jnp.zeros(minor, jnp.float32), jnp.zeros(minor, jnp.float32)
+    minor = lambda x: (*x.shape[:2], x.shape[3], x.shape[2])  # noqa: E731 - [b, g, k, t]: the blocks' gradients
+    d_q, d_k, d_v = [], jnp.zeros(minor(k), jnp.float32), jnp.zeros(minor(v), jnp.float32)
     for i in range(blocks):
         seen = (i + 1) * rows
         block = lambda x: _block_rows(x, r, i, rows)  # noqa: E731
@@ -285,7 +288,8 @@ _attend_causal.defvjp(_causal_forward, _causal_backward)
 def attention(q_bshk, k_btgk, v_btgk, q_pos_bs=None, k_pos_bt=None, q_seg_bs=None, k_seg_bt=None,
               *, backend: str = XLA, dropout_rate: float = 0.0, dropout_key=None,
               inputs_only: bool = False) -> jax.Array:
-    """Attention output [b, s, h, k] for queries [b, s, h, k] and keys/values [b, t, g, k].
+    """Attention output [b, s, h, v] for queries [b, s, h, k], keys [b, t, g, k] and values
+    [b, t, g, v] (v == k but under multi-latent attention); scores scaled by 1/sqrt(k).
 
     Positions ([b or 1, s] and [b or 1, t] ints) order the tokens causally; None for both means
     the plain order, the queries being the last s of the t keys. Segment ids (documents) restrict

@@ -36,6 +36,7 @@ from mlm_jax.config import ConfigError, ModelConfig
 from mlm_jax.models import fp8
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, lookup, normal, param
+from mlm_jax.models.mla import CACHE as LATENT_CACHE, MLAttention
 from mlm_jax.models.mlp import MLP
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
@@ -76,7 +77,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.cfg = cfg
         self.norm1 = Norm(cfg)
-        self.attention = Attention(cfg, rngs)
+        self.attention = MLAttention(cfg, rngs) if cfg.multi_latent_attention else Attention(cfg, rngs)
         self.norm2 = Norm(cfg)
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
         self.moe = moe
@@ -93,14 +94,18 @@ class Block(nnx.Module):
         o, stats = self.mlp(constrain(y, SEQ_WHOLE)) if self.moe else (self.mlp(y), {})
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY), stats
 
-    def cached(self, x_bsd, positions_bs, cache_k, cache_v):
-        """The layer on new tokens against its KV cache (no dropout): (x, cache_k, cache_v)."""
+    def cached(self, x_bsd, positions_bs, cache: dict):
+        """The layer on new tokens against its cache (no dropout): (x, the cache updated)."""
         y = constrain(self.norm1(x_bsd), ("batch", None, "embed"))
-        o, cache_k, cache_v = self.attention.cached(y, positions_bs, cache_k, cache_v)
+        if self.cfg.multi_latent_attention:
+            o, cache = self.attention.cached(y, positions_bs, cache)
+        else:
+            o, k, v = self.attention.cached(y, positions_bs, cache["k"], cache["v"])
+            cache = {"k": k, "v": v}
         x_bsd = constrain(x_bsd + o, BLOCK_BOUNDARY)
         y = constrain(self.norm2(x_bsd), ("batch", None, "embed"))
         o = self.mlp(y)[0] if self.moe else self.mlp(y)
-        return constrain(x_bsd + o, BLOCK_BOUNDARY), cache_k, cache_v
+        return constrain(x_bsd + o, BLOCK_BOUNDARY), cache
 
 
 class GPT(nnx.Module):
@@ -237,8 +242,9 @@ class GPT(nnx.Module):
     def run_layers_cached(self, x_bsd, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
         """All layers on new tokens against the KV cache, in one scan (decoding; no dropout).
 
-        `cache` holds "k" and "v", each [layers, batch, max_len, kv_heads, head_dim]
-        (`KV_CACHE` names its dims); returns (x, the updated cache).
+        `cache` holds "k" and "v", each [layers, batch, max_len, kv_heads, head_dim] (`KV_CACHE`
+        names its dims), or under multi-latent attention "latent" and "rope" [layers, batch,
+        max_len, rank] (`LATENT_CACHE`); returns (x, the updated cache).
         """
         if self.mixed:
             raise ConfigError("decoding a model that mixes dense and MoE layers (--moe-layer-freq) is "
@@ -246,19 +252,26 @@ class GPT(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(x, xs):
-            state_l, k_l, v_l = xs
-            x, k_l, v_l = nnx.merge(graphdef, state_l).cached(x, positions_bs, k_l, v_l)
-            return x, (k_l, v_l)
+            state_l, cache_l = xs
+            return nnx.merge(graphdef, state_l).cached(x, positions_bs, cache_l)
 
-        x_bsd, (k, v) = jax.lax.scan(body, x_bsd, (layer_state, cache["k"], cache["v"]))
-        return x_bsd, {"k": constrain(k, KV_CACHE), "v": constrain(v, KV_CACHE)}
+        x_bsd, cache = jax.lax.scan(body, x_bsd, (layer_state, cache))
+        return x_bsd, {n: constrain(c, self._cache_names) for n, c in cache.items()}
+
+    @property
+    def _cache_names(self):
+        return LATENT_CACHE if self.cfg.multi_latent_attention else KV_CACHE
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty KV cache for `batch` rows of up to `max_len` positions, in the compute dtype."""
+        """An empty cache for `batch` rows of up to `max_len` positions, in the compute dtype: keys
+        and values, or multi-latent attention's latents."""
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.query_groups, cfg.head_dim)
-        zero = constrain(jnp.zeros(shape, self.dtype), KV_CACHE)
-        return {"k": zero, "v": zero}
+        if cfg.multi_latent_attention:
+            shapes = MLAttention.cache_shapes(cfg, batch, max_len)
+        else:
+            shapes = dict.fromkeys(("k", "v"), (batch, max_len, cfg.query_groups, cfg.head_dim))
+        return {n: constrain(jnp.zeros((cfg.num_layers, *shape), self.dtype), self._cache_names)
+                for n, shape in shapes.items()}
 
     def forward_cached(self, tokens_bs, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
         """(fp32 logits [b, s, padded vocab], cache) of new tokens at `positions` (see

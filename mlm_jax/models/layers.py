@@ -77,8 +77,8 @@ class Norm(nnx.Module):
     weights are excluded from decay anyway, as in Megatron, so the two give the same function).
     """
 
-    def __init__(self, cfg: ModelConfig):
-        d = cfg.hidden_size
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        d = width or cfg.hidden_size  # `width`: another vector's (MLA's latents)
         self.rms = cfg.normalization == "RMSNorm"
         self.eps = cfg.norm_epsilon
         self.one_p = cfg.apply_layernorm_1p
@@ -438,9 +438,18 @@ def rotary(x_bshk: jax.Array, positions_bs: jax.Array, base: float, percent: flo
     inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [k/2]
     if scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    return rotate(x_bshk, positions_bs, inv_freq)
+
+
+def rotate(x_bshk: jax.Array, positions_bs: jax.Array, inv_freq, magnitude: float = 1.0) -> jax.Array:
+    """Rotate-half rope of all k channels at the frequencies `inv_freq` [k/2]; cos and sin
+    times `magnitude` (YaRN's concentration factor, models/mla.py)."""
+    half = x_bshk.shape[-1] // 2
     angles = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [b, s, k/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, k/2]
     sin = jnp.sin(angles)[:, :, None, :]
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
     x = x_bshk.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

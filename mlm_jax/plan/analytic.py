@@ -157,9 +157,13 @@ def layer_params(m, moe: bool) -> tuple[int, int, int]:
     """
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     bias = m.add_bias_linear
-    attn = h * (a + 2 * g) * d + a * d * h + (bias and (a + 2 * g) * d)
+    attn = m.attention_weights + (bias and not m.multi_latent_attention and (a + 2 * g) * d)
     norms = norm_params(m)
     rep = norms + (bias and h)  # the attention output's bias (row parallel) is whole on every rank
+    if m.multi_latent_attention:  # the down projections and the latents' norms are whole on every rank
+        down = h * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+        attn -= down
+        rep += down + (m.qk_layernorm and ((m.q_lora_rank or 0) + m.kv_lora_rank) * (1 if m.normalization == "RMSNorm" else 2))
     gate = 2 if m.swiglu else 1
 
     def mlp(f):
@@ -503,11 +507,11 @@ def step_flops(cfg, L: Layout) -> float:
     2 FLOPs per multiply-add, the backward twice the forward; attention scores and values
     `4*s*a*d` per token (full, not causal, as Megatron counts); the experts' MLP top-k times)."""
     m = cfg.model
-    h, d, a, s = m.hidden_size, m.head_dim, m.num_attention_heads, cfg.train.seq_length
+    h, s = m.hidden_size, cfg.train.seq_length
     qkvo, dense_mlp = _projection_flops(m)
     fwd_token = 0.0
     for i in range(m.num_layers):
-        scores = 4 * s * a * d
+        scores = 2 * s * m.attention_core_width
         if m.is_moe_layer(i):
             f, k = m.moe_ffn_size, m.moe_router_topk
             mlp = k * 2 * (h * f * (2 if m.swiglu else 1) + f * h) + 2 * h * m.num_experts
@@ -520,8 +524,8 @@ def step_flops(cfg, L: Layout) -> float:
 
 def _projection_flops(m) -> tuple[int, int]:
     """Forward FLOPs per token of a layer's QKV and output projections, and of a dense MLP."""
-    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
-    return 2 * (h * (a + 2 * g) * d + a * d * h), 2 * (h * f_gate(m) + m.ffn_size * h)
+    h = m.hidden_size
+    return 2 * m.attention_weights, 2 * (h * f_gate(m) + m.ffn_size * h)
 
 
 def _passes(L: Layout) -> int:
@@ -559,7 +563,7 @@ def executed_flops(cfg, L: Layout) -> float:
     flops = (step_flops(cfg, L) + dense_expert_flops(cfg, L)) * _passes(L) / 3
     if L.recompute == "selective" and not fused_attention(cfg, L):  # the scores' forward again ([K] 5)
         m = cfg.model
-        flops += 4 * cfg.train.seq_length * m.num_attention_heads * m.head_dim * m.num_layers * \
+        flops += 2 * cfg.train.seq_length * m.attention_core_width * m.num_layers * \
             cfg.train.global_batch_size * cfg.train.seq_length
     return flops
 

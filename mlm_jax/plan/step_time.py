@@ -543,7 +543,7 @@ def report(est: Estimate, cfg, target: Gpu, gpus: int, gpus_per_node: int, top: 
     mfu_flops = analytic.step_flops(cfg, layout)
     model = flops_per_token(cfg.model, cfg.train.seq_length) * tokens
     # 6NT: the same without attention's scores and weighted sum (causal: half the square)
-    attention = 3 * 2.0 * cfg.train.seq_length * cfg.model.num_attention_heads * cfg.model.head_dim \
+    attention = 3 * cfg.train.seq_length * cfg.model.attention_core_width \
         * cfg.model.num_layers * tokens
     executed = est.matmul_flops * gpus
     pred = analytic.predict(cfg, layout, hw, gpus, gpus_per_node)

@@ -342,6 +342,9 @@ def _mixtral_fields(hf: dict) -> dict:
 
 def export_kind(m: ModelConfig) -> str:
     """gpt2 or llama, whichever computes the same function as `m`; else an error naming why."""
+    if m.multi_latent_attention:
+        raise HFError("this model has multi-latent attention: exporting it (as DeepseekV3ForCausalLM) is not "
+                      "built yet")
     if m.rotary_percent != 1.0:  # HF's GPT-2 and Llama rotate (or not) every channel of a head
         raise HFError(f"--rotary-percent {m.rotary_percent}: GPT2LMHeadModel and LlamaForCausalLM have no "
                       "partial rotary embedding; this model cannot be exported")

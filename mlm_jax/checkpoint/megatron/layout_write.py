@@ -38,6 +38,9 @@ def check_layout(m: ModelConfig, tp: int, pp: int) -> None:
     """Sizes Megatron-LM can hold this model at (even pipeline stages); an error names the size."""
     if tp < 1 or pp < 1:
         raise MegatronCheckpointError(f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    if m.multi_latent_attention:
+        raise MegatronCheckpointError("this model has multi-latent attention: writing its weights as a Megatron "
+                                      "checkpoint is not built yet")
     check_tensor_parallel(m, tp)
     if m.num_layers % pp:
         raise MegatronCheckpointError(f"--pipeline-model-parallel-size {pp}: does not divide num_layers = "

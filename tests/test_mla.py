@@ -1,0 +1,260 @@
+"""Multi-latent attention (mlm_jax/models/mla.py): the layer against an independent numpy
+reference (latents, their norms, YaRN rope in MLA's channel order, the scores' scale), YaRN's
+numbers for DeepSeek-V3's settings, every layout's loss and gradients against one device, decoding
+with the latent cache against the uncached forward, and the flags with their refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlm_jax.arguments import parse_args
+from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
+from mlm_jax.models.mla import MLAttention, rope_frequencies, softmax_scale
+from mlm_jax.train import main
+from tests.gen_util import memory_model, uncached_greedy
+from tests.parallel_util import grads_for, tiny_config, unpad
+from tests.test_parallel import GRAD_RTOL, LOSS_ATOL, assert_trees_close
+from mlm_jax.validation import finalize
+
+MLA = (("multi_latent_attention", True), ("q_lora_rank", 24), ("kv_lora_rank", 16), ("qk_head_dim", 8),
+       ("qk_pos_emb_head_dim", 4), ("v_head_dim", 6), ("qk_layernorm", True), ("position_embedding_type", "rope"),
+       ("normalization", "RMSNorm"), ("rotary_scaling_factor", 40.0), ("mscale", 1.0), ("mscale_all_dim", 1.0))
+NO_Q_LATENT = tuple(kv for kv in MLA if kv[0] not in ("q_lora_rank", "qk_layernorm")) + (("rope_type", "rope"),)
+DEEPSEEK_MOE = (("num_experts", 4), ("moe_router_topk", 2), ("moe_router_score_function", "sigmoid"),
+                ("moe_router_enable_expert_bias", True), ("moe_shared_expert_intermediate_size", 32),
+                ("moe_aux_loss_coeff", 0.01), ("swiglu", True))
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def _rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _yarn_reference(cfg):
+    """transformers' `_compute_yarn_parameters` (DeepSeek-V3's rope_scaling), written out."""
+    dim, base, factor = cfg.qk_pos_emb_head_dim, cfg.rotary_base, cfg.rotary_scaling_factor
+    pos_freqs = base ** (np.arange(0, dim, 2) / dim)
+    if cfg.rope_type == "rope":
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(rot):
+        return (dim * math.log(cfg.yarn_original_max_position_embeddings / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = math.floor(correction_dim(cfg.yarn_beta_fast)), math.ceil(correction_dim(cfg.yarn_beta_slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    def get_mscale(scale, m):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return inv, get_mscale(factor, cfg.mscale) / get_mscale(factor, cfg.mscale_all_dim)
+
+
+def _rope_interleaved(x, positions, inv_freq, attention_factor):
+    """DeepSeek-V3's `apply_rotary_pos_emb_interleave`: de-interleave, then rotate halves."""
+    *lead, e = x.shape
+    x = x.reshape(*lead, e // 2, 2).swapaxes(-1, -2).reshape(*lead, e)
+    angles = positions[:, :, None] * inv_freq  # [b, s, e/2]
+    emb = np.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = np.cos(emb) * attention_factor, np.sin(emb) * attention_factor
+    rotated = np.concatenate([-x[..., e // 2:], x[..., :e // 2]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _reference(cfg, p, x, positions):
+    """The attention layer in numpy fp64, from the layer's parameters `p`."""
+    h, nope, e, r = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        q_lat = x @ p["wq_down"]
+        q_lat = _rms(q_lat, p["q_norm"], cfg.norm_epsilon) if cfg.qk_layernorm else q_lat
+        q = np.einsum("bsr,rhk->bshk", q_lat, p["wq_up"])
+    else:
+        q = np.einsum("bsd,dhk->bshk", x, p["wq"])
+    kv = x @ p["wkv_down"]
+    latent, k_pe = kv[..., :r], kv[..., r:]
+    latent = _rms(latent, p["kv_norm"], cfg.norm_epsilon) if cfg.qk_layernorm else latent
+    up = np.einsum("bsr,rhj->bshj", latent, p["wkv_up"])
+    k_nope, v = up[..., :nope], up[..., nope:]
+    inv, factor = _yarn_reference(cfg)
+    q = np.concatenate([q[..., :nope], _rope_interleaved(q[..., nope:], positions, inv, factor)], axis=-1)
+    k_pe = _rope_interleaved(k_pe[:, :, None, :], positions, inv, factor)
+    k = np.concatenate([k_nope, np.broadcast_to(k_pe, (*k_nope.shape[:3], e))], axis=-1)
+    scale = 1 / math.sqrt(nope + e)
+    if cfg.rotary_scaling_factor > 1 and cfg.mscale_all_dim:
+        m = 0.1 * cfg.mscale_all_dim * math.log(cfg.rotary_scaling_factor) + 1.0
+        scale *= m * m
+    scores = np.einsum("bshk,bthk->bhst", q, k) * scale
+    s = x.shape[1]
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bhst,bthv->bshv", probs, v)
+    return np.einsum("bshv,hvd->bsd", o, p["wo"]) + p["bo"]
+
+
+def _layer(model: tuple, seed: int = 0):
+    cfg = ModelConfig(**dict(model, hidden_size=32, num_attention_heads=4, num_layers=2, hidden_dropout=0.0,
+                             attention_dropout=0.0, init_method_std=0.3))
+    with nnx.use_eager_sharding(False):
+        layer = MLAttention(cfg, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for norm in (layer.q_norm, layer.kv_norm):  # not all ones: the norms' weights must count
+        if norm is not None:
+            norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32)
+    layer.bo[...] = jnp.asarray(rng.normal(size=layer.bo.shape), jnp.float32)
+    params = {k: np.asarray(v[...], np.float64) for k, v in vars(layer).items() if isinstance(v, nnx.Param)}
+    for name in ("q_norm", "kv_norm"):
+        if getattr(layer, name) is not None:
+            params[name] = np.asarray(getattr(layer, name).scale[...], np.float64)
+    return cfg, layer, params
+
+
+@pytest.mark.parametrize("model", [MLA + (("add_bias_linear", True),), NO_Q_LATENT + (("add_bias_linear", True),)],
+                         ids=["q-latent-yarn", "q-direct-rope"])
+def test_the_layer_equals_a_numpy_reference(model):
+    cfg, layer, p = _layer(model)
+    x = np.random.default_rng(1).normal(size=(2, 12, cfg.hidden_size))
+    positions = np.broadcast_to(np.arange(12), (2, 12)) + np.array([[0], [300]])  # far positions: YaRN's slowed channels
+    got = layer(jnp.asarray(x, jnp.float32), jnp.asarray(positions, jnp.int32), None, None)
+    want = _reference(cfg, p, x, positions.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_yarn_for_deepseek_v3s_settings():
+    """DeepSeek-V3's rope part (64 channels, base 10000, factor 40, original 4096 positions,
+    beta 32 and 1, mscale and mscale_all_dim 1): channels 0-9 keep their frequency, 23 and up
+    are slowed 40x, a linear blend between; cos and sin unscaled (the two mscales cancel) and
+    the scores' scale (0.1 ln 40 + 1)^2 / sqrt(192)."""
+    cfg = ModelConfig(multi_latent_attention=True, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                      rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    inv, magnitude = rope_frequencies(cfg)
+    plain = 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(inv[:11], plain[:11], rtol=1e-6)  # ramp 0 up to channel 10 (low = 10)
+    np.testing.assert_allclose(inv[23:], plain[23:] / 40, rtol=1e-6)  # ramp 1 from channel 23 (high = 23)
+    blend = (np.arange(32) - 10) / 13
+    np.testing.assert_allclose(inv[11:23], (plain / 40 * blend + plain * (1 - blend))[11:23], rtol=1e-6)
+    assert magnitude == 1.0
+    assert softmax_scale(cfg) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192), rel=1e-12)
+    inv_ref, factor_ref = _yarn_reference(dataclasses.replace(cfg, mscale=0.707))
+    inv2, magnitude2 = rope_frequencies(dataclasses.replace(cfg, mscale=0.707))
+    np.testing.assert_allclose(inv2, inv_ref, rtol=1e-6)
+    assert magnitude2 == pytest.approx(factor_ref)
+
+
+# --------------------------------------------------------------------------- layouts
+
+LAYOUTS = {
+    "dp8": (ParallelConfig(), 1, MLA),
+    "dp2_tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 4, MLA),
+    "dp2_tp2_pp2_q_direct": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
+                             NO_Q_LATENT),
+    "ep2_tp2_sp_deepseek_moe": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
+                                               sequence_parallel=True), 2, MLA + DEEPSEEK_MOE),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loss_and_every_gradient_match_single_device(name):
+    parallel, micro, model = LAYOUTS[name]
+    # A MoE's aux loss balances each microbatch: the reference's microbatches are the layout's (8 rows).
+    ref_micro = 8 if dict(model).get("num_experts") else 4
+    ref_loss, ref_grads = grads_for(ParallelConfig(), ref_micro, single_device=True, model=model)
+    loss, grads = grads_for(parallel, micro, model=model)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    assert_trees_close(unpad(ref_grads), unpad(grads), GRAD_RTOL)
+    attention = grads["layers"]["attention"]
+    for leaf in ("wkv_down", "wkv_up", "wo") + (("wq_down", "wq_up") if dict(model).get("q_lora_rank") else ("wq",)):
+        assert np.abs(attention[leaf]).max() > 0, leaf
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoding_with_the_latent_cache_equals_the_uncached_forward(tp):
+    model = memory_model(tp, "mla")
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 21))]
+    outs = model.generate(prompts, max_new_tokens=8)
+    assert [o.tokens for o in outs] == uncached_greedy(model.logits, prompts, 8, 32)
+
+
+def test_the_cache_holds_the_latents_not_keys_and_values():
+    from mlm_jax.models.gpt import GPT
+
+    m = memory_model(1, "mla")
+    with nnx.use_eager_sharding(False):
+        cache = jax.eval_shape(lambda: nnx.eval_shape(lambda: GPT(m.config, nnx.Rngs(0))).init_cache(3, 16))
+    c = m.config
+    assert {k: v.shape for k, v in cache.items()} == {"latent": (c.num_layers, 3, 16, c.kv_lora_rank),
+                                                      "rope": (c.num_layers, 3, 16, c.qk_pos_emb_head_dim)}
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def test_megatrons_mla_flags_map_onto_the_config():
+    cfg = parse_args(["--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512",
+                      "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
+                      "--qk-layernorm", "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+                      "--rope-type", "yarn", "--cache-mla-latents"])
+    m = cfg.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim, m.qk_layernorm, m.rotary_scaling_factor, m.mscale, m.mscale_all_dim, m.rope_type) == \
+        (True, 1536, 512, 128, 64, 128, True, 40.0, 1.0, 1.0, "yarn")
+    assert (m.head_dim, m.value_head_dim) == (192, 128)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--qk-layernorm"], "--qk-layernorm without --multi-latent-attention: per-head query/key norms"),
+    (["--mscale", "0.7"], "--mscale 0.7 is multi-latent attention's YaRN rope; add --multi-latent-attention"),
+    (["--rope-type", "yarn"], "--rope-type yarn needs --multi-latent-attention"),
+    (["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"],
+     "--group-query-attention and --multi-latent-attention exclude each other"),
+    (["--multi-latent-attention", "--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim must be even"),
+    (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank must be a positive number, got 0"),
+    (["--multi-latent-attention", "--context-parallel-size", "2", "--seq-length", "64"],
+     "context parallelism of MLA is not built yet"),
+    (["--multi-latent-attention", "--bf16", "--fp8-format", "hybrid"], "MLA's projections in fp8 are not built yet"),
+    (["--multi-latent-attention", "--bf16", "--attention-dropout", "0", "--attention-backend", "flash"],
+     "--attention-backend flash: multi-latent attention's query/key head dim 192 differs from its value head dim 128"),
+])
+def test_bad_mla_flags_are_refused_naming_the_flag(argv, message, capsys):
+    assert main(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                 "--seq-length", "32", "--max-position-embeddings", "64", "--train-iters", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_model_counts_mlas_flops_and_parameters():
+    """Megatron's MLA FLOPs per token: the down and up projections' weights, and the scores and
+    weighted sum over query/key 192 + value 128 channels per head."""
+    from mlm_jax.metrics import flops_per_token
+    from mlm_jax.models.build import init_params
+
+    cfg = finalize(tiny_config(ParallelConfig(), 16, **dict(MLA)), 1)
+    m = cfg.model
+    d, h = m.hidden_size, m.num_attention_heads
+    attn = 24 * (d + h * 12) + d * (16 + 4) + 16 * h * (8 + 6) + h * 6 * d
+    assert m.attention_weights == attn
+    params = init_params(cfg, 0)
+    counted = sum(params["layers"]["attention"][k].size for k in ("wq_down", "wq_up", "wkv_down", "wkv_up", "wo"))
+    assert counted == attn * m.num_layers
+    s = cfg.train.seq_length
+    mlp = 2 * d * m.ffn_size
+    want = 3 * 2 * (m.num_layers * (attn + mlp) + d * m.vocab) + 3 * 2 * s * h * (12 + 6) * m.num_layers / 2
+    assert flops_per_token(m, s) == pytest.approx(want)
+
+
+def test_layouts_mla_does_not_build_are_refused_before_compiling():
+    with pytest.raises(ConfigError, match="context parallelism of MLA is not built yet"):
+        finalize(tiny_config(ParallelConfig(context_parallel_size=2), 1, **dict(MLA)), 8)
