@@ -15,8 +15,15 @@ import mlm_jax
 from mlm_jax.tools import checkpoint as hfc
 
 HF5 = os.path.join(os.path.dirname(__file__), "fixtures", "hf5")
-FIXTURES = ["llama_default", "llama3_scaled", "mixtral_theta1e6"]
+FIXTURES = ["llama_default", "llama3_scaled", "mixtral_theta1e6", "deepseek_v3", "deepseek_v3_q_direct"]
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 against transformers' fp32
+# DeepSeek-V3 (issue 54's bound for MLA, 1e-4): its logits run through the latents' norms, YaRN and a
+# router whose weights are scaled 2.5x; fp32 reordering alone (one device against eight) moves them 1e-5.
+DEEPSEEK_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _tol(name):
+    return DEEPSEEK_TOL if name.startswith("deepseek") else TOL
 
 
 def _fixture(name):
@@ -27,7 +34,7 @@ def _fixture(name):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_logits_equal_transformers_5(name):
     folder, ids, want = _fixture(name)
-    np.testing.assert_allclose(mlm_jax.load(folder).logits(ids), want, **TOL)
+    np.testing.assert_allclose(mlm_jax.load(folder).logits(ids), want, **_tol(name))
 
 
 def test_rope_parameters_are_read_not_defaulted():
@@ -88,7 +95,7 @@ def test_import_export_import_round_trips(tmp_path, name):
     exported = json.load(open(os.path.join(out, "config.json")))
     assert exported["rope_parameters"] == json.load(open(os.path.join(src, "config.json")))["rope_parameters"]
     assert "rope_theta" not in exported and "rope_scaling" not in exported
-    np.testing.assert_allclose(mlm_jax.load(out).logits(ids), want, **TOL)
+    np.testing.assert_allclose(mlm_jax.load(out).logits(ids), want, **_tol(name))
 
 
 def _run_import(folder, tmp_path):

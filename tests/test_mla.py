@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+import mlm_jax
 
 from mlm_jax.arguments import parse_args
 from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
@@ -258,3 +261,69 @@ def test_the_model_counts_mlas_flops_and_parameters():
 def test_layouts_mla_does_not_build_are_refused_before_compiling():
     with pytest.raises(ConfigError, match="context parallelism of MLA is not built yet"):
         finalize(tiny_config(ParallelConfig(context_parallel_size=2), 1, **dict(MLA)), 8)
+
+
+# --------------------------------------------------------------------------- Hugging Face DeepSeek-V3
+
+HF5 = os.path.join(os.path.dirname(__file__), "fixtures", "hf5")  # written by tests/make_hf5_fixtures.py
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_q_direct"])
+def test_deepseek_v3_exports_the_tensors_it_imported(tmp_path, name):
+    """import-hf then export-hf gives back transformers' own tensors (every one, exactly) and a
+    config.json that loads to the same logits (tests/test_hf_rope.py checks those against
+    transformers')."""
+    from safetensors.numpy import load_file
+
+    from mlm_jax.tools import checkpoint as hfc
+
+    folder = os.path.join(HF5, name)
+    assert hfc.main(["import-hf", "--hf-dir", folder, "--save", str(tmp_path / "ck")]) == 0
+    assert hfc.main(["export-hf", "--load", str(tmp_path / "ck"), "--hf-dir", str(tmp_path / "hf")]) == 0
+    want = load_file(os.path.join(folder, "model.safetensors"))
+    got = {}
+    for f in os.listdir(tmp_path / "hf"):
+        if f.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "hf" / f)))
+    if name == "deepseek_v3_q_direct":  # tied: the head is the embedding, not stored
+        want.pop("lm_head.weight", None)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    ids = np.load(os.path.join(folder, "ids.npy"))
+    np.testing.assert_allclose(mlm_jax.load(str(tmp_path / "hf")).logits(ids),
+                               np.load(os.path.join(folder, "logits.npy")), rtol=1e-4, atol=1e-4)
+
+
+def test_the_deepseek_fixture_tells_yarn_groups_and_the_bias_apart():
+    """The DeepSeek-V3 fixture's logits are far off (> 0.1) with YaRN read as plain rope, the
+    scores' mscale dropped, the group limit dropped, or the expert bias ignored."""
+    folder = os.path.join(HF5, "deepseek_v3")
+    ids, want = np.load(os.path.join(folder, "ids.npy")), np.load(os.path.join(folder, "logits.npy"))
+    m = mlm_jax.load(folder)
+    assert (m.config.rope_type, m.config.rotary_scaling_factor, m.config.moe_router_num_groups) == ("yarn", 40.0, 2)
+    for wrong in (dict(rope_type="rope"), dict(mscale_all_dim=0.0), dict(moe_router_num_groups=None,
+                                                                          moe_router_group_topk=None)):
+        bad = dataclasses.replace(m, config=dataclasses.replace(m.config, **wrong))
+        assert np.abs(bad.logits(ids) - want).max() > 0.1, wrong
+    params = jax.tree.map(np.asarray, m.params)
+    params["moe_layers"]["mlp"]["expert_bias"] = np.zeros_like(params["moe_layers"]["mlp"]["expert_bias"])
+    assert np.abs(dataclasses.replace(m, params=params).logits(ids) - want).max() > 0.1
+
+
+def test_a_deepseek_config_it_cannot_compute_is_refused(tmp_path):
+    import json
+    import shutil
+
+    from mlm_jax.tools import checkpoint as hfc
+
+    for edit, message in [({"topk_group": 2}, "scores a group by its 2 best experts"),
+                          ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+                          ({"norm_topk_prob": False}, "norm_topk_prob=false is not supported")]:
+        dst = tmp_path / str(len(os.listdir(tmp_path)))
+        shutil.copytree(os.path.join(HF5, "deepseek_v3"), dst)
+        cfg = json.load(open(dst / "config.json"))
+        cfg.update(edit)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(hfc.HFError, match=message):
+            hfc.load_hf(str(dst))

@@ -222,8 +222,10 @@ def hf_kind(hf: dict) -> str:
         return "gpt2"
     if model_type == "llama" or arch == "LlamaForCausalLM":
         return "llama"
+    if model_type == "deepseek_v3" or arch == "DeepseekV3ForCausalLM":
+        return "deepseek_v3"
     raise HFError(f"Hugging Face architecture {arch or model_type!r} is not supported; "
-                  "supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM")
+                  "supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM")
 
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
@@ -251,6 +253,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
             add_bias_linear=True, hidden_dropout=hf.get("resid_pdrop", 0.1),
             attention_dropout=hf.get("attn_pdrop", 0.1), init_method_std=hf.get("initializer_range", 0.02))
+    if kind == "deepseek_v3":
+        return _deepseek_v3_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"Llama hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
     for key in ("attention_bias", "mlp_bias"):
@@ -270,6 +274,83 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02))
+
+
+def _deepseek_v3_config(hf: dict) -> ModelConfig:
+    """DeepseekV3ForCausalLM: multi-latent attention (its latents always normed), YaRN or plain
+    rope in MLA's interleaved order, the first `first_k_dense_replace` layers dense, then MoE
+    layers of sigmoid-scored, group-limited routing with the expert bias, normalised top-k weights
+    times routed_scaling_factor and `n_shared_experts` experts' worth of shared expert."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"DeepSeek-V3 hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
+    if hf.get("attention_bias"):
+        raise HFError("DeepSeek-V3 config attention_bias=true is not supported")
+    if hf.get("rope_interleave", True) is not True:
+        raise HFError("DeepSeek-V3 config rope_interleave=false is not supported (MLA's rope order is interleaved)")
+    L, h = hf["num_hidden_layers"], hf["num_attention_heads"]
+    K, E = hf["num_experts_per_tok"], hf["n_routed_experts"]
+    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if groups > 1 and K // group_topk != 2:
+        raise HFError(f"DeepSeek-V3 scores a group by its 2 best experts; this router (num_experts_per_tok {K}, "
+                      f"topk_group {group_topk}) would score it by {K // group_topk} (Megatron's top-k / group top-k)")
+    if K > 1 and hf.get("norm_topk_prob", True) is not True:
+        raise HFError("DeepSeek-V3 config norm_topk_prob=false is not supported (the top-k weights are normalised)")
+    if K == 1 and hf.get("norm_topk_prob", True):
+        raise HFError("DeepSeek-V3 with num_experts_per_tok 1 and norm_topk_prob: not supported (one choice's "
+                      "weight is its score here, as in Megatron-LM)")
+    dense = min(int(hf.get("first_k_dense_replace", 3) or 0), L)
+    shared = hf.get("n_shared_experts") or 0
+    moe = {} if dense == L else dict(
+        num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=1 if dense == 0 else tuple([0] * dense + [1] * (L - dense)),
+        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared or None,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    return ModelConfig(
+        **moe, **_deepseek_rope(hf),
+        num_layers=L, hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=h, vocab_size=hf["vocab_size"], max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        qk_layernorm=True, position_embedding_type="rope", normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02))
+
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "truncate")
+
+
+def _deepseek_rope(hf: dict) -> dict:
+    """The MLA rope fields of a DeepSeek-V3 config: default (plain) or yarn, as transformers
+    computes them (`_compute_yarn_parameters`, `yarn_apply_mscale`)."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    if "rope_theta" in hf:
+        rope.setdefault("rope_theta", hf["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    base = float(rope.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return dict(rotary_base=base, rope_type="rope")
+    if rope_type != "yarn":
+        raise HFError(f"DeepSeek-V3 rope_type {rope_type!r} is not supported (default, yarn)")
+    unknown = sorted(set(rope) - {"rope_type", "type", "rope_theta", *_YARN_KEYS})
+    if unknown:
+        raise HFError(f"rope yarn key {unknown[0]}={rope[unknown[0]]!r} is not supported")
+    if rope.get("truncate", True) is not True:
+        raise HFError("rope yarn truncate=false is not supported (the correction range is rounded, as Megatron's)")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or hf.get("max_position_embeddings", original) / original
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers' magnitude is then mscale(factor, 1) alone
+        mscale, mscale_all_dim = 1.0, float(mscale_all_dim or 0.0)
+    return dict(rotary_base=base, rope_type="yarn", rotary_scaling_factor=float(factor), mscale=float(mscale),
+                mscale_all_dim=float(mscale_all_dim), yarn_original_max_position_embeddings=original,
+                yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1))
 
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -343,8 +424,7 @@ def _mixtral_fields(hf: dict) -> dict:
 def export_kind(m: ModelConfig) -> str:
     """gpt2 or llama, whichever computes the same function as `m`; else an error naming why."""
     if m.multi_latent_attention:
-        raise HFError("this model has multi-latent attention: exporting it (as DeepseekV3ForCausalLM) is not "
-                      "built yet")
+        return _deepseek_v3_export_kind(m)
     if m.rotary_percent != 1.0:  # HF's GPT-2 and Llama rotate (or not) every channel of a head
         raise HFError(f"--rotary-percent {m.rotary_percent}: GPT2LMHeadModel and LlamaForCausalLM have no "
                       "partial rotary embedding; this model cannot be exported")
@@ -384,10 +464,70 @@ def _mixtral_export_kind(m: ModelConfig, kind: str) -> str:
     return "mixtral"
 
 
+def _deepseek_v3_export_kind(m: ModelConfig) -> str:
+    """deepseek_v3 when DeepseekV3ForCausalLM computes the MLA model `m`; else an error naming why."""
+    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    dense = moe.index(True) if any(moe) else m.num_layers
+    K, g = m.moe_router_topk, m.moe_router_group_topk
+    problems = [why for bad, why in [
+        ((m.position_embedding_type, m.normalization, m.swiglu, m.add_bias_linear) != ("rope", "RMSNorm", True, False),
+         "rope, RMSNorm, SwiGLU and no biases"),
+        (not m.qk_layernorm, "the latents' norms (--qk-layernorm)"),
+        (m.mscale_all_dim == 0 and m.mscale != 1.0 and m.rope_type != "rope",
+         "--mscale 1 when --mscale-all-dim is 0 (transformers then ignores mscale)"),
+        (any(moe[dense:]) and not all(moe[dense:]), "dense layers first, then MoE layers only (first_k_dense_replace)"),
+        (any(moe) and (m.moe_router_score_function != "sigmoid"), "the sigmoid router"),
+        (any(moe) and K == 1, "top-k > 1 (transformers normalises one choice's weight to 1)"),
+        (any(moe) and bool(m.moe_router_num_groups) and K // (g or 1) != 2,
+         "groups scored by their 2 best experts (top-k / group top-k = 2)"),
+        (any(moe) and m.moe_expert_capacity_factor is not None, "dropless experts (no --moe-expert-capacity-factor)"),
+        (any(moe) and (m.moe_shared_expert_intermediate_size or 0) % m.moe_ffn_size != 0,
+         "a shared expert of a whole number of experts' size"),
+    ] if bad]
+    if problems:
+        raise HFError("this multi-latent attention model has no Hugging Face equivalent: DeepseekV3ForCausalLM needs "
+                      + "; ".join(problems))
+    return "deepseek_v3"
+
+
+def _deepseek_v3_hf_config(m: ModelConfig) -> dict:
+    """DeepseekV3ForCausalLM's config.json keys for `m` (`_deepseek_v3_export_kind` passed)."""
+    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    experts = any(moe)
+    f = m.moe_ffn_size if experts else m.ffn_size
+    if m.rope_type == "rope":
+        rope = {"rope_type": "default", "rope_theta": m.rotary_base}
+    else:
+        rope = {"rope_type": "yarn", "rope_theta": m.rotary_base, "factor": m.rotary_scaling_factor,
+                "original_max_position_embeddings": m.yarn_original_max_position_embeddings,
+                "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow, "mscale": m.mscale,
+                "mscale_all_dim": m.mscale_all_dim}
+    return dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size, intermediate_size=m.ffn_size, moe_intermediate_size=f,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_attention_heads, n_routed_experts=m.num_experts if experts else 1,
+        num_experts_per_tok=m.moe_router_topk if experts else 1,
+        n_shared_experts=(m.moe_shared_expert_intermediate_size or 0) // f if experts else 0,
+        routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
+        n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
+        first_k_dense_replace=moe.index(True) if experts else m.num_layers, norm_topk_prob=True,
+        kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank, qk_nope_head_dim=m.qk_head_dim,
+        qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_pos_emb_head_dim,
+        rope_interleave=True, rope_parameters=rope, max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.norm_epsilon, hidden_act="silu", attention_bias=False, num_nextn_predict_layers=0,
+        tie_word_embeddings=not m.untie_embeddings_and_output_weights)
+
+
 def hf_config_from_model(m: ModelConfig, kind: str, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for `m`; `base` (the imported model's original config) keeps its other keys."""
     out = dict(base or {})
-    if kind == "gpt2":
+    if kind == "deepseek_v3":
+        for key in ("rope_theta", "rope_scaling", "qk_head_dim"):
+            out.pop(key, None)
+        out.update(_deepseek_v3_hf_config(m))
+        out.setdefault("initializer_range", m.init_method_std)
+    elif kind == "gpt2":
         out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=m.vocab_size,
                    n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
                    n_head=m.num_attention_heads,
@@ -434,13 +574,18 @@ _HF_SIZES = {
     "llama": (("num_hidden_layers", False), ("hidden_size", False), ("num_attention_heads", False),
               ("num_key_value_heads", True), ("intermediate_size", False), ("vocab_size", False),
               ("max_position_embeddings", True), ("head_dim", True)),
+    "deepseek_v3": (("num_hidden_layers", False), ("hidden_size", False), ("num_attention_heads", False),
+                    ("intermediate_size", False), ("moe_intermediate_size", False), ("vocab_size", False),
+                    ("max_position_embeddings", True), ("kv_lora_rank", False), ("q_lora_rank", True),
+                    ("qk_nope_head_dim", False), ("qk_rope_head_dim", False), ("v_head_dim", False),
+                    ("n_routed_experts", False), ("num_experts_per_tok", False)),
 }
 
 
 def check_hf_sizes(hf: dict, kind: str) -> None:
     """The config's sizes are positive integers that divide as the model needs; an HFError
     naming the key and the value otherwise (a 0 head count was a ZeroDivisionError)."""
-    for key, optional in _HF_SIZES["gpt2" if kind == "gpt2" else "llama"]:
+    for key, optional in _HF_SIZES[kind if kind in _HF_SIZES else "llama"]:
         value = hf.get(key)
         if value is None and optional:
             continue
@@ -450,9 +595,11 @@ def check_hf_sizes(hf: dict, kind: str) -> None:
             raise HFError(f"{key} {value!r}: a positive integer is expected")
     heads, hidden = (hf["n_head"], hf["n_embd"]) if kind == "gpt2" else (hf["num_attention_heads"], hf["hidden_size"])
     head_key, hidden_key = ("n_head", "n_embd") if kind == "gpt2" else ("num_attention_heads", "hidden_size")
-    if not hf.get("head_dim") and hidden % heads:
+    if kind != "deepseek_v3" and not hf.get("head_dim") and hidden % heads:
         raise HFError(f"{hidden_key} {hidden} is not divisible by {head_key} {heads}")
     groups = hf.get("num_key_value_heads")
+    if kind == "deepseek_v3":
+        return  # MLA: every head its own keys and values (num_key_value_heads is the head count)
     if kind != "gpt2" and groups and heads % groups:
         raise HFError(f"num_attention_heads {heads} is not divisible by num_key_value_heads {groups}")
 

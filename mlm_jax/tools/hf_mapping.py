@@ -55,7 +55,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], m: ModelConfig, kind: str, padd
     """Hugging Face tensors -> mlm_jax params (plain layout, fp32 numpy, vocab padded)."""
     src = _HFTensors(tensors, m, kind, padded_vocab)
     try:
-        params = _gpt2_params(src, m) if kind == "gpt2" else _llama_params(src, m, kind)
+        params = (_gpt2_params(src, m) if kind == "gpt2" else _deepseek_v3_params(src, m) if kind == "deepseek_v3"
+                  else _llama_params(src, m, kind))
     except ValueError as e:  # a reshape or stack that the tensor's shape does not allow
         name = getattr(src, "last", None)
         shape = tuple(src.t[name].shape) if name else None
@@ -143,6 +144,125 @@ def _llama_params(src: _HFTensors, m: ModelConfig, kind: str) -> dict:
     return params
 
 
+def _deepseek_v3_params(src: _HFTensors, m: ModelConfig) -> dict:
+    """DeepseekV3ForCausalLM tensors -> params: MLA's projections (Linear weights [out, in]; the up
+    projections' outputs head-major: head i's channels i*c .. (i+1)*c), the dense first layers'
+    MLP, the MoE layers' router, expert bias, experts and shared expert. With dense and MoE layers
+    both, the dense ones are `layers` and the MoE ones `moe_layers` (models/gpt.py)."""
+    take, norm = src.take, src.norm
+    d, h, k = m.hidden_size, m.num_attention_heads, m.head_dim
+    kv, r = m.qk_head_dim + m.v_head_dim, m.kv_lora_rank
+
+    def layer(i: int) -> dict:
+        a = f"model.layers.{i}.self_attn."
+        attn = {"wkv_down": take(a + "kv_a_proj_with_mqa.weight").T,
+                "kv_norm": {"scale": norm(a + "kv_a_layernorm.weight")},
+                "wkv_up": take(a + "kv_b_proj.weight").T.reshape(r, h, kv),
+                "wo": take(a + "o_proj.weight").T.reshape(h, m.v_head_dim, d)}
+        if m.q_lora_rank:
+            attn.update(wq_down=take(a + "q_a_proj.weight").T, q_norm={"scale": norm(a + "q_a_layernorm.weight")},
+                        wq_up=take(a + "q_b_proj.weight").T.reshape(m.q_lora_rank, h, k))
+        else:
+            attn["wq"] = take(a + "q_proj.weight").T.reshape(d, h, k)
+        mlp = f"model.layers.{i}.mlp."
+        return {"norm1": {"scale": norm(f"model.layers.{i}.input_layernorm.weight")}, "attention": attn,
+                "norm2": {"scale": norm(f"model.layers.{i}.post_attention_layernorm.weight")},
+                "mlp": _deepseek_moe_in(src, m, mlp) if m.is_moe_layer(i) else _swiglu_in(take, mlp)}
+
+    def stacked(indices):
+        return _stack_trees([layer(i) for i in indices])
+
+    moe = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    dense = [i for i in range(m.num_layers) if not m.is_moe_layer(i)]
+    params = {"embed": src.pad_rows(take("model.embed_tokens.weight")),
+              "layers": stacked(dense if dense else moe), "final_norm": {"scale": norm("model.norm.weight")}}
+    if dense and moe:
+        params["moe_layers"] = stacked(moe)
+    if m.untie_embeddings_and_output_weights:
+        params["lm_head"] = src.pad_rows(take("lm_head.weight")).T
+    elif "lm_head.weight" in src.t:
+        src.used.add("lm_head.weight")
+    # Multi-token prediction layers past the model's (model.layers.{L}...): transformers drops them too.
+    src.used.update(n for n in src.t if n.startswith("model.layers.") and int(n.split(".")[2]) >= m.num_layers)
+    return params
+
+
+def _swiglu_in(take, pre: str) -> dict:
+    """A SwiGLU MLP's gate/up/down_proj [out, in] -> w1 [d, 2, f], w2 [f, d]."""
+    return {"w1": np.stack([take(pre + "gate_proj.weight").T, take(pre + "up_proj.weight").T], axis=1),
+            "w2": take(pre + "down_proj.weight").T}
+
+
+def _deepseek_moe_in(src: _HFTensors, m: ModelConfig, pre: str) -> dict:
+    """A DeepSeek-V3 MoE's gate [E, d], e_score_correction_bias [E], experts (one module each, or
+    transformers 5's fused gate_up_proj [E, 2f, d] and down_proj [E, d, f]) and shared experts."""
+    E, f, take = m.num_experts, m.moe_ffn_size, src.take
+    if pre + "experts.gate_up_proj" in src.t:
+        gate_up, down = take(pre + "experts.gate_up_proj"), take(pre + "experts.down_proj")
+        w1 = np.stack([gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1)], axis=2)
+        w2 = down.transpose(0, 2, 1)
+    else:
+        experts = [_swiglu_in(take, pre + f"experts.{j}.") for j in range(E)]
+        w1, w2 = np.stack([e["w1"] for e in experts]), np.stack([e["w2"] for e in experts])
+    out = {"router": take(pre + "gate.weight").T, "expert_bias": take(pre + "gate.e_score_correction_bias"),
+           "w1": w1, "w2": w2}
+    if m.moe_shared_expert_intermediate_size:
+        out["shared"] = _swiglu_in(take, pre + "shared_experts.")
+    return out
+
+
+def _deepseek_v3_out(P: dict, m: ModelConfig, put, embed) -> None:
+    """params -> DeepseekV3ForCausalLM tensors (the inverse of `_deepseek_v3_params`; experts one
+    module each, as transformers saves them)."""
+    d, h = m.hidden_size, m.num_attention_heads
+    moe = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    dense = [i for i in range(m.num_layers) if not m.is_moe_layer(i)]
+    put("model.embed_tokens.weight", embed)
+    for i in range(m.num_layers):
+        stack = "moe_layers" if (dense and moe and i in moe) else "layers"
+        j = (moe if stack == "moe_layers" or not dense else dense).index(i)
+        L = lambda name: P[f"{stack}/{name}"][j]  # noqa: E731
+        a = f"model.layers.{i}.self_attn."
+        put(f"model.layers.{i}.input_layernorm.weight", L("norm1/scale"))
+        put(f"model.layers.{i}.post_attention_layernorm.weight", L("norm2/scale"))
+        put(a + "kv_a_proj_with_mqa.weight", L("attention/wkv_down").T)
+        put(a + "kv_a_layernorm.weight", L("attention/kv_norm/scale"))
+        put(a + "kv_b_proj.weight", L("attention/wkv_up").reshape(m.kv_lora_rank, -1).T)
+        put(a + "o_proj.weight", L("attention/wo").reshape(h * m.v_head_dim, d).T)
+        if m.q_lora_rank:
+            put(a + "q_a_proj.weight", L("attention/wq_down").T)
+            put(a + "q_a_layernorm.weight", L("attention/q_norm/scale"))
+            put(a + "q_b_proj.weight", L("attention/wq_up").reshape(m.q_lora_rank, -1).T)
+        else:
+            put(a + "q_proj.weight", L("attention/wq").reshape(d, -1).T)
+        mlp = f"model.layers.{i}.mlp."
+        if not m.is_moe_layer(i):
+            _swiglu_out(put, mlp, L("mlp/w1"), L("mlp/w2"))
+            continue
+        put(mlp + "gate.weight", L("mlp/router").T)
+        bias = P.get(f"{stack}/mlp/expert_bias")
+        put(mlp + "gate.e_score_correction_bias", bias[j] if bias is not None else np.zeros(m.num_experts))
+        for e in range(m.num_experts):
+            _swiglu_out(put, mlp + f"experts.{e}.", L("mlp/w1")[e], L("mlp/w2")[e])
+        if m.moe_shared_expert_intermediate_size:
+            _swiglu_out(put, mlp + "shared_experts.", L("mlp/shared/w1"), L("mlp/shared/w2"))
+    put("model.norm.weight", P["final_norm/scale"])
+
+
+def _swiglu_out(put, pre: str, w1, w2) -> None:
+    """w1 [d, 2, f], w2 [f, d] -> gate/up/down_proj [out, in] (the inverse of `_swiglu_in`)."""
+    put(pre + "gate_proj.weight", w1[:, 0].T)
+    put(pre + "up_proj.weight", w1[:, 1].T)
+    put(pre + "down_proj.weight", w2.T)
+
+
+def _stack_trees(trees: list[dict]) -> dict:
+    """Nested dicts of arrays, stacked leaf by leaf on a new leading (layers) dim."""
+    first = trees[0]
+    return {k: _stack_trees([t[k] for t in trees]) if isinstance(first[k], dict) else np.stack([t[k] for t in trees])
+            for k in first}
+
+
 def _mixtral_experts_in(take, m: ModelConfig, stack) -> dict:
     """block_sparse_moe tensors -> our MoE params: router [L, d, E], w1 [L, E, d, 2, f], w2 [L, E, f, d]."""
     E = m.num_experts
@@ -183,7 +303,9 @@ def params_to_hf(params: dict, m: ModelConfig, kind: str, dtype=np.float32, pref
         out[name] = np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
 
     embed = P["embed"][:V]
-    if kind == "gpt2":
+    if kind == "deepseek_v3":
+        _deepseek_v3_out(P, m, put, embed)
+    elif kind == "gpt2":
         p = prefix
         put(f"{p}wte.weight", embed)
         put(f"{p}wpe.weight", P["pos_embed"])
