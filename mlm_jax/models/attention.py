@@ -56,10 +56,12 @@ def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
         return f"cuDNN fused attention has no attention dropout (--attention-dropout {m.attention_dropout}; set 0)"
     if documents:
         return "cuDNN fused attention cannot mask documents (--reset-attention-mask)"
-    if m.multi_latent_attention:
-        return (f"multi-latent attention's query/key head dim {m.head_dim} differs from its value head dim "
-                f"{m.value_head_dim}, which jax's cuDNN entry point does not take (not built here)")
-    if m.head_dim % 8 or m.head_dim > 128:
+    if m.multi_latent_attention:  # values padded to the query/key width (models/mla.py); Hopper takes 256
+        if m.head_dim % 8 or m.head_dim > 256 or m.value_head_dim > m.head_dim:
+            return ("cuDNN fused attention of multi-latent attention needs a query/key head dim (--qk-head-dim + "
+                    "--qk-pos-emb-head-dim) that is a multiple of 8, <= 256 and >= --v-head-dim; got "
+                    f"{m.head_dim} and {m.value_head_dim}")
+    elif m.head_dim % 8 or m.head_dim > 128:
         return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
     return None
 

@@ -20,6 +20,10 @@ times the concentration factor mscale(factor, --mscale) / mscale(factor, --mscal
 and the scores' scale 1/sqrt(query head dim) times mscale(factor, --mscale-all-dim)^2. With
 --rope-type rope (or a factor of 1) it is plain rope.
 
+cuDNN's fused attention (bf16 on NVIDIA GPUs) runs with the values padded by zeros to the
+query/key width (192 in DeepSeek-V3; Hopper's kernels take up to 256), as Megatron-Core pads them
+for Transformer Engine, the output cut back; elsewhere XLA's attention takes the widths as they are.
+
 Decoding caches the normed latent and the turned key rope part per position, as DeepSeek's
 inference does (576 values per token and layer where the keys and values take heads x 320),
 and projects the cache up at each step.
@@ -38,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models.attention import attention, choose_backend
+from mlm_jax.models.attention import CUDNN, attention, choose_backend
 from mlm_jax.models.layers import SEQ_SPLIT, Norm, add_bias, cast, column_parallel, normal, param, rotate, row_parallel, zeros
 from mlm_jax.sharding.rules import constrain
 
@@ -163,9 +167,12 @@ class MLAttention(nnx.Module):
         k, v = self._keys_values(*self._latents(y_bsd, positions_bs))
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=key is not None and cfg.attention_dropout > 0)
+        width = v.shape[-1]
+        if backend == CUDNN and width < q.shape[-1]:  # jax's cuDNN entry takes values as wide as keys
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - width)))
         o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
                       dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
-        return self._project_out(o)
+        return self._project_out(o[..., :width])
 
     def _project_out(self, o_bshv) -> jax.Array:
         dt = o_bshv.dtype
