@@ -80,6 +80,8 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--rotary-scaling-factor", "model", "rotary_scaling_factor", "float", "YaRN's context extension factor (multi-latent attention; default 1: plain rope)"),
     ("--mscale", "model", "mscale", "float", "YaRN's magnitude scale of the rope part (multi-latent attention; default 1.0)"),
     ("--mscale-all-dim", "model", "mscale_all_dim", "float", "YaRN's magnitude scale of the whole head, squared into the scores' scale (multi-latent attention; default 0.0)"),
+    ("--mtp-num-layers", "model", "mtp_num_layers", "int", "multi-token prediction depths (DeepSeek-V3: 1): each predicts one token further ahead with a layer of its own, the embedding and LM head shared"),
+    ("--mtp-loss-scaling-factor", "model", "mtp_loss_scaling_factor", "float", "the MTP losses' weight: this / --mtp-num-layers per depth (default 0.1)"),
     ("--attention-backend", "model", "attention_backend", "str", "auto | flash | fused | unfused | local (flash/fused: cuDNN; unfused/local: XLA)"),
     # Megatron's norm, rope, LR, gradient-reduction and XLA-overlap flags
     ("--apply-layernorm-1p", "model", "apply_layernorm_1p", "true", "norm weights stored as w-1 (init 0) and applied as 1+w (LayerNorm and RMSNorm; no weight decay on them)"),
@@ -268,9 +270,8 @@ _ACCEPTED_CHOICES = {
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
 # Refused flags that take a value (the others are switches).
-_MTP = "multi-token prediction (DeepSeek-V3) is not built yet"
 _REFUSED_WITH_VALUE = ("--fp4-format", "--fp4-recipe", "--te-precision-config-file", "--fp8-quantizer-factory",
-                       "--fp4-quantizer-factory", "--mtp-num-layers", "--mtp-loss-scaling-factor")
+                       "--fp4-quantizer-factory")
 
 # Megatron flags refused with the reason (nothing else takes them).
 REFUSED = {
@@ -284,8 +285,6 @@ REFUSED = {
     "--te-precision-config-file": "Transformer Engine's per-module precision file: not built (fp8 is set for "
                                   "all projections by --fp8-format, with --first-last-layers-bf16)",
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
-    # DeepSeek-V3's (issue 54): multi-latent attention and the router are built
-    "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
 }
 
 # Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).

@@ -79,6 +79,10 @@ class ModelConfig:
     yarn_original_max_position_embeddings: int = 4096  # MLATransformerConfig's; Megatron has no flag for MLA's
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # Multi-token prediction (--mtp-num-layers D, mlm_jax/models/mtp.py): D more layers predicting
+    # the tokens 2..D+1 ahead, their losses x mtp_loss_scaling_factor / D added to the objective.
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     # full | selective (Megatron's); dots | offload (mlm_jax's): see mlm_jax/models/recompute.py
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only

@@ -214,6 +214,7 @@ class Loop:
 
         from mlm_jax.instruments import iteration_line, iteration_record
         from mlm_jax.metrics import device_memory
+        from mlm_jax.models import mtp
         from mlm_jax.models.moe import aux_record, format_aux
 
         self.check(iteration, metrics)
@@ -227,10 +228,11 @@ class Loop:
         batch = self.plan.batch_size(iteration)
         record = iteration_record(iteration, batch, host, step_s,
                                   self.window_wait / max(self.window_iters, 1), self.window_throughput(iteration),
-                                  scaling, device_memory(), self.step_mem, self.inst.window(), aux_record(aux),
-                                  consumed_samples=self.consumed(iteration))
+                                  scaling, device_memory(), self.step_mem, self.inst.window(),
+                                  {**aux_record(aux), **mtp.record(aux)}, consumed_samples=self.consumed(iteration))
         line = iteration_line(record, self.t.train_iters, batch)
-        self.logger.log(record, console=line + (f" {format_aux(aux)}" if aux_record(aux) else ""))
+        extra = [part for part in (format_aux(aux), mtp.format_line(aux)) if part]
+        self.logger.log(record, console=" ".join([line, *extra]))
         self._new_window()
         return host["lm_loss"]
 

@@ -22,9 +22,12 @@ def flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> flo
 
     Matmuls: 2 FLOPs per weight per token (q/k/v/o, MLP, LM head; not the embedding lookup).
     Attention scores and the weighted sum: 2 x seq x heads x (query/key + value head dims) per
-    token per layer (4 x seq x heads x head_dim without MLA) under Megatron's convention (`causal=False`, the full square); the causal mask halves it.
+    token per layer (4 x seq x heads x head_dim without MLA) under Megatron's convention
+    (`causal=False`, the full square); the causal mask halves it.
     Mixture-of-experts layers count their *active* parameters: the router, the top-k experts a
-    token goes through and the shared expert (not all E experts).
+    token goes through and the shared expert (not all E experts). Multi-token prediction depths
+    count their layer (the last layer's kind), their projection of [embedding; hidden] and their
+    pass through the head.
     """
     d, f = m.hidden_size, m.ffn_size
     attn_weights = m.attention_weights
@@ -33,8 +36,11 @@ def flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> flo
            d * m.num_experts + per_ffn * (m.moe_router_topk * m.moe_ffn_size
                                           + (m.moe_shared_expert_intermediate_size or 0))
            for i in range(m.num_layers)]
-    forward = 2.0 * (m.num_layers * attn_weights + sum(mlp) + d * m.vocab)
-    attention = 2.0 * seq_length * m.attention_core_width * m.num_layers
+    layers = m.num_layers + (m.mtp_num_layers or 0)  # MTP depths: a layer of the last layer's kind each
+    mlp += [mlp[-1]] * (m.mtp_num_layers or 0)
+    heads = 1 + (m.mtp_num_layers or 0)
+    forward = 2.0 * (layers * attn_weights + sum(mlp) + heads * d * m.vocab + (m.mtp_num_layers or 0) * 2 * d * d)
+    attention = 2.0 * seq_length * m.attention_core_width * layers
     forward += attention / 2 if causal else attention
     return 3.0 * forward
 

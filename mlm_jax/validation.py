@@ -90,6 +90,7 @@ def validate_mla(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if m.rope_type not in (None, "rope", "yarn"):
         raise ConfigError(f"--rope-type {m.rope_type!r}: choose rope or yarn")
+    validate_mtp(cfg)
     if not m.multi_latent_attention:
         if m.qk_layernorm:
             raise ConfigError("--qk-layernorm without --multi-latent-attention: per-head query/key norms of "
@@ -125,6 +126,21 @@ def validate_mla(cfg: Config) -> None:
     if m.use_rope_scaling:
         raise ConfigError("--use-rope-scaling (Llama 3.1's) with --multi-latent-attention: MLA's rope is YaRN "
                           "(--rotary-scaling-factor, --mscale, --mscale-all-dim)")
+
+
+def validate_mtp(cfg: Config) -> None:
+    """--mtp-num-layers: a positive depth count, in the layouts built for it."""
+    m, p = cfg.model, cfg.parallel
+    if m.mtp_num_layers is None:
+        return
+    _positive("--mtp-num-layers", m.mtp_num_layers)
+    if not (math.isfinite(m.mtp_loss_scaling_factor) and m.mtp_loss_scaling_factor >= 0):
+        raise ConfigError(f"--mtp-loss-scaling-factor must be 0 or more, got {m.mtp_loss_scaling_factor}")
+    for size, flag in ((p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+                       (p.context_parallel_size, "--context-parallel-size")):
+        if size > 1:
+            raise ConfigError(f"--mtp-num-layers with {flag} {size}: multi-token prediction is not built for this "
+                              "layout yet; use tensor, data or expert parallelism")
 
 
 def validate_divisors(cfg: Config) -> None:

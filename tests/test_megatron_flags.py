@@ -35,8 +35,7 @@ FP8_REFUSED = [["--tp-only-amax-red"], ["--fp8-dot-product-attention"],
                ["--fp8-multi-head-attention"], ["--fp8-output-proj"], ["--fp4-format", "e2m1"],
                ["--fp4-recipe", "nvfp4"], ["--fp4-param-gather"], ["--te-precision-config-file", "p.yaml"],
                ["--fp8-quantizer-factory", "a.b"], ["--fp4-quantizer-factory", "a.b"]]
-# DeepSeek-V3's flags not built yet (issue 54): the same (multi-latent attention's: tests/test_mla.py).
-DEEPSEEK_REFUSED = [["--mtp-num-layers", "1"], ["--mtp-loss-scaling-factor", "0.1"]]
+
 
 
 @pytest.mark.parametrize("flag", NO_EFFECT, ids=lambda f: " ".join(f))
@@ -109,14 +108,7 @@ def test_fp8_flags_not_built_are_refused_by_name(flag):
     with pytest.raises(ConfigError) as e:
         parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"] + flag)
     assert str(e.value) == f"{flag[0]}: {REFUSED[flag[0]]}"
-    assert set(REFUSED) == {f[0] for f in FP8_REFUSED + DEEPSEEK_REFUSED}
-
-
-@pytest.mark.parametrize("flag", DEEPSEEK_REFUSED, ids=lambda f: f[0])
-def test_deepseek_flags_not_built_are_refused_by_name(flag):
-    with pytest.raises(ConfigError) as e:
-        parse_args(["--num-experts", "8"] + flag)
-    assert str(e.value) == f"{flag[0]}: {REFUSED[flag[0]]}" and "not built yet" in str(e.value)
+    assert set(REFUSED) == {f[0] for f in FP8_REFUSED}  # DeepSeek-V3's flags are built (tests/test_mla.py)
 
 
 def test_the_router_dtype_fp64_is_refused():

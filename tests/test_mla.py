@@ -1,7 +1,8 @@
 """Multi-latent attention (mlm_jax/models/mla.py): the layer against an independent numpy
 reference (latents, their norms, YaRN rope in MLA's channel order, the scores' scale), YaRN's
-numbers for DeepSeek-V3's settings, every layout's loss and gradients against one device, decoding
-with the latent cache against the uncached forward, and the flags with their refusals."""
+numbers for DeepSeek-V3's settings, every layout's loss and gradients against one device (with
+multi-token prediction and DeepSeek's MoE), decoding with the latent cache against the uncached
+forward, Hugging Face DeepSeek-V3 import and export, and the flags with their refusals."""
 
 from __future__ import annotations
 
@@ -157,21 +158,25 @@ def test_yarn_for_deepseek_v3s_settings():
 
 # --------------------------------------------------------------------------- layouts
 
+MTP1, MTP2 = (("mtp_num_layers", 1),), (("mtp_num_layers", 2), ("mtp_loss_scaling_factor", 0.5))
 LAYOUTS = {
-    "dp8": (ParallelConfig(), 1, MLA),
+    "dp8_mtp2": (ParallelConfig(), 1, MLA + MTP2),
     "dp2_tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 4, MLA),
     "dp2_tp2_pp2_q_direct": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
                              NO_Q_LATENT),
-    "ep2_tp2_sp_deepseek_moe": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
-                                               sequence_parallel=True), 2, MLA + DEEPSEEK_MOE),
+    "ep2_tp2_sp_deepseek_moe_mtp": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
+                                               sequence_parallel=True), 2, MLA + DEEPSEEK_MOE + MTP1),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_every_gradient_match_single_device(name):
     parallel, micro, model = LAYOUTS[name]
-    # A MoE's aux loss balances each microbatch: the reference's microbatches are the layout's (8 rows).
-    ref_micro = 8 if dict(model).get("num_experts") else 4
+    # A MoE's aux loss and the MTP losses are each microbatch's means: the reference's microbatches
+    # are the layout's (micro batch x the ranks of batch rows); the plain loss does not care.
+    ranks = 8 // (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size)
+    per_microbatch = dict(model).get("num_experts") or dict(model).get("mtp_num_layers")
+    ref_micro = micro * ranks if per_microbatch else 4
     ref_loss, ref_grads = grads_for(ParallelConfig(), ref_micro, single_device=True, model=model)
     loss, grads = grads_for(parallel, micro, model=model)
     assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
@@ -179,6 +184,8 @@ def test_loss_and_every_gradient_match_single_device(name):
     attention = grads["layers"]["attention"]
     for leaf in ("wkv_down", "wkv_up", "wo") + (("wq_down", "wq_up") if dict(model).get("q_lora_rank") else ("wq",)):
         assert np.abs(attention[leaf]).max() > 0, leaf
+    if dict(model).get("mtp_num_layers"):  # the depths' layers are in the comparison above, and learn
+        assert np.abs(grads["mtp"]["eh_proj"]).max() > 0 and np.abs(grads["mtp"]["layer"]["attention"]["wo"]).max() > 0
 
 
 # --------------------------------------------------------------------------- decoding

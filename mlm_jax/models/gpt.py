@@ -38,6 +38,7 @@ from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, lookup, normal, param
 from mlm_jax.models.mla import CACHE as LATENT_CACHE, MLAttention
 from mlm_jax.models.mlp import MLP
+from mlm_jax.models.mtp import loss_term as mtp_loss_term, roll_left
 from mlm_jax.models.moe import MoE, aux_terms, zero_stats
 from mlm_jax.models.recompute import scan_layers
 from mlm_jax.sharding import trace
@@ -108,6 +109,26 @@ class Block(nnx.Module):
         return constrain(x_bsd + o, BLOCK_BOUNDARY), cache
 
 
+class MTPLayer(nnx.Module):
+    """One multi-token prediction depth (mlm_jax/models/mtp.py): eh_proj of the normed embedding of
+    the rolled tokens and the normed previous hidden state, a layer of the model's last layer's kind,
+    a final norm. Returns (h, the layer's MoE statistics)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.enorm, self.hnorm = Norm(cfg), Norm(cfg)
+        self.eh_proj = param(rngs, normal(cfg.init_method_std), (2, d, d), (None, "embed", None))  # [embedding; h]
+        self.layer = Block(cfg, rngs, cfg.is_moe_layer(cfg.num_layers - 1))
+        self.final_norm = Norm(cfg)
+
+    def __call__(self, h_bsd, emb_bsd, positions_bs, segment_ids_bs, key) -> tuple[jax.Array, dict]:
+        w = self.eh_proj[...].astype(h_bsd.dtype)
+        x = (jnp.einsum("bsd,de->bse", self.enorm(emb_bsd), w[0])
+             + jnp.einsum("bsd,de->bse", self.hnorm(h_bsd), w[1]))
+        x, stats = self.layer(constrain(x, BLOCK_BOUNDARY), positions_bs, segment_ids_bs, key)
+        return self.final_norm(x), stats
+
+
 class GPT(nnx.Module):
     """Embedding -> scanned stack of `Block`s -> final norm -> LM head (tied or untied)."""
 
@@ -133,6 +154,7 @@ class GPT(nnx.Module):
             self.layers = _stack(cfg, rngs, cfg.num_layers, kinds[0])
             self.moe_layers = None
         self.final_norm = Norm(cfg)
+        self.mtp = _stack(cfg, rngs, cfg.mtp_num_layers, None) if cfg.mtp_num_layers else None
         self.lm_head = (
             param(rngs, lambda k, shp, dt: _vocab_rows(std, cfg.vocab_size)(k, shp[::-1], dt).T,
                   (d, v), ("embed", "vocab"))
@@ -325,8 +347,33 @@ class GPT(nnx.Module):
         x = self.embed_tokens(batch["tokens"], batch["position_ids"], k_embed)
         x, stats = self.run_layers_aux(x, batch["position_ids"], batch.get("segment_ids"), k_layers)
         loss_sum, aux = self.head(x, batch["labels"], batch["loss_mask"])
+        mtp_term = jnp.zeros((), jnp.float32)
+        if self.mtp is not None:
+            mtp_term, mtp_metrics, mtp_stats = self._multi_token_prediction(
+                x, batch, None if key is None else jax.random.fold_in(key, 1))
+            stats = jax.tree.map(jnp.add, stats, mtp_stats) if stats else mtp_stats
+            aux = {**aux, **mtp_metrics}
         moe_term, moe_metrics = aux_terms(stats, batch["loss_mask"])  # MoE losses' gradient
-        return loss_sum + moe_term, {**aux, **moe_metrics}
+        return loss_sum + moe_term + mtp_term, {**aux, **moe_metrics}
+
+    def _multi_token_prediction(self, x_bsd, batch: dict, key) -> tuple[jax.Array, dict, dict]:
+        """(loss term, metrics, MoE statistics) of the MTP depths (mlm_jax/models/mtp.py) on the
+        model's last hidden state `x_bsd` (before the final norm)."""
+        graphdef, state = nnx.split(self.mtp)
+        h = self.final_norm(x_bsd)
+        sums, counts, stats = [], [], {}
+        for k in range(1, self.cfg.mtp_num_layers + 1):
+            k_embed, k_layer = stage_keys(None if key is None else jax.random.fold_in(key, k))
+            emb = self.embed_tokens(roll_left(batch["tokens"], k), roll_left(batch["position_ids"], k), k_embed)
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k - 1], state))
+            h, layer_stats = layer(h, emb, batch["position_ids"], batch.get("segment_ids"), k_layer)
+            stats = jax.tree.map(jnp.add, stats, layer_stats) if stats else layer_stats
+            mask = roll_left(batch["loss_mask"], k)
+            sums.append(linear_cross_entropy(h, self.head_weight(), roll_left(batch["labels"], k), mask,
+                                             self.cfg.vocab_size))
+            counts.append(jnp.sum(mask))
+        term, metrics = mtp_loss_term(sums, counts, batch["loss_mask"], self.cfg.mtp_loss_scaling_factor)
+        return term, metrics, stats
 
     def __call__(
         self,
@@ -348,13 +395,13 @@ class GPT(nnx.Module):
         return self.logits(x)
 
 
-def _stack(cfg: ModelConfig, rngs: nnx.Rngs, n: int, moe: bool):
-    """`n` blocks of one kind stacked on a leading `layers` dim."""
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, n: int, moe: bool | None):
+    """`n` blocks of one kind stacked on a leading `layers` dim (`moe` None: MTP depths)."""
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs, moe)
+    def make_layers(rngs: nnx.Rngs) -> Block | MTPLayer:
+        return MTPLayer(cfg, rngs) if moe is None else Block(cfg, rngs, moe)
 
     return make_layers(rngs)
 

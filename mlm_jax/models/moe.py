@@ -78,7 +78,7 @@ def _split_axes():
     return None if split is None else split[0]
 
 
-def _whole(x):
+def whole_microbatch(x):
     """The whole microbatch's sum of a per-rank statistic `x` (no gradient through it)."""
     axes = _split_axes()
     if axes is None:
@@ -86,7 +86,7 @@ def _whole(x):
     return jax.lax.psum(jax.lax.stop_gradient(x), axes)
 
 
-def _ranks() -> int:
+def row_ranks() -> int:
     split = trace.current().rank_split
     return 1 if split is None else split[1]
 
@@ -161,9 +161,9 @@ def load_balancing_loss(cfg: ModelConfig, scores_bse, chosen_bse) -> jax.Array:
     if kind == "seq_aux_loss":  # a mean over sequences: a rank's share is its sequences' sum / all
         f_be = jnp.sum(chosen_bse, axis=1) * E / (s * K)  # [b, E]
         per_seq = jnp.sum(f_be * jnp.mean(scores_bse, axis=1), -1)  # [b]
-        return cfg.moe_aux_loss_coeff * jnp.sum(per_seq) / (b * _ranks())
-    T = b * s * _ranks()  # the whole microbatch's tokens
-    f_e = _whole(jnp.sum(chosen_bse, axis=(0, 1))) * E / (T * K)  # [E]
+        return cfg.moe_aux_loss_coeff * jnp.sum(per_seq) / (b * row_ranks())
+    T = b * s * row_ranks()  # the whole microbatch's tokens
+    f_e = whole_microbatch(jnp.sum(chosen_bse, axis=(0, 1))) * E / (T * K)  # [E]
     p_e = jnp.sum(scores_bse, axis=(0, 1)) / T  # [E], this rank's share of the mean
     return cfg.moe_aux_loss_coeff * jnp.sum(f_e * p_e)
 
@@ -173,7 +173,7 @@ def z_loss(cfg: ModelConfig, logits_te) -> jax.Array:
     if not cfg.moe_z_loss_coeff:
         return jnp.zeros((), jnp.float32)
     lse_sq = jnp.square(jax.nn.logsumexp(logits_te, axis=-1))
-    return cfg.moe_z_loss_coeff * jnp.sum(lse_sq) / (lse_sq.shape[0] * _ranks())
+    return cfg.moe_z_loss_coeff * jnp.sum(lse_sq) / (lse_sq.shape[0] * row_ranks())
 
 
 def keep_mask(cfg: ModelConfig, probs_tk, experts_tk, groups: int = 1) -> jax.Array:
@@ -250,9 +250,9 @@ def route(cfg: ModelConfig, logits_bse, bias_e=None) -> Routing:
     chosen_te = jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32), axis=1)  # [T, E]
     lb = load_balancing_loss(cfg, scores_te.reshape(b, s, E), chosen_te.reshape(b, s, E))
     kept_tk = keep_mask(cfg, probs_tk, experts_tk, route_groups(b))
-    counts_e = _whole(jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1)))
-    total = float(b * s * cfg.moe_router_topk * _ranks())
-    share = 1.0 / _ranks()  # the whole microbatch's figures below, split evenly over the ranks
+    counts_e = whole_microbatch(jnp.sum(jax.nn.one_hot(experts_tk, E, dtype=jnp.float32) * kept_tk[..., None], axis=(0, 1)))
+    total = float(b * s * cfg.moe_router_topk * row_ranks())
+    share = 1.0 / row_ranks()  # the whole microbatch's figures below, split evenly over the ranks
     stats = {
         "load_balancing_loss": lb,
         "z_loss": z_loss(cfg, logits_te),
@@ -351,7 +351,7 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
     MoE losses (Megatron adds them with the same effect through its aux-loss autoscaler)."""
     if not stats:
         return jnp.zeros((), jnp.float32), {}
-    tokens = _whole(jnp.sum(loss_mask_bs).astype(jnp.float32))  # the whole microbatch's
+    tokens = whole_microbatch(jnp.sum(loss_mask_bs).astype(jnp.float32))  # the whole microbatch's
     w = tokens * (stats["load_balancing_loss"] + stats["z_loss"])
     # Sums (over layers here, over microbatches and pipeline stages by the step); `aux_record`
     # turns them into means.
@@ -361,7 +361,7 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
         "moe_imbalance": jax.lax.stop_gradient(stats["imbalance"]),
         "moe_dropped_fraction": jax.lax.stop_gradient(stats["dropped_fraction"]),
         "moe_layers": jax.lax.stop_gradient(stats["moe_layers"]),
-        "moe_microbatches": jnp.full((), 1.0 / _ranks(), jnp.float32),
+        "moe_microbatches": jnp.full((), 1.0 / row_ranks(), jnp.float32),
     }
     return w - jax.lax.stop_gradient(w), metrics
 

@@ -519,6 +519,8 @@ def step_flops(cfg, L: Layout) -> float:
             mlp = dense_mlp
         fwd_token += qkvo + scores + mlp
     fwd_token += 2 * h * m.vocab
+    # multi-token prediction: per depth a layer of the last layer's kind, eh_proj and the head
+    fwd_token += (m.mtp_num_layers or 0) * (qkvo + scores + mlp + 2 * 2 * h * h + 2 * h * m.vocab)
     return 3 * fwd_token * cfg.train.global_batch_size * s
 
 
