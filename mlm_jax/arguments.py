@@ -117,7 +117,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--moe-token-drop-policy", "model", "moe_token_drop_policy", "str", "probs | position: which tokens over capacity drop"),
     ("--moe-pad-expert-input-to-capacity", "model", "moe_pad_expert_input_to_capacity", "true", "every expert computes exactly its capacity"),
     ("--moe-shared-expert-intermediate-size", "model", "moe_shared_expert_intermediate_size", "int", "shared expert's hidden size (default: none)"),
-    ("--moe-token-dispatcher-type", "model", "moe_token_dispatcher_type", "str", "alltoall | allgather"),
+    ("--moe-token-dispatcher-type", "model", "moe_token_dispatcher_type", "str", "alltoall | allgather (flex: alltoall)"),
     ("--moe-grouped-gemm", "model", "moe_grouped_gemm", "true", "the experts as one grouped-GEMM kernel (Pallas/Triton) on NVIDIA GPUs; on by default here, XLA's ragged_dot elsewhere"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", "int", "expert parallel size (carved out of data parallel)"),
     ("--expert-tensor-parallel-size", "parallel", "expert_tensor_parallel_size", "int", "tensor parallel size of the experts (default and only value: --tensor-model-parallel-size)"),
@@ -257,6 +257,27 @@ ACCEPTED: list[tuple[str, str, str]] = [
     ("--keep-fp8-transpose-cache", "true", "accepted, no effect: XLA lays out the fp8 operands of each product"),
     ("--moe-router-dtype", "str", "fp32: accepted, no effect (the router computes in fp32); fp64 is refused"),
     ("--cache-mla-latents", "true", "accepted, no effect: decoding a multi-latent attention model always caches its latents"),
+    # Megatron's DeepSeek-V3 script's (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh)
+    ("--use-flash-attn", "true", "accepted: cuDNN's fused (flash) attention runs where it applies, as --attention-backend auto (the default) decides"),
+    ("--manual-gc-interval", "int", "accepted, no effect: Python's garbage collector is left automatic"),
+    ("--recompute-modules", "list", "core_attn | moe_act | layernorm | mla_up_proj | mlp | moe | shared_experts; accepted, not applied: --recompute-granularity selective recomputes the attention core"),
+    ("--moe-flex-dispatcher-backend", "str", "deepep | hybridep; accepted, no effect: the expert dispatch is XLA's all-to-all (--moe-token-dispatcher-type flex runs alltoall)"),
+    ("--moe-permute-fusion", "true", "accepted, no effect: XLA fuses the tokens' permutation"),
+    ("--auto-detect-ckpt-format", "true", "always: --load reads an mlm_jax, Megatron torch_dist or torch checkpoint by what it finds"),
+    ("--dist-ckpt-strictness", "str", "accepted: a restore always checks every key and shape and refuses a mismatch (stricter than log_all)"),
+    ("--log-timers-to-tensorboard", "true", "always: the step time and data wait go to TensorBoard with the other metrics"),
+    ("--log-memory-to-tensorboard", "true", "always: device memory goes to TensorBoard with the other metrics"),
+    ("--log-validation-ppl-to-tensorboard", "true", "always: the validation loss and perplexity go to TensorBoard"),
+    ("--log-num-zeros-in-grad", "true", "accepted, not logged: the gradient's zero count is not computed"),
+    ("--log-params-norm", "true", "accepted, not logged: the parameters' norm is not computed"),
+    ("--logging-level", "int", "accepted, no effect: the console shows the progress lines at any level"),
+    ("--enable-experimental", "true", "accepted, no effect: nothing here is behind Megatron's experimental switch"),
+    ("--no-gradient-accumulation-fusion", "true", "accepted, no effect: XLA fuses the weight gradients' accumulation"),
+    ("--init-model-with-meta-device", "true", "accepted, no effect: each device initialises only its own shard of the parameters"),
+    ("--fsdp-double-buffer", "true", "accepted, no effect: XLA schedules FSDP's gather buffers"),
+    ("--use-nccl-ub", "true", "accepted, no effect: NCCL user buffers are XLA's choice"),
+    ("--megatron-fsdp-grad-comm-dtype", "str", "bf16 | fp32: the gradients' reduce-scatter dtype; bf16 = --grad-reduce-in-bf16"),
+    ("--megatron-fsdp-main-grads-dtype", "str", "bf16 | fp32; accepted: the main gradients are kept in fp32 (bf16 would round them)"),
 ]
 
 _ACCEPTED_CHOICES = {
@@ -265,7 +286,13 @@ _ACCEPTED_CHOICES = {
     "--ckpt-format": ("torch_dist", "zarr", "torch", "fsdp_dtensor", "torch_dcp"),
     "--empty-unused-memory-level": (0, 1, 2),
     "--moe-router-dtype": ("fp32", "fp64"),
+    "--moe-flex-dispatcher-backend": ("deepep", "hybridep"),
+    "--dist-ckpt-strictness": ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                               "return_unexpected", "return_all", "ignore_all"),
+    "--megatron-fsdp-grad-comm-dtype": ("bf16", "fp32"),
+    "--megatron-fsdp-main-grads-dtype": ("bf16", "fp32"),
 }
+_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
@@ -285,6 +312,8 @@ REFUSED = {
     "--te-precision-config-file": "Transformer Engine's per-module precision file: not built (fp8 is set for "
                                   "all projections by --fp8-format, with --first-last-layers-bf16)",
     "--fp8-quantizer-factory": "a Python quantizer of Transformer Engine (--fp8-recipe custom): not built",
+    "--moe-router-force-load-balancing": "random routing logits for benchmarks are not built (the routing is learned); "
+                                         "leave it out",
 }
 
 # Megatron's fp8 recipes not built here, and why (--fp8-recipe; Megatron's default is delayed).
@@ -693,10 +722,17 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
         sections["distributed"].setdefault("coordinator_timeout", minutes * 60.0)
     if given["--num-workers"] is not None and given["--num-workers"] < 0:
         raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
+    for module in given["--recompute-modules"] or ():
+        if module not in _RECOMPUTE_MODULES:
+            raise ConfigError(f"--recompute-modules {module!r}: choose from {', '.join(_RECOMPUTE_MODULES)}")
+    if given["--megatron-fsdp-grad-comm-dtype"] == "bf16":
+        sections["parallel"].setdefault("grad_reduce_in_bf16", True)
     if given["--moe-router-dtype"] == "fp64":
         raise ConfigError("--moe-router-dtype fp64: not built (jax runs with 64-bit floats off); the router computes "
                           "in fp32: give fp32 or leave it out")
     model = sections["model"]
+    if model.get("moe_token_dispatcher_type") == "flex":  # DeepEP / HybridEP's dispatch: the all-to-all's here
+        model["moe_token_dispatcher_type"] = "alltoall"
     if given["--use-rotary-position-embeddings"]:
         if model.get("position_embedding_type", "rope") != "rope":
             raise ConfigError("--use-rotary-position-embeddings contradicts --position-embedding-type "

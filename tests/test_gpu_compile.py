@@ -120,10 +120,11 @@ LAYOUTS = {
     "fsdp_params_dp8_instances2": (BF16 + " --use-megatron-fsdp --num-distributed-optimizer-instances 2 --num-layers 4",
                                    True),
     # DeepSeek-V3's shape: multi-latent attention (cuDNN, the values padded to the keys' 48), a dense
-    # first layer, then MoE layers of sigmoid, group-limited routing with the expert bias and a shared expert
-    "mla_moe_ep2_tp2_sp_zero": (BF16 + MLA + MOE + DEEPSEEK_ROUTER + " --expert-model-parallel-size 2 "
-                                "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
-                                "--num-layers 3 --moe-layer-freq [0,1,1]", True),
+    # first layer, then MoE layers of sigmoid, group-limited routing with the expert bias and a shared
+    # expert, and one multi-token prediction depth
+    "mla_moe_mtp_ep2_tp2_sp_zero": (BF16 + MLA + MOE + DEEPSEEK_ROUTER + " --expert-model-parallel-size 2 "
+                                    "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
+                                    "--num-layers 3 --moe-layer-freq [0,1,1] --mtp-num-layers 1", True),
 }
 HYBRID = [n for n in LAYOUTS if "--num-distributed-optimizer-instances" in LAYOUTS[n][0]]
 FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]

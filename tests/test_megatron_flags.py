@@ -28,6 +28,14 @@ NO_EFFECT = [
     ["--num-workers", "8"], ["--no-mmap-bin-files"], ["--empty-unused-memory-level", "0"],
     ["--empty-unused-memory-level", "2"], ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
     ["--moe-router-dtype", "fp32"], ["--cache-mla-latents"],
+    # Megatron's DeepSeek-V3 script's
+    ["--use-flash-attn"], ["--manual-gc-interval", "10"], ["--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm"],
+    ["--moe-flex-dispatcher-backend", "hybridep"], ["--moe-permute-fusion"], ["--auto-detect-ckpt-format"],
+    ["--dist-ckpt-strictness", "log_all"], ["--log-timers-to-tensorboard"], ["--log-memory-to-tensorboard"],
+    ["--log-validation-ppl-to-tensorboard"], ["--log-num-zeros-in-grad"], ["--log-params-norm"],
+    ["--logging-level", "40"], ["--enable-experimental"], ["--no-gradient-accumulation-fusion"],
+    ["--init-model-with-meta-device"], ["--fsdp-double-buffer"], ["--use-nccl-ub"],
+    ["--megatron-fsdp-grad-comm-dtype", "fp32"], ["--megatron-fsdp-main-grads-dtype", "bf16"],
 ]
 
 # Megatron's fp8/fp4 flags not built here: each refused in one line naming it, with the reason.
@@ -48,6 +56,7 @@ def test_every_accepted_flag_is_tested_and_in_help(capsys):
                                           "--no-position-embedding"}
     # FSDP's (tests/test_fsdp.py: their mapping and refusals)
     tested |= {"--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy"}
+    tested |= {"--megatron-fsdp-grad-comm-dtype"}  # bf16: test_megatrons_deepseek_script_flags_that_carry_a_meaning
     assert tested == {flag for flag, _, _ in ACCEPTED}
     with pytest.raises(SystemExit):
         parse_args(["--help"])
@@ -108,7 +117,21 @@ def test_fp8_flags_not_built_are_refused_by_name(flag):
     with pytest.raises(ConfigError) as e:
         parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"] + flag)
     assert str(e.value) == f"{flag[0]}: {REFUSED[flag[0]]}"
-    assert set(REFUSED) == {f[0] for f in FP8_REFUSED}  # DeepSeek-V3's flags are built (tests/test_mla.py)
+    assert set(REFUSED) == {f[0] for f in FP8_REFUSED} | {"--moe-router-force-load-balancing"}
+
+
+def test_megatrons_deepseek_script_flags_that_carry_a_meaning():
+    """--megatron-fsdp-grad-comm-dtype bf16 is --grad-reduce-in-bf16; --moe-token-dispatcher-type flex
+    (DeepEP / HybridEP) runs the all-to-all dispatch; random routing for benchmarks is refused; a
+    recompute module Megatron does not know is refused naming it."""
+    assert parse_args(["--megatron-fsdp-grad-comm-dtype", "bf16"]).parallel.grad_reduce_in_bf16
+    assert parse_args(["--moe-token-dispatcher-type", "flex"]).model.moe_token_dispatcher_type == "alltoall"
+    with pytest.raises(ConfigError, match="--moe-router-force-load-balancing: random routing logits for benchmarks"):
+        parse_args(["--moe-router-force-load-balancing"])
+    with pytest.raises(ConfigError, match="--recompute-modules 'attn': choose from core_attn, moe_act"):
+        parse_args(["--recompute-modules", "attn"])
+    with pytest.raises(ConfigError, match="--megatron-fsdp-grad-comm-dtype 'fp16': choose one of bf16, fp32"):
+        parse_args(["--megatron-fsdp-grad-comm-dtype", "fp16"])
 
 
 def test_the_router_dtype_fp64_is_refused():

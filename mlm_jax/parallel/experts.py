@@ -235,7 +235,7 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
             out = _allgather(*args, ep)
         else:
             out = _alltoall(*args, ep)
-        return (_sum_over_tensor(out) if outer else jax.lax.psum(out, TENSOR)).reshape(bl, s, d)
+        return (_sum_over_tensor(out) if outer else psum(out, TENSOR)).reshape(bl, s, d)
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
     fn = _saving_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
