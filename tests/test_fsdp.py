@@ -46,7 +46,7 @@ LAYOUTS = {
     **both("dp8_dots_recompute_one_microbatch", ParallelConfig(), 2, (("recompute_granularity", "dots"),)),
     # MoE: the experts split over `expert`, each expert's shard over its own data ranks
     **both("ep2_dp4_moe", ParallelConfig(expert_model_parallel_size=2), 1, MOE, MOE_REFERENCE),
-    # a mixed dense/MoE stack: each kind's row gathered in its branch of the layer scan
+    # a mixed dense/MoE stack: each layer's weights gathered in its run's scan (models/gpt.py _run_mixed)
     **both("dp8_mixed_moe", ParallelConfig(), 1, MOE + (("num_layers", 3), ("moe_layer_freq", (0, 1, 1))),
            MOE_REFERENCE),
 }

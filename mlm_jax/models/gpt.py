@@ -25,6 +25,7 @@ Shape letters: b batch, s sequence, d embed, v vocab, l layers.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -222,44 +223,41 @@ class GPT(nnx.Module):
         return scan_layers(body, x_bsd, (layer_state, jnp.arange(n), *hook_xs), n, self.cfg, hook)
 
     def _run_mixed(self, x_bsd, positions_bs, segment_ids_bs, key):
-        """Dense and MoE layers in the pattern's order: one scan over the layers whose body
-        picks the kind with lax.cond and the block's row of that kind's stack."""
+        """Dense and MoE layers in the pattern's order: each run of consecutive layers of one kind
+        is one scan over its rows of that kind's stack (DeepSeek-V3's [0]*3+[1]*58: two scans),
+        with the recompute policy of the uniform stacks (`scan_layers`).
+
+        One scan over every layer, picking the kind by a conditional, took each stack whole into
+        every iteration: the backward then built a stack-sized gradient per layer (DeepSeek-V3
+        on 256 H100s, deviceless: 2,939 GiB of temporaries per device)."""
         hook = trace.current().layer_grad_hook
         if hook is not None and not hook.per_stack:
             raise ConfigError("a per-layer gradient hook needs one stack of layers (not mixed dense/MoE)")
-        kinds = jnp.asarray(self.layer_kinds, jnp.int32)
-        row = jnp.asarray(_rows_within_kind(self.layer_kinds), jnp.int32)
-        dense_def, dense_state = nnx.split(self.layers)
-        moe_def, moe_state = nnx.split(self.moe_layers)
+        rows = _rows_within_kind(self.layer_kinds)
+        stats, done = zero_stats(), 0
+        for moe, first, last in _runs(self.layer_kinds):
+            name = "moe_layers" if moe else "layers"
+            graphdef, state = nnx.split(getattr(self, name))
+            state = jax.tree.map(lambda a, r=rows[first], n=last - first: a[r:r + n], state)
 
-        def body(x, xs):
-            kind, r, index = xs
-            layer_key = None if key is None else jax.random.fold_in(key, index)
+            def body(x, xs, graphdef=graphdef, name=name):
+                state_l, index = xs
+                if hook is not None:  # FSDP's gather of this layer's weights
+                    state_l = hook.at_layer(state_l, (), name)
 
-            def pick(st, stack):  # row r of a stack; its weights through the hook (FSDP's gather)
-                st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), st)
-                return st if hook is None else hook.at_layer(st, (), stack)
+                def layer():
+                    layer_key = None if key is None else jax.random.fold_in(key, index)
+                    return nnx.merge(graphdef, state_l)(x, positions_bs, segment_ids_bs, layer_key)
 
-            def dense(dense_state, moe_state):
-                y, _ = nnx.merge(dense_def, pick(dense_state, "layers"))(x, positions_bs, segment_ids_bs, layer_key)
-                return y, zero_stats()
+                return fp8.per_layer(self.cfg, index, layer)
 
-            def moe(dense_state, moe_state):
-                return nnx.merge(moe_def, pick(moe_state, "moe_layers"))(x, positions_bs, segment_ids_bs, layer_key)
-
-            def either(dense_state, moe_state):
-                return jax.lax.cond(kind == 1, moe, dense, dense_state, moe_state)
-
-            return fp8.per_layer(self.cfg, index, lambda: either(dense_state, moe_state))
-
-        if self.cfg.recompute_granularity == "full":
-            keep = (lambda prim, params: False) if hook is None else hook.keeps
-            body = jax.checkpoint(body, policy=lambda prim, *_, **params: keep(prim, params))
-        elif hook is not None:  # FSDP's layers gathered again in the backward (no other policy here)
-            body = hook.wrap(body)
-        n = len(self.layer_kinds)
-        x_bsd, stats_l = jax.lax.scan(body, x_bsd, (kinds, row, jnp.arange(n)))
-        return x_bsd, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats_l)
+            n = last - first
+            x_bsd, run_stats = scan_layers(body, x_bsd, (state, jnp.arange(first, last)), n,
+                                           _recompute_from(self.cfg, done), hook)
+            if run_stats:
+                stats = jax.tree.map(jnp.add, stats, run_stats)
+            done += n
+        return x_bsd, stats
 
     def run_layers_cached(self, x_bsd, positions_bs, cache: dict) -> tuple[jax.Array, dict]:
         """All layers on new tokens against the KV cache, in one scan (decoding; no dropout).
@@ -404,6 +402,29 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, n: int, moe: bool | None):
         return MTPLayer(cfg, rngs) if moe is None else Block(cfg, rngs, moe)
 
     return make_layers(rngs)
+
+
+def _runs(kinds) -> list[tuple[bool, int, int]]:
+    """(kind, first, last + 1) of each run of consecutive layers of one kind: [0, 1, 1, 0] ->
+    [(False, 0, 1), (True, 1, 3), (False, 3, 4)]."""
+    runs = []
+    for i, k in enumerate(kinds):
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1], i + 1)
+        else:
+            runs.append((k, i, i + 1))
+    return runs
+
+
+def _recompute_from(cfg: ModelConfig, done: int) -> ModelConfig:
+    """`cfg` for a run of layers after `done` others: --recompute-method block counts its
+    --recompute-num-layers from the model's first layer, not each run's."""
+    if cfg.recompute_granularity != "full" or cfg.recompute_method != "block":
+        return cfg
+    left = (cfg.recompute_num_layers or 1) - done
+    if left > 0:
+        return dataclasses.replace(cfg, recompute_num_layers=left)
+    return dataclasses.replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
 
 
 def _rows_within_kind(kinds) -> list[int]:
