@@ -407,7 +407,7 @@ def test_moe_flags_map_onto_the_config():
 @pytest.mark.parametrize("argv, message", [
     (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
     (["--moe-router-score-function", "relu"], "--moe-router-score-function 'relu'"),
-    (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type 'flex'"),
+    (["--moe-token-dispatcher-type", "deepep"], "--moe-token-dispatcher-type 'deepep'"),  # flex: alltoall
 ])
 def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises((ConfigError, SystemExit)) as e:

@@ -32,8 +32,9 @@ def reduces_once(mesh: Mesh, aux_names=()) -> bool:
     """Whether a step accumulates per-rank gradients and reduces them once after its microbatches
     (the plain step's `reduce_once_loss_and_grads`, the pipeline's per-rank schedule): on a mesh
     with data parallelism (expert parallelism is carved out of it), and when every aux scalar the
-    model reports (`aux_names`) is a MoE rank share ("moe_...": summed over the ranks it gives
-    the whole microbatch's); other aux are batch-wide statistics a per-rank body would change.
+    model reports (`aux_names`) is a rank share ("moe_..." and multi-token prediction's "mtp_...":
+    summed over the ranks it gives the whole microbatch's); other aux are batch-wide statistics
+    a per-rank body would change.
 
     Dropout masks are a function of each element's global index (`models.layers.dropout`, the
     trace's `row_offset`), so a rank running its own rows draws the masks one device draws for
@@ -45,7 +46,7 @@ def reduces_once(mesh: Mesh, aux_names=()) -> bool:
     (tokens, not gradients) runs in it (`parallel/experts.py`).
     """
     sizes = dict(mesh.shape)
-    return sizes[REPLICA] * sizes[DATA] * sizes[EXPERT] > 1 and all(name.startswith("moe_") for name in aux_names)
+    return sizes[REPLICA] * sizes[DATA] * sizes[EXPERT] > 1 and all(name.startswith(("moe_", "mtp_")) for name in aux_names)
 
 
 def rank_axes(mesh: Mesh) -> tuple[str, ...]:
