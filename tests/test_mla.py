@@ -160,8 +160,7 @@ def test_yarn_for_deepseek_v3s_settings():
 
 MTP1, MTP2 = (("mtp_num_layers", 1),), (("mtp_num_layers", 2), ("mtp_loss_scaling_factor", 0.5))
 LAYOUTS = {
-    "dp8_mtp2": (ParallelConfig(), 1, MLA + MTP2),
-    "dp2_tp4_sp": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 4, MLA),
+    "dp2_tp4_sp_mtp2": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 4, MLA + MTP2),
     "dp2_tp2_pp2_q_direct": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
                              NO_Q_LATENT),
     "ep2_tp2_sp_deepseek_moe_mtp": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
@@ -191,9 +190,8 @@ def test_loss_and_every_gradient_match_single_device(name):
 # --------------------------------------------------------------------------- decoding
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_decoding_with_the_latent_cache_equals_the_uncached_forward(tp):
-    model = memory_model(tp, "mla")
+def test_decoding_with_the_latent_cache_equals_the_uncached_forward():
+    model = memory_model(2, "mla")  # heads split over tensor, the latent cache whole on each rank
     prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 21))]
     outs = model.generate(prompts, max_new_tokens=8)
     assert [o.tokens for o in outs] == uncached_greedy(model.logits, prompts, 8, 32)
@@ -279,9 +277,7 @@ HF5 = os.path.join(os.path.dirname(__file__), "fixtures", "hf5")  # written by t
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_q_direct"])
 def test_deepseek_v3_exports_the_tensors_it_imported(tmp_path, name):
-    """import-hf then export-hf gives back transformers' own tensors (every one, exactly) and a
-    config.json that loads to the same logits (tests/test_hf_rope.py checks those against
-    transformers')."""
+    """import-hf then export-hf gives back transformers' own tensors, every one, exactly."""
     from safetensors.numpy import load_file
 
     from mlm_jax.tools import checkpoint as hfc
@@ -299,9 +295,7 @@ def test_deepseek_v3_exports_the_tensors_it_imported(tmp_path, name):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    ids = np.load(os.path.join(folder, "ids.npy"))
-    np.testing.assert_allclose(mlm_jax.load(str(tmp_path / "hf")).logits(ids),
-                               np.load(os.path.join(folder, "logits.npy")), rtol=1e-4, atol=1e-4)
+    # the exported config.json: its logits against transformers' in tests/test_hf_rope.py (round trip)
 
 
 def test_the_deepseek_fixture_tells_yarn_groups_and_the_bias_apart():
