@@ -449,7 +449,7 @@ def export_kind(m: ModelConfig) -> str:
 
 def _mixtral_export_kind(m: ModelConfig, kind: str) -> str:
     """mixtral when the MoE model is one MixtralForCausalLM computes; else an error naming why."""
-    problems = [why for bad, why in [
+    checks = [
         (kind != "llama", "Llama's attention and norms (rope, RMSNorm, SwiGLU, no biases)"),
         (any(not m.is_moe_layer(i) for i in range(m.num_layers)), "every layer MoE (--moe-layer-freq 1)"),
         (m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax, "the softmax router without pre-softmax"),
@@ -457,11 +457,16 @@ def _mixtral_export_kind(m: ModelConfig, kind: str) -> str:
          "plain top-k routing (no groups, scaling factor or expert bias)"),
         (m.moe_expert_capacity_factor is not None, "dropless experts (no --moe-expert-capacity-factor)"),
         (bool(m.moe_shared_expert_intermediate_size), "no shared expert"),
-    ] if bad]
-    if problems:
-        raise HFError("this MoE model has no Hugging Face equivalent: MixtralForCausalLM needs "
-                      + "; ".join(problems))
+    ]
+    _refuse_unless(checks, "this MoE model", "MixtralForCausalLM")
     return "mixtral"
+
+
+def _refuse_unless(checks: list[tuple[bool, str]], model: str, hf_class: str) -> None:
+    """An HFError naming what `hf_class` needs that `model` lacks: each (lacking, what it needs)."""
+    problems = [why for bad, why in checks if bad]
+    if problems:
+        raise HFError(f"{model} has no Hugging Face equivalent: {hf_class} needs " + "; ".join(problems))
 
 
 def _deepseek_v3_export_kind(m: ModelConfig) -> str:
@@ -469,7 +474,7 @@ def _deepseek_v3_export_kind(m: ModelConfig) -> str:
     moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
     dense = moe.index(True) if any(moe) else m.num_layers
     K, g = m.moe_router_topk, m.moe_router_group_topk
-    problems = [why for bad, why in [
+    checks = [
         ((m.position_embedding_type, m.normalization, m.swiglu, m.add_bias_linear) != ("rope", "RMSNorm", True, False),
          "rope, RMSNorm, SwiGLU and no biases"),
         (not m.qk_layernorm, "the latents' norms (--qk-layernorm)"),
@@ -483,10 +488,8 @@ def _deepseek_v3_export_kind(m: ModelConfig) -> str:
         (any(moe) and m.moe_expert_capacity_factor is not None, "dropless experts (no --moe-expert-capacity-factor)"),
         (any(moe) and (m.moe_shared_expert_intermediate_size or 0) % m.moe_ffn_size != 0,
          "a shared expert of a whole number of experts' size"),
-    ] if bad]
-    if problems:
-        raise HFError("this multi-latent attention model has no Hugging Face equivalent: DeepseekV3ForCausalLM needs "
-                      + "; ".join(problems))
+    ]
+    _refuse_unless(checks, "this multi-latent attention model", "DeepseekV3ForCausalLM")
     return "deepseek_v3"
 
 
