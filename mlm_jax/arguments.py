@@ -58,7 +58,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--bf16", "model", "bf16", "true", "bf16 compute, fp32 master params and optimizer state"),
     ("--fp16", "model", "fp16", "true", "fp16 compute, fp32 master params and optimizer state, loss scaling (dynamic unless --loss-scale)"),
     # fp8 (mlm_jax/models/fp8.py, docs/guides/fp8.md)
-    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2), and MoE experts with --moe-pad-expert-input-to-capacity; needs --bf16"),
+    ("--fp8-format", "model", "fp8_format", "str", "e4m3 | hybrid: the layers' projections (QKV, attention output, MLP) multiply fp8 operands, e4m3 (hybrid: gradients e5m2), and so do the MoE experts; needs --bf16"),
     ("--fp8-recipe", "model", "fp8_recipe", "str", "delayed (scales from an amax history of earlier steps) | tensorwise (per-tensor current scaling: each tensor's amax in this step); blockwise | mxfp8 | custom are refused"),
     ("--fp8-margin", "model", "fp8_margin", "int", "fp8 scales keep 2^margin headroom below the format's largest value (default 0)"),
     ("--fp8-amax-history-len", "model", "fp8_amax_history_len", "int", "delayed scaling: steps of amax history kept per tensor (default 1)"),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -107,9 +108,8 @@ LAYOUTS = {
                                   "--fp8-amax-history-len 16 --fp8-amax-compute-algo max", True),
     "fp8_tensorwise_cp2_p2p_tp2_dots": (BF16 + FP8 + " --fp8-recipe tensorwise --context-parallel-size 2 --cp-comm-type p2p "
                                         "--tensor-model-parallel-size 2 --recompute-granularity dots", True),
-    # The experts' products fp8 too: batched matmuls over [experts, capacity] slots
-    "fp8_tensorwise_ep4_padded": (BF16 + FP8 + MOE + " --fp8-recipe tensorwise --expert-model-parallel-size 4 "
-                                  "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", True),
+    # The experts' products fp8 too: the dropless grouped kernels (fp8 wgmma)
+    "fp8_tensorwise_ep4": (BF16 + FP8 + MOE + " --fp8-recipe tensorwise --expert-model-parallel-size 4", True),
     # Megatron-FSDP: 4 layers, each gathered and reduce-scattered inside the layer loop
     "fsdp_params_dp8": (BF16 + " --use-megatron-fsdp --num-layers 4", True),
     "fsdp_params_tp2_sp_dp4": (BF16 + " --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel "
@@ -493,11 +493,13 @@ def test_fp8_projections_are_fp8_gemms(plans, name):
 
 # --------------------------------------------------------------------------- the compiler and the targets
 
-def _gpu_process(script: str, timeout=900) -> dict:
+def _gpu_process(script: str, timeout=900, xla_flags: str = "") -> dict:
     """Run `script` in a process started with the XLA flags a GPU run sets (`xla_flags.apply`
-    before jax starts, as `mlm_jax.plan` does); it prints one JSON line last."""
+    before jax starts, as `mlm_jax.plan` does) after `xla_flags`; it prints one JSON line last."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     env["PYTHONPATH"] = str(root)
     preamble = ("import json, re\nfrom mlm_jax import xla_flags\nfrom mlm_jax.arguments import parse_args\n"
                 "xla_flags.apply(parse_args([]).parallel, gpu=True)\nimport jax, jax.numpy as jnp\n"
@@ -535,6 +537,36 @@ print(json.dumps(out))
     (full, _), (tight, tight_temp) = got["84942979072"], got["400000000"]
     assert full > 0 and tight == full, got
     assert tight_temp > 400_000_000 * 0.9, got  # the step did come near the small memory
+
+
+def test_fp8_experts_multiply_on_fp8_wgmma(tmp_path):
+    """The dropless experts' three fp8 products (models/fp8.py `grouped`: the forward e4m3 x e4m3,
+    the input gradient e5m2 x e4m3, the weight gradient e4m3 x e5m2) compile, in the grouped
+    kernels' PTX for an H100, to Hopper's fp8 wgmma with fp32 accumulation, and nothing to the
+    f16 `mma.sync` that Pallas's own dot lowering falls back to for fp8 (kernels/tile_dot.py).
+    (jax 0.12's XLA writes the kernels' PTX only where an emitter pattern is given.)"""
+    got = _gpu_process("""
+import glob
+from jax.sharding import Mesh, SingleDeviceSharding
+from mlm_jax import platform
+from mlm_jax.models import fp8
+from mlm_jax.plan.targets import devices, gpu
+from mlm_jax.sharding import trace
+dev = devices(gpu("h100"), 1, 1)[0]
+one = SingleDeviceSharding(dev)
+x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16, sharding=one)
+w = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16, sharding=one)
+sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=one)
+def loss(x, w, sizes):
+    return jnp.sum(fp8.grouped(x, w, sizes, fp8.Recipe()).astype(jnp.float32))
+with jax.set_mesh(Mesh([dev], ("x",))), trace.using(platform=platform.CUDA):
+    jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w, sizes).compile()
+ptx = "".join(open(f).read() for f in glob.glob(sys.argv[1] + "/*.ptx"))
+print(json.dumps(sorted(set(re.findall(r"wgmma\\.mma_async\\S*|mma\\.sync\\S*", ptx)))))
+""".replace("sys.argv[1]", repr(str(tmp_path))), xla_flags=f"--xla_dump_to={tmp_path} --xla_gpu_dump_llvmir --xla_dump_emitter_re=.*")
+    kinds = {re.sub(r"\.m64n\d+k\d+", "", k) for k in got}
+    assert kinds == {f"wgmma.mma_async.sync.aligned.f32.{a}.{b}" for a, b in
+                     (("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2"))}, got
 
 
 def test_targets_describe_the_installed_cudnn_and_cuda():

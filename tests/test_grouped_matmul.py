@@ -19,7 +19,7 @@ import pytest
 
 from mlm_jax import platform
 from mlm_jax.kernels import Tiles, grouped_matmul
-from mlm_jax.kernels.grouped_matmul import default_implementation, tile_table
+from mlm_jax.kernels.grouped_matmul import default_implementation, grouped_product, grouped_weight_product, tile_table
 from mlm_jax.sharding import trace
 
 SMALL = Tiles(tm=8, tk=8, tn=8, band=2)  # band 2: several bands of row tiles
@@ -141,3 +141,36 @@ def test_bad_arguments_are_named():
         grouped_matmul(x, w.astype(jnp.bfloat16), sizes, implementation="pallas")
     with pytest.raises(ValueError, match="power of 2"):
         Tiles(tm=24)
+
+
+@functools.cache
+def _fp8_products(implementation: str):
+    """(forward e4m3 x e4m3, input gradient e5m2 x e4m3 with w read transposed, weight gradient
+    e4m3 x e5m2), each in fp32: the products of an fp8 MoE layer (models/fp8.py `grouped`)."""
+    def run(x, w, sizes, dy):
+        e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+        tiles = SMALL if implementation == "pallas" else None
+        kw = dict(implementation=implementation, tiles=tiles)
+        return (grouped_product(x.astype(e4), w.astype(e4), sizes, jnp.float32, **kw),
+                grouped_product(dy.astype(e5), w.astype(e4), sizes, jnp.float32, transpose_w=True, **kw),
+                grouped_weight_product(x.astype(e4), dy.astype(e5), sizes, jnp.float32, **kw))
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("sizes", [[0, 5, 11, 0, 9, 0], [10, 3, 0, 7, 9, 8]])
+def test_fp8_operands_of_two_formats_match_ragged_dot(sizes):
+    """fp8 operands, the two formats mixed as a `hybrid` backward mixes them, through the kernels'
+    fp8 tile product (`tile_dot`): the same products as `ragged_dot` of the operands widened
+    (fp8 values are exact in fp32; only the order of the sums differs: within 1e-5 of the scale)."""
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x, w, dy = _inputs(37, 20, 13, sizes.shape[0], jnp.float32)
+    got = _fp8_products("pallas")(x, w, sizes, dy)
+    want = _fp8_products("xla")(x, w, sizes, dy)
+    for name, a, b in zip(("out", "d_x", "d_w"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype == jnp.float32, (name, a.shape, b.shape)
+        scale = float(jnp.abs(b).max())
+        assert scale > 1 and float(jnp.abs(a - b).max()) <= 1e-5 * scale, (name, float(jnp.abs(a - b).max()))
+    # ...and they are the fp8 products: fp32 operands give other values
+    exact = jax.lax.ragged_dot(x, w, sizes)
+    assert float(jnp.abs(got[0] - exact).max()) > 1e-2 * float(jnp.abs(exact).max())

@@ -212,6 +212,27 @@ def test_dropless_experts_execute_the_model_s_flops_with_the_grouped_kernel(layo
     assert analytic.executed_flops(padded, L) == pytest.approx(analytic.step_flops(padded, L), rel=1e-12)
 
 
+def test_step_flops_are_the_run_log_s_for_a_deepseek_shaped_moe():
+    """The planner's model FLOPs (`step_flops`, Megatron's full-square attention) are those the
+    run logs and MFU uses (`metrics.flops_per_token`, causal=False) for a MoE with a dense first
+    layer, a shared expert and a multi-token-prediction depth. The shared expert was missing
+    from the planner's count. fp8 (`fp8_flops`): every projection, the shared and the routed
+    experts (the grouped kernels multiply fp8) and the MTP depth's layer, not the router,
+    attention, the MTP projection or the heads."""
+    from mlm_jax.metrics import flops_per_token
+
+    flags = (f"{SMALL_MOE} --moe-shared-expert-intermediate-size 512 --moe-layer-freq [0]+[1]*7 "
+             "--mtp-num-layers 1 --bf16 --fp8-format hybrid")
+    cfg, L = _layout(flags, 8)
+    m, s, B = cfg.model, 1024, 8
+    assert analytic.step_flops(cfg, L) == pytest.approx(flops_per_token(m, s, causal=False) * B * s, rel=1e-12)
+    h, f, k, sh = 1024, 2048, 2, 512
+    mlp = lambda ffn: 2 * (h * 2 * ffn + ffn * h)  # noqa: E731 (SwiGLU)
+    per_layer = 2 * m.attention_weights
+    fp8 = 3 * (9 * per_layer + mlp(m.ffn_size) + 8 * (k * mlp(f) + mlp(sh))) * B * s  # MTP's layer: a MoE one
+    assert analytic.fp8_flops(cfg, L) == pytest.approx(fp8, rel=1e-12)
+
+
 def test_the_winner_s_command_line_parses_without_data_parallelism():
     """A layout with no data parallelism (tp2 x pp16 x cp2 on 64 GPUs) has no distributed
     optimizer, so the user's --overlap-param-gather (which needs it) is left out of its command

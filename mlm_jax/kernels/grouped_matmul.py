@@ -17,6 +17,10 @@ group in row tiles instead:
 - weight gradient, dw[g] = x_g^T @ dy_g: one program per (group, k tile, n tile), looping over
   that group's rows (none for an empty group: zeros).
 
+fp8 operands (`grouped_product`, `grouped_weight_product`: no autodiff, models/fp8.py supplies
+the backward; two formats may mix) multiply through `tile_dot`, which keeps them fp8 on Hopper's
+`wgmma` where Pallas's own dot lowering would upcast them to f16.
+
 Executed FLOPs are at most (1 + (G - 1) tm / R) times the useful ones (forward and input
 gradient), (1 + G tk / R) for the weight gradient: 1.094 x in all at Mixtral's sizes
 (tests/test_gpu_compile.py). Off a GPU the kernels run in Pallas's interpret mode (the CPU test
@@ -42,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mlm_jax import platform
+from mlm_jax.kernels.tile_dot import tile_dot
 from mlm_jax.sharding.mesh import varying, varying_axes
 
 PALLAS, XLA = "pallas", "xla"
@@ -86,20 +91,67 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str | None = None, tile
     implementation: 'pallas' (the kernels here; Triton on a GPU, interpret mode elsewhere), 'xla'
     (`jax.lax.ragged_dot`), None: `default_implementation()`. tiles: the kernels' tiles
     (`Tiles()` by default). Differentiable in x and w (the kernels' own backward)."""
-    implementation = implementation or default_implementation()
+    implementation = _implementation(implementation, x, w, group_sizes)
     if implementation == XLA:
         return jax.lax.ragged_dot(x, w, group_sizes)
-    if implementation != PALLAS:
-        raise ValueError(f"implementation {implementation!r}: choose 'pallas', 'xla' or None")
-    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != w.shape[:1] or x.shape[1] != w.shape[1]:
-        raise ValueError(f"want x [R, k], w [G, k, n], group_sizes [G]; got {x.shape}, {w.shape}, {group_sizes.shape}")
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     if x.shape[0] == 0:  # no rows, no kernel (and zero gradients)
         return jnp.zeros((0, w.shape[2]), x.dtype)
-    interpret = platform.current() not in (platform.CUDA, platform.ROCM)
     x, w, group_sizes = _varying_alike(x, w, group_sizes.astype(jnp.int32))
-    return _pallas_gmm(x, w, group_sizes, tiles or Tiles(), interpret)
+    return _pallas_gmm(x, w, group_sizes, tiles or Tiles(), _interpret())
+
+
+def grouped_product(x, w, group_sizes, out_dtype, *, transpose_w: bool = False, implementation: str | None = None,
+                    tiles: Tiles | None = None):
+    """out[r] = x[r] @ w[g(r)] as `grouped_matmul`, in `out_dtype`, with no autodiff: x and w may be
+    fp8, of two formats (a caller with its own backward: models/fp8.py). transpose_w: w is
+    [G, n, k], read as its transpose (an input gradient). The kernels keep fp8 operands fp8 on an
+    H100 (`tile_dot`); the 'xla' implementation widens them to `out_dtype` (exactly) for
+    `ragged_dot`."""
+    implementation = _implementation(implementation, x, w.swapaxes(1, 2) if transpose_w else w, group_sizes)
+    if implementation == XLA:
+        w = w.swapaxes(1, 2) if transpose_w else w
+        return jax.lax.ragged_dot(x.astype(out_dtype), w.astype(out_dtype), group_sizes,
+                                  preferred_element_type=jnp.float32).astype(out_dtype)
+    if x.shape[0] == 0:
+        return jnp.zeros((0, w.shape[1] if transpose_w else w.shape[2]), out_dtype)
+    x, w, group_sizes = _varying_alike(x, w, group_sizes.astype(jnp.int32))
+    return _gmm(x, w, group_sizes, tiles or Tiles(), _interpret(), transpose_w=transpose_w, out_dtype=out_dtype)
+
+
+def grouped_weight_product(x, dy, group_sizes, out_dtype, *, implementation: str | None = None,
+                           tiles: Tiles | None = None):
+    """dw[g] = x_g^T @ dy_g ([G, k, n] in `out_dtype`, zero for an empty group): the weight
+    gradient of `grouped_product`, x [R, k] and dy [R, n] of any float types (fp8 included)."""
+    G = group_sizes.shape[0]
+    implementation = _implementation(implementation, x, jnp.zeros((G, x.shape[1], dy.shape[1]), dy.dtype),
+                                     group_sizes)
+    if implementation == XLA:
+        # (typed as varying as the operands: a transpose onto an invariant zero sums over the ranks)
+        dw0 = varying(jnp.zeros((G, x.shape[1], dy.shape[1]), out_dtype), sorted(varying_axes(x) | varying_axes(dy)))
+        _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(x.astype(out_dtype), w, group_sizes,
+                                                      preferred_element_type=jnp.float32), dw0)
+        return vjp(dy.astype(jnp.float32))[0].astype(out_dtype)
+    if x.shape[0] == 0:
+        return jnp.zeros((G, x.shape[1], dy.shape[1]), out_dtype)
+    x, dy, group_sizes = _varying_alike(x, dy, group_sizes.astype(jnp.int32))
+    return _tgmm(x, dy, group_sizes, tiles or Tiles(), _interpret(), out_dtype=out_dtype)
+
+
+def _implementation(implementation, x, w, group_sizes) -> str:
+    """The implementation asked for (None: the default) once the operands' shapes are checked."""
+    implementation = implementation or default_implementation()
+    if implementation not in (PALLAS, XLA):
+        raise ValueError(f"implementation {implementation!r}: choose 'pallas', 'xla' or None")
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != w.shape[:1] or x.shape[1] != w.shape[1]:
+        raise ValueError(f"want x [R, k], w [G, k, n], group_sizes [G]; got {x.shape}, {w.shape}, {group_sizes.shape}")
+    return implementation
+
+
+def _interpret() -> bool:
+    """Whether the kernels run in Pallas's interpret mode (off a GPU)."""
+    return platform.current() not in (platform.CUDA, platform.ROCM)
 
 
 def _varying_alike(*arrays):
@@ -168,15 +220,16 @@ def _params(tiles: Tiles, interpret: bool) -> dict:
     return {"compiler_params": plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)}
 
 
-def _gmm(x_rk, w, sizes_g, tiles: Tiles, interpret: bool, *, transpose_w: bool = False):
-    """out[r] = x[r] @ w[g(r)] ([R, n] in x's dtype); transpose_w: w is [G, n, k] read as its
-    transpose, out[r] = x[r] @ w[g(r)]^T (the input gradient, with no transposed copy of w)."""
+def _gmm(x_rk, w, sizes_g, tiles: Tiles, interpret: bool, *, transpose_w: bool = False, out_dtype=None):
+    """out[r] = x[r] @ w[g(r)] ([R, n] in `out_dtype`, default x's dtype); transpose_w: w is
+    [G, n, k] read as its transpose, out[r] = x[r] @ w[g(r)]^T (the input gradient, with no
+    transposed copy of w)."""
     R, K = x_rk.shape
     N = w.shape[1] if transpose_w else w.shape[2]
     table = tile_table(sizes_g, R, tiles.tm)
     kernel = functools.partial(_gmm_kernel, tiles=tiles, transpose_w=transpose_w)
     return pl.pallas_call(
-        kernel, out_shape=_result((R, N), x_rk.dtype, x_rk),
+        kernel, out_shape=_result((R, N), out_dtype or x_rk.dtype, x_rk),
         grid=(table.shape[1] * pl.cdiv(N, tiles.tn),), name="grouped_matmul" + ("_wt" if transpose_w else ""),
         **_params(tiles, interpret))(table, x_rk, w)
 
@@ -198,10 +251,9 @@ def _gmm_kernel(table_ref, x_ref, w_ref, out_ref, *, tiles: Tiles, transpose_w: 
         x_mk = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, tk)], _both(read_m, in_k, (tm, tk)))
         if transpose_w:
             w_nk = _load(w_ref.at[group, pl.ds(n0, tn), pl.ds(k0, tk)], _both(in_n, in_k, (tn, tk)))
-            return acc_mn + jax.lax.dot_general(x_mk, w_nk, (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
+            return acc_mn + _product(x_mk, w_nk, (((1,), (1,)), ((), ())))
         w_kn = _load(w_ref.at[group, pl.ds(k0, tk), pl.ds(n0, tn)], _both(in_k, in_n, (tk, tn)))
-        return acc_mn + jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
+        return acc_mn + _product(x_mk, w_kn, (((1,), (0,)), ((), ())))
 
     # An entry with no rows of its group to read (tail rows past the groups' sum) writes zeros.
     # (integer arithmetic, not a select: Triton's loop bound came out as an i1 from one)
@@ -212,13 +264,13 @@ def _gmm_kernel(table_ref, x_ref, w_ref, out_ref, *, tiles: Tiles, transpose_w: 
                 mask=_both(write_m, in_n, (tm, tn)))
 
 
-def _tgmm(x_rk, dy_rn, sizes_g, tiles: Tiles, interpret: bool):
-    """dw[g] = x_g^T @ dy_g: [G, K, N] in x's dtype, zero for an empty group."""
+def _tgmm(x_rk, dy_rn, sizes_g, tiles: Tiles, interpret: bool, *, out_dtype=None):
+    """dw[g] = x_g^T @ dy_g: [G, K, N] in `out_dtype` (default x's dtype), zero for an empty group."""
     (R, K), N, G = x_rk.shape, dy_rn.shape[1], sizes_g.shape[0]
     starts_g, ends_g = _group_bounds(sizes_g, R)
     bounds = jnp.stack([starts_g, ends_g])  # [2, g]
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, tiles=tiles), out_shape=_result((G, K, N), x_rk.dtype, x_rk),
+        functools.partial(_tgmm_kernel, tiles=tiles), out_shape=_result((G, K, N), out_dtype or x_rk.dtype, x_rk),
         grid=(G * pl.cdiv(K, tiles.tm) * pl.cdiv(N, tiles.tn),), name="grouped_matmul_dw",
         **_params(tiles, interpret))(bounds, x_rk, dy_rn)
 
@@ -240,11 +292,24 @@ def _tgmm_kernel(bounds_ref, x_ref, dy_ref, dw_ref, *, tiles: Tiles):
         in_group = r0 + jnp.arange(tk) < end
         x_rk = _load(x_ref.at[pl.ds(r0, tk), pl.ds(k0, tm)], _both(in_group, in_k, (tk, tm)))
         dy_rn = _load(dy_ref.at[pl.ds(r0, tk), pl.ds(n0, tn)], _both(in_group, in_n, (tk, tn)))
-        return acc_kn + jax.lax.dot_general(x_rk, dy_rn, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc_kn + _product(x_rk, dy_rn, (((0,), (0,)), ((), ())))
 
     acc_kn = jax.lax.fori_loop(0, pl.cdiv(end - start, tk), step, jnp.zeros((tm, tn), jnp.float32))
     plgpu.store(dw_ref.at[g, pl.ds(k0, tm), pl.ds(n0, tn)], acc_kn.astype(dw_ref.dtype),
                 mask=_both(in_k, in_n, (tm, tn)))
+
+
+def _product(a, b, dims):
+    """`dot_general(a, b, dims)` of two tiles in fp32: fp8 operands through `tile_dot` (which keeps
+    them fp8 on an H100 and takes two formats), others through jax's dot."""
+    if not (_is_fp8(a.dtype) or _is_fp8(b.dtype)):
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    ((ca,), (cb,)), _ = dims
+    return tile_dot(a if ca == 1 else a.T, b if cb == 0 else b.T)
+
+
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _banded(pid, rows: int, cols: int, band: int):
@@ -257,7 +322,7 @@ def _banded(pid, rows: int, cols: int, band: int):
 
 def _load(ref, mask):
     """The tile `ref`, 0 where `mask` is false (None: all of it)."""
-    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _both(rows, cols, shape):

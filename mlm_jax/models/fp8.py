@@ -42,9 +42,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mlm_jax.config import FP8_FORMATS, FP8_RECIPES, ModelConfig  # noqa: F401 (the names fp8 offers)
+from mlm_jax.kernels.grouped_matmul import grouped_product, grouped_weight_product
+from mlm_jax.kernels.tile_dot import FP8_ON_GPU
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import in_mesh_order, psum, varying, varying_axes
 
@@ -259,16 +262,18 @@ def _scaled(spec: str, a, b, scale, dtype):
 
 
 def experts(cfg: ModelConfig) -> Recipe | None:
-    """The fp8 recipe of a MoE layer's experts here, or None (they run in the compute dtype): fp8
-    where their products are batched matmuls over [experts, capacity] slots
-    (--moe-pad-expert-input-to-capacity: cuBLASLt fp8 GEMMs on an H100), with current
-    (tensorwise) scaling under either recipe (the histories cover the dense projections); the
-    dropless grouped matmul (a Pallas kernel, whose Triton lowering upcasts fp8) stays in the
-    compute dtype. Traced inside the experts' dispatch, every manual axis but `pipe` holds a
-    piece of the rows or of the weights (data and expert the rows, expert and tensor the weights),
-    so each amax is a max over them: the whole tensor's, as one device has it."""
+    """The fp8 recipe of a MoE layer's experts here, or None (they run in the compute dtype), with
+    current (tensorwise) scaling under either recipe (the histories cover the dense projections).
+    Their products are fp8 where they run as the dropless grouped matmul's kernels (`grouped`:
+    on an H100 the Pallas kernels multiply fp8 operands on fp8 `wgmma`) or as batched matmuls
+    over [experts, capacity] slots (--moe-pad-expert-input-to-capacity: cuBLASLt fp8 GEMMs); not
+    where a notebook sets `moe_grouped_gemm=False` (XLA's `ragged_dot`, which XLA:GPU expands
+    into a dense product over every expert, has no fp8 GEMM). Traced inside the experts'
+    dispatch, every manual axis but `pipe` holds a piece of the rows or of the weights (data and
+    expert the rows, expert and tensor the weights), so each amax is a max over them: the whole
+    tensor's, as one device has it."""
     rec = recipe(cfg)
-    if rec is None or not cfg.moe_pad_expert_input_to_capacity:
+    if rec is None or not (cfg.moe_pad_expert_input_to_capacity or cfg.moe_grouped_gemm):
         return None
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
     axes = in_mesh_order(a for a in manual if a != "pipe") or None
@@ -276,11 +281,61 @@ def experts(cfg: ModelConfig) -> Recipe | None:
 
 
 def experts_note(cfg: ModelConfig) -> str | None:
-    """What an fp8 MoE run's log says of its experts where they stay in the compute dtype."""
-    if cfg.fp8_format is None or not cfg.num_experts or cfg.moe_pad_expert_input_to_capacity:
+    """What an fp8 MoE run's log says of its experts where their products cannot be fp8."""
+    if cfg.fp8_format is None or not cfg.num_experts or cfg.moe_pad_expert_input_to_capacity or FP8_ON_GPU:
         return None
-    return ("the MoE experts' grouped matmul stays bf16 (its Pallas-Triton kernel would upcast fp8); with "
-            "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity the experts multiply fp8 too")
+    return (f"jax {jax.__version__} has no Pallas-Triton lowering table for the fp8 tile product: the MoE "
+            "experts' grouped-matmul kernels upcast their fp8 operands to f16 on GPUs")
+
+
+def grouped(x: jax.Array, w: jax.Array, sizes: jax.Array, rec: Recipe, implementation: str | None = None):
+    """`grouped_matmul(x, w, sizes)` (rows sorted by expert: x [R, k], w [G, k, n]) with fp8
+    operands under `rec`: the forward e4m3 x e4m3, the input gradient (gradient format) x e4m3
+    and the weight gradient e4m3 x (gradient format) (in the compute dtype from x itself with
+    --no-fp8-wgrad), each descaled in fp32, the result in x's dtype. Each amax is that of the
+    rows the groups hold (rows past their sum are no one's, and their count differs by layout)."""
+    rec = dataclasses.replace(rec, operand_axes=(tuple(sorted(varying_axes(x))), tuple(sorted(varying_axes(w)))))
+    return _grouped(x, w, sizes, rec, implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, sizes, rec, implementation):
+    return _grouped_forward(x, w, sizes, rec, implementation)[0]
+
+
+def _held(rows: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`rows` [R, ...] with the rows past the groups' sum zeroed."""
+    return jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None], rows, jnp.zeros((), rows.dtype))
+
+
+def _grouped_forward(x, w, sizes, rec, implementation):
+    x = _held(x, sizes)
+    sx = scale_of(amax(x, rec.rows_over), rec.forward, rec.margin)
+    sw = scale_of(amax(w, rec.weights_over), rec.forward, rec.margin)
+    xq, wq = cast(x, sx, rec.forward), cast(w, sw, rec.forward)
+    y = grouped_product(xq, wq, sizes, x.dtype, implementation=implementation)
+    return _descaled(y, sx * sw), (xq if rec.wgrad else x, sx, wq, sw, sizes)
+
+
+def _grouped_backward(rec, implementation, res, dy):
+    x_kept, sx, wq, sw, sizes = res
+    dy = _held(dy, sizes)
+    sg = scale_of(amax(dy, rec.rows_over), rec.backward, rec.margin)
+    gq = cast(dy, sg, rec.backward)
+    dx = _descaled(grouped_product(gq, wq, sizes, dy.dtype, transpose_w=True, implementation=implementation), sg * sw)
+    if rec.wgrad:
+        dw = _descaled(grouped_weight_product(x_kept, gq, sizes, dy.dtype, implementation=implementation), sx * sg)
+    else:
+        dw = grouped_weight_product(x_kept, dy, sizes, dy.dtype, implementation=implementation)
+    dx, dw = _summed_to(dx, rec.operand_axes[0]), _summed_to(dw, rec.operand_axes[1])
+    return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_grouped.defvjp(_grouped_forward, _grouped_backward)
+
+
+def _descaled(y: jax.Array, scale: jax.Array) -> jax.Array:
+    return (y.astype(jnp.float32) * scale).astype(y.dtype)
 
 
 def here(rec: Recipe) -> Recipe:
@@ -341,9 +396,10 @@ def _backward(spec, rec, res, dy):
 
 
 def _summed_to(d: jax.Array, axes: tuple) -> jax.Array:
-    """`d` summed over the manual axes it varies over and its primal (varying over `axes`) does not."""
+    """`d` summed over the manual axes it varies over and its primal (varying over `axes`) does
+    not, and typed as varying over those the primal does."""
     extra = in_mesh_order(varying_axes(d) - set(axes))
-    return psum(d, extra) if extra else d
+    return varying(psum(d, extra) if extra else d, axes)
 
 
 _product.defvjp(_forward, _backward)

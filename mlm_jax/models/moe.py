@@ -395,8 +395,10 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, group
     xs = x_rd if grouped else x_rd[order]  # [R, d]
     sizes = jnp.bincount(ids_r, length=n_local + 1)[:n_local].astype(jnp.int32)  # [n_local]
     valid = ids_s < n_local
+    rec = fp8.experts(cfg)
     if cap is None:
-        gmm = functools.partial(grouped_matmul, implementation=None if cfg.moe_grouped_gemm else XLA)
+        gmm = (functools.partial(grouped_matmul, implementation=None if cfg.moe_grouped_gemm else XLA)
+               if rec is None else functools.partial(fp8.grouped, rec=rec))
         w1_flat = w1.reshape(n_local, w1.shape[1], -1)  # [e, d, (2*)f]
         h = checkpoint_name(gmm(xs, w1_flat, sizes), EXPERT_HIDDEN).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
@@ -408,7 +410,6 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, group
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
         e_idx = jnp.where(valid, ids_s, n_local)  # out of range: dropped by the scatter
         buf = jnp.zeros((n_local, cap, x_rd.shape[1]), x_rd.dtype).at[e_idx, slot].set(xs, mode="drop")
-        rec = fp8.experts(cfg)
         product = jnp.einsum if rec is None else (lambda spec, a, b: fp8.bound_einsum(spec, a, b, rec))
         h = product("ecd,edf->ecf", buf, w1.reshape(n_local, w1.shape[1], -1)).reshape(*buf.shape[:2], *w1.shape[2:])
         h = checkpoint_name(h, EXPERT_HIDDEN)  # [e, c, (2,) f]

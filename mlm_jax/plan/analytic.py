@@ -513,8 +513,7 @@ def step_flops(cfg, L: Layout) -> float:
     for i in range(m.num_layers):
         scores = 2 * s * m.attention_core_width
         if m.is_moe_layer(i):
-            f, k = m.moe_ffn_size, m.moe_router_topk
-            mlp = k * 2 * (h * f * (2 if m.swiglu else 1) + f * h) + 2 * h * m.num_experts
+            mlp = sum(_moe_flops(m)) + 2 * h * m.num_experts  # the experts and the router
         else:
             mlp = dense_mlp
         fwd_token += qkvo + scores + mlp
@@ -526,8 +525,20 @@ def step_flops(cfg, L: Layout) -> float:
 
 def _projection_flops(m) -> tuple[int, int]:
     """Forward FLOPs per token of a layer's QKV and output projections, and of a dense MLP."""
+    return 2 * m.attention_weights, _mlp_flops(m, m.ffn_size)
+
+
+def _mlp_flops(m, ffn: int) -> int:
+    """Forward FLOPs per token of an MLP of hidden size `ffn` (gated under SwiGLU)."""
     h = m.hidden_size
-    return 2 * m.attention_weights, 2 * (h * f_gate(m) + m.ffn_size * h)
+    return 2 * (h * ffn * (2 if m.swiglu else 1) + ffn * h)
+
+
+def _moe_flops(m) -> tuple[int, int]:
+    """Forward FLOPs per token of a MoE layer's routed experts (top-k of them) and of its shared
+    expert (0 without one)."""
+    shared = m.moe_shared_expert_intermediate_size
+    return m.moe_router_topk * _mlp_flops(m, m.moe_ffn_size), _mlp_flops(m, shared) if shared else 0
 
 
 def _passes(L: Layout) -> int:
@@ -572,14 +583,21 @@ def executed_flops(cfg, L: Layout) -> float:
 
 def fp8_flops(cfg, L: Layout) -> float:
     """Of `executed_flops`, those of fp8 products (--fp8-format; models/fp8.py): the QKV, output
-    and dense MLP projections of the layers not kept in bf16 (--first-last-layers-bf16); the
-    experts, attention and the head stay bf16. They run at twice the bf16 rate (`predict`)."""
+    and MLP projections of the layers not kept in bf16 (--first-last-layers-bf16), a MoE layer's
+    shared expert and its routed experts' products (top-k per token) where they are fp8
+    (`fp8.experts`: the grouped kernels or capacity slots), and each multi-token-prediction
+    depth's layer; attention, the router and the heads stay bf16. They run at
+    twice the bf16 rate (`predict`)."""
     m = cfg.model
     if m.fp8_format is None:
         return 0.0
     start, end = (m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) if m.first_last_layers_bf16 else (0, 0)
     qkvo, dense_mlp = _projection_flops(m)
-    fwd_token = sum(qkvo + (0 if m.is_moe_layer(i) else dense_mlp) for i in range(start, m.num_layers - end))
+    routed, shared = _moe_flops(m) if m.num_experts else (0, 0)
+    moe_mlp = (routed if m.moe_grouped_gemm or m.moe_pad_expert_input_to_capacity else 0) + shared
+    layer = lambda i: qkvo + (moe_mlp if m.is_moe_layer(i) else dense_mlp)  # noqa: E731
+    # multi-token prediction: a layer of the last layer's kind per depth (its eh_proj stays bf16)
+    fwd_token = sum(map(layer, range(start, m.num_layers - end))) + (m.mtp_num_layers or 0) * layer(m.num_layers - 1)
     return fwd_token * _passes(L) * cfg.train.global_batch_size * cfg.train.seq_length
 
 

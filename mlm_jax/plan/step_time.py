@@ -18,7 +18,8 @@ Each kernel gets a time:
   the forward's two), at the same peaks;
 - the experts' grouped matmul (`kernels.grouped_matmul`'s Pallas/Triton kernels, a
   `__gpu$xla.gpu.triton` call named `grouped_matmul*`): 2 x rows x k x n FLOPs plus the row tiles
-  its group edges waste, at the bf16 peak; rows are the ones its groups hold, not its buffer's:
+  its group edges waste, at the bf16 peak (the fp8 peak where its operands are fp8: the fp8
+  experts' kernels multiply on fp8 `wgmma`, `kernels/tile_dot.py`); rows are the ones its groups hold, not its buffer's:
   the kernel computes only those, and a dispatch's receive buffer is sized to the worst case
   (`grouped_rows`: the rows the router sends a device's experts in a balanced routing, from the
   config; the buffer's rows where not given); its bytes the rows read, the weights, and its
@@ -342,7 +343,8 @@ class _Program:
         flops = 2.0 * (rows + min(waste, rows)) * K * N
         nbytes = read + _nbytes([out])
         seconds = max(flops / self._peak([dtype, w[0]], ""), nbytes / self.bandwidth) + LAUNCH_SECONDS
-        return Kernel(ins.name, "matmul", op_name, seconds, flops, nbytes)
+        fp8 = flops if dtype.startswith("f8") and w[0].startswith("f8") else 0.0  # fp8 wgmma (kernels/tile_dot.py)
+        return Kernel(ins.name, "matmul", op_name, seconds, flops, nbytes, fp8_flops=fp8)
 
     def kernel(self, ins: Instr) -> Kernel:
         """The cost of one compute instruction, one run (memoized)."""
