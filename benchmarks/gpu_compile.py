@@ -147,6 +147,10 @@ CASES = {
                                          "tensorwise (the experts too)", 8, 8,
                                          (MIXTRAL_8GPU + CAPACITY + " --expert-model-parallel-size 8 --micro-batch-size 12 "
                                           "--global-batch-size 96 --fp8-format hybrid --fp8-recipe tensorwise").split()),
+    "mixtral_ep8_fp8": ("Mixtral 8x7B shape, ep8 alltoall, dropless, micro 1 (above) + fp8 tensorwise (the grouped "
+                        "kernels' fp8 wgmma)", 8, 8,
+                        (MIXTRAL_8GPU + " --expert-model-parallel-size 8 --micro-batch-size 1 --global-batch-size 8 "
+                         "--fp8-format hybrid --fp8-recipe tensorwise").split()),
     # Issue 51: sharded data parallelism (Megatron-FSDP) against the ZeRO-1 row above, same shapes.
     "llama3_8b_dots_fsdp": ("Llama-3 8B dots (above) with --use-megatron-fsdp (optim_grads_params)", 8, 8,
                             LLAMA3_8B_DOTS.split() + ["--use-megatron-fsdp"]),

@@ -120,9 +120,6 @@ def validate_mla(cfg: Config) -> None:
     if p.context_parallel_size > 1:
         raise ConfigError(f"--multi-latent-attention with --context-parallel-size {p.context_parallel_size}: "
                           "context parallelism of MLA is not built yet; use tensor, data, expert or pipeline parallelism")
-    if m.fp8_format is not None:
-        raise ConfigError(f"--multi-latent-attention with --fp8-format {m.fp8_format}: MLA's projections in fp8 "
-                          "are not built yet; use --bf16")
     if m.use_rope_scaling:
         raise ConfigError("--use-rope-scaling (Llama 3.1's) with --multi-latent-attention: MLA's rope is YaRN "
                           "(--rotary-scaling-factor, --mscale, --mscale-all-dim)")

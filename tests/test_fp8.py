@@ -26,7 +26,9 @@ import pytest
 
 from mlm_jax.config import ModelConfig, ParallelConfig
 from mlm_jax.models import fp8
-from tests.parallel_util import grads_for, unpad
+from mlm_jax.models.build import init_params
+from mlm_jax.validation import finalize
+from tests.parallel_util import grads_for, tiny_config, unpad
 
 HYBRID = (("fp8_format", "hybrid"), ("fp8_recipe", "tensorwise"))
 LOSS_ATOL = 2e-6
@@ -72,6 +74,28 @@ def test_an_fp8_step_matches_one_device(name):
     # fp8 is on: the same step without it is ~10 % away in some leaf.
     _, plain = grads_for(ParallelConfig(), ref_micro, single_device=True)
     assert max(relative_errors(plain, ref_grads).values()) > 0.05
+
+
+def test_an_fp8_mla_step_matches_one_device():
+    """Multi-latent attention's projections (the query and key/value latents' down and up
+    projections, the output) multiply fp8 as the other projections do: dp2 x tp4 SP (the heads
+    split, the down projections on each rank's tokens) against one device, with the reordered
+    layouts' tolerance; every one of them is fp8 (each weight's gradient > 5 % from the bf16
+    step's) and under delayed scaling each keeps a history."""
+    from tests.test_mla import MLA
+
+    ref_loss, ref = grads_for(ParallelConfig(), 4, single_device=True, model=MLA + HYBRID)
+    loss, got = grads_for(ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 2, model=MLA + HYBRID)
+    assert abs(loss - ref_loss) <= LOSS_ATOL, (loss, ref_loss)
+    errors = relative_errors(ref, got)
+    assert max(errors.values()) <= REORDERED_RTOL, errors
+    _, plain = grads_for(ParallelConfig(), 4, single_device=True, model=MLA)
+    projections = ("wq_down", "wq_up", "wkv_down", "wkv_up", "wo")
+    off = {k: e for k, e in relative_errors(plain, ref).items() if k.startswith("['layers']['attention']")}
+    assert all(off[f"['layers']['attention']['{w}']"] > 0.05 for w in projections), off
+    histories = init_params(finalize(tiny_config(ParallelConfig(), 2, **dict(MLA), fp8_format="hybrid"), 1), 0)
+    names = {k for k in histories["layers"]["attention"] if fp8.is_history([k])}
+    assert names == {f"{fp8.HISTORY}_{n}" for n in ("q_down", "q", "kv_down", "kv_up", "out")}, names
 
 
 def test_an_fp8_moe_step_under_expert_parallelism_matches_one_device():

@@ -233,7 +233,6 @@ def test_megatrons_mla_flags_map_onto_the_config():
     (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank must be a positive number, got 0"),
     (["--multi-latent-attention", "--context-parallel-size", "2", "--seq-length", "64"],
      "context parallelism of MLA is not built yet"),
-    (["--multi-latent-attention", "--bf16", "--fp8-format", "hybrid"], "MLA's projections in fp8 are not built yet"),
     (["--multi-latent-attention", "--bf16", "--attention-dropout", "0", "--qk-head-dim", "256", "--attention-backend",
       "flash"], "--attention-backend flash: cuDNN fused attention of multi-latent attention needs a query/key head dim "
      "(--qk-head-dim + --qk-pos-emb-head-dim) that is a multiple of 8, <= 128 and >= --v-head-dim; got 320 and 128 (256 "

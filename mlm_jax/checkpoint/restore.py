@@ -108,9 +108,10 @@ def _map_dicts(fn, tree):
     return tree
 
 
-# Where a projection's weights sit, the histories beside them (models/attention.py, models/mlp.py):
-# weight key, its trailing (non-stacked) dims, the history keys.
-_PROJECTIONS = (("wqkv", 4, ("qkv", "out")), ("w1", None, ("fc1", "fc2")))
+# Where a projection's weights sit, the histories beside them (models/attention.py, models/mla.py,
+# models/mlp.py): weight key, its trailing (non-stacked) dims, the history keys.
+_PROJECTIONS = (("wqkv", 4, ("qkv", "out")), ("wkv_up", 3, ("q", "kv_down", "kv_up", "out")), ("wq_down", 2, ("q_down",)),
+                ("w1", None, ("fc1", "fc2")))
 
 
 def with_history_length(tree, length: int):

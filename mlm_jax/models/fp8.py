@@ -119,14 +119,15 @@ def is_history(path) -> bool:
 
 
 # The projections' weights (their products are fp8): --fp8-param-gather sends them in fp8.
-_PROJECTION_WEIGHTS = frozenset({"wqkv", "wo", "w1", "w2"})
+_PROJECTION_WEIGHTS = frozenset({"wqkv", "wo", "w1", "w2", "wq_down", "wq_up", "wq", "wkv_down", "wkv_up"})
 
 
 def weight_dims(cfg: ModelConfig):
     """path -> how many trailing dims one layer's projection weight has (the rest stack layers),
     None where the path leads to no projection's weight (a MoE layer's experts' are none: their
     block's `mlp` in a MoE stack, which is `layers` when the first layer is a MoE layer)."""
-    dims = {"wqkv": 4, "wo": 3, "w1": 3 if cfg.swiglu else 2, "w2": 2}
+    dims = {"wqkv": 4, "wo": 3, "w1": 3 if cfg.swiglu else 2, "w2": 2,
+            "wq_down": 2, "wq_up": 3, "wq": 3, "wkv_down": 2, "wkv_up": 3}  # the last five MLA's
     moe_stacks = {"moe_layers"} | ({"layers"} if cfg.is_moe_layer(0) else set())
 
     def of(path) -> int | None:

@@ -42,8 +42,10 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
+from mlm_jax.models import fp8
 from mlm_jax.models.attention import CUDNN, attention, choose_backend
-from mlm_jax.models.layers import SEQ_SPLIT, Norm, add_bias, cast, column_parallel, normal, param, rotate, row_parallel, zeros
+from mlm_jax.models.layers import (SEQ_SPLIT, Norm, add_bias, cast, column_parallel, normal, param, rotate, row_parallel,
+                                   value, zeros)
 from mlm_jax.sharding.rules import constrain
 
 HEADS = ("batch", "context_seq", "heads", "head_dim")
@@ -122,17 +124,30 @@ class MLAttention(nnx.Module):
         self.q_norm = Norm(cfg, rq) if cfg.qk_layernorm and rq else None
         self.kv_norm = Norm(cfg, r) if cfg.qk_layernorm else None
         self.bo = param(None, zeros, (d,), ("embed",)) if cfg.add_bias_linear else None
+        # delayed fp8 scaling's amax histories (models/fp8.py), one per projection, else None
+        self.fp8_history_q_down = fp8.history(cfg) if rq else None
+        self.fp8_history_q = fp8.history(cfg)  # wq_up, or wq without a query latent
+        self.fp8_history_kv_down, self.fp8_history_kv_up = fp8.history(cfg), fp8.history(cfg)
+        self.fp8_history_out = fp8.history(cfg)
+
+    def _down(self, y_bsd, w, history) -> jax.Array:
+        """A down projection [b, s, d] -> [b, s, r] on this rank's tokens (fp8 under --fp8-format)."""
+        y, w = constrain(y_bsd, SEQ_SPLIT), cast(w, y_bsd.dtype)
+        rec = fp8.recipe(self.cfg)
+        return jnp.einsum("bsd,dr->bsr", y, w) if rec is None else fp8.einsum("bsd,dr->bsr", y, w, rec, value(history))
 
     def _queries(self, y_bsd, positions_bs):
         """q [b, s, h, k]: the no-position part, then the rope part turned; times the softmax
         scale's YaRN factor (`softmax_scale` over attention's own 1/sqrt(k))."""
         cfg, dt = self.cfg, y_bsd.dtype
+        rec, history = fp8.recipe(cfg), value(self.fp8_history_q)
         if self.wq is None:
-            q_lat = jnp.einsum("bsd,dr->bsr", constrain(y_bsd, SEQ_SPLIT), cast(self.wq_down, dt))
+            q_lat = self._down(y_bsd, self.wq_down, self.fp8_history_q_down)
             q_lat = q_lat if self.q_norm is None else self.q_norm(q_lat)
-            q = column_parallel("bsr,rhk->bshk", q_lat, cast(self.wq_up, dt), W_UP, HEADS)
+            q = column_parallel("bsr,rhk->bshk", q_lat, cast(self.wq_up, dt), W_UP, HEADS, rec, history)
         else:
-            q = column_parallel("bsd,dhk->bshk", y_bsd, cast(self.wq, dt), ("embed", "heads", "head_dim"), HEADS)
+            q = column_parallel("bsd,dhk->bshk", y_bsd, cast(self.wq, dt), ("embed", "heads", "head_dim"), HEADS, rec,
+                                history)
         q = constrain(q, HEADS)
         nope = cfg.qk_head_dim
         q = jnp.concatenate([q[..., :nope], _turn(q[..., nope:], positions_bs, cfg)], axis=-1)
@@ -142,8 +157,8 @@ class MLAttention(nnx.Module):
     def _latents(self, y_bsd, positions_bs):
         """(the normed latent [b, s, r] on this rank's tokens, the key rope part [b, s, e] turned,
         over the whole sequence)."""
-        cfg, dt = self.cfg, y_bsd.dtype
-        kv = jnp.einsum("bsd,dr->bsr", constrain(y_bsd, SEQ_SPLIT), cast(self.wkv_down, dt))
+        cfg = self.cfg
+        kv = self._down(y_bsd, self.wkv_down, self.fp8_history_kv_down)
         r = cfg.kv_lora_rank
         latent, k_pe = kv[..., :r], constrain(kv[..., r:], LATENT)
         latent = latent if self.kv_norm is None else self.kv_norm(latent)
@@ -152,7 +167,8 @@ class MLAttention(nnx.Module):
     def _keys_values(self, latent_bsr, k_pe_bse):
         """(k [b, t, h, k], v [b, t, h, v]) of latents and key rope parts."""
         cfg = self.cfg
-        kv = column_parallel("bsr,rhj->bshj", latent_bsr, cast(self.wkv_up, latent_bsr.dtype), W_UP, HEADS)
+        kv = column_parallel("bsr,rhj->bshj", latent_bsr, cast(self.wkv_up, latent_bsr.dtype), W_UP, HEADS,
+                             fp8.recipe(cfg), value(self.fp8_history_kv_up))
         kv = constrain(kv, HEADS)
         nope, h = cfg.qk_head_dim, kv.shape[2]
         pe = jnp.broadcast_to(k_pe_bse[:, :, None, :], (*k_pe_bse.shape[:2], h, k_pe_bse.shape[-1]))
@@ -176,7 +192,8 @@ class MLAttention(nnx.Module):
 
     def _project_out(self, o_bshv) -> jax.Array:
         dt = o_bshv.dtype
-        o = row_parallel("bshv,hvd->bsd", constrain(o_bshv, HEADS), cast(self.wo, dt), HEADS, WO)
+        o = row_parallel("bshv,hvd->bsd", constrain(o_bshv, HEADS), cast(self.wo, dt), HEADS, WO,
+                         fp8.recipe(self.cfg), value(self.fp8_history_out))
         return add_bias(o, cast(self.bo, dt))
 
     def cached(self, y_bsd, positions_bs, cache: dict):
