@@ -628,10 +628,6 @@ def validate_moe(cfg: Config, world_size: int) -> None:
                               f"({m.num_layers} layers)")
     elif freq < 1:
         raise ConfigError(f"--moe-layer-freq {freq} must be a positive integer or a list pattern")
-    if m.moe_router_enable_expert_bias and p.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--moe-router-enable-expert-bias with --pipeline-model-parallel-size "
-                          f"{p.pipeline_model_parallel_size}: not built (the schedule's idle slots would count "
-                          "tokens); use --moe-aux-loss-coeff with the pipeline")
     mixed = len({m.is_moe_layer(i) for i in range(m.num_layers)}) > 1
     if mixed and p.pipeline_model_parallel_size > 1:
         raise ConfigError(

@@ -274,7 +274,9 @@ LAYOUTS = {
     "dp2_tp2_pp2_sp_capacity_position": (
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4,
         MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
-    "tp4_pp2": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8, MOE),
+    # (the expert bias: the loads of the schedule's masked slots are no one's)
+    "tp4_pp2_expert_bias": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
+                            MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True))),
     # DeepSeek's router: sigmoid scores, group-limited top-k, scaled weights, the expert bias (whose
     # "gradient", the loads, is compared as every leaf: summed over the ranks, the one device's)
     "ep2_dp4_group_limited_expert_bias": (
@@ -442,9 +444,6 @@ def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
      "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
     (ParallelConfig(), dict(num_experts=4, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                             moe_router_bias_update_rate=-1.0), "--moe-router-bias-update-rate must be a positive"),
-    (ParallelConfig(pipeline_model_parallel_size=2), dict(num_experts=4, moe_router_enable_expert_bias=True,
-                                                          moe_router_score_function="sigmoid"),
-     "--moe-router-enable-expert-bias with --pipeline-model-parallel-size 2: not built"),
 ])
 def test_invalid_moe_configs_fail_naming_the_rule(parallel, model, message):
     with pytest.raises(ConfigError, match=None) as e:

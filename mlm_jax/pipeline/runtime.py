@@ -80,7 +80,7 @@ from mlm_jax.config import Config, ConfigError
 from mlm_jax.models import fp8
 from mlm_jax.models.gpt import VocabSplit, stage_keys
 from mlm_jax.models.layers import compute_dtype
-from mlm_jax.models.moe import aux_terms
+from mlm_jax.models.moe import aux_terms, is_expert_bias
 from mlm_jax.pipeline import lockstep
 from mlm_jax.pipeline.layout import map_layer_leaves, pipeline_plan
 from mlm_jax.parallel.data import (fp8_param_gather, gather_once, per_rank_trace, rank_axes, reduce_over_ranks, reduces_once,
@@ -563,6 +563,10 @@ class _Stage:
         # The MoE losses of this stage's layers are part of the objective on every stage.
         d_lc, d_sh, d_x = vjp((g_y, self.vary(jnp.where(valid & at_loss, 1.0, 0.0).astype(loss.dtype)),
                                self.vary(jnp.where(valid, 1.0, 0.0).astype(moe_term.dtype))))
+        # The expert biases' "gradients" are the loads the recompute routed (moe.py), whatever the
+        # cotangent: a masked slot's routing of microbatch 0 is no one's.
+        d_lc = jax.tree_util.tree_map_with_path(
+            lambda p, d: jnp.where(valid, d, jnp.zeros_like(d)) if is_expert_bias(p) else d, d_lc)
         return d_lc, self.pin_shared(d_sh), d_x, _masked(valid, (loss, aux))
 
     def accumulate(self, carry, a: dict, d_lc, d_sh):
