@@ -143,12 +143,16 @@ def gather_in_fp8(x: jax.Array, dims: int, storage, compute, dtype) -> jax.Array
     `compute` in e4m3, each layer's with the scale of its amax (a max over the shards), then
     widened to `dtype` (--fp8-param-gather: half the bytes of ZeRO's bf16 gather). A product's
     own quantization (`einsum`) rounds the widened values back to the same e4m3 values where its
-    scale is this one (tensorwise: the layer's current amax) and once more where not (delayed)."""
-    m = jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - dims, x.ndim)), keepdims=True).astype(jnp.float32)
-    s = scale_of(jax.lax.stop_gradient(m), E4M3, 0)
+    scale is this one (tensorwise: the layer's current amax) and once more where not (delayed).
+    The values at the format's largest widen to the amax itself (448 x s can be an fp32 rounding
+    off it), so the product's own amax, and so its scale, is the one the gather used."""
+    m = jax.lax.stop_gradient(
+        jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - dims, x.ndim)), keepdims=True).astype(jnp.float32))
+    s = scale_of(m, E4M3, 0)
     q = jax.lax.with_sharding_constraint(cast(x, s, E4M3), storage)  # cast on the shards...
-    q = jax.lax.with_sharding_constraint(q, compute)  # ...then gathered
-    return (q.astype(jnp.float32) * s).astype(dtype)
+    q = jax.lax.with_sharding_constraint(q, compute).astype(jnp.float32)  # ...then gathered
+    top = float(jnp.finfo(E4M3).max)
+    return jnp.where(jnp.abs(q) == top, jnp.sign(q) * m, q * s).astype(dtype)
 
 
 def combine(acc, grads):
