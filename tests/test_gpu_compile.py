@@ -21,6 +21,8 @@ execute close to the useful FLOPs (XLA's own ragged_dot runs G times them).
 
 The compiles run in worker processes started with the XLA flags a GPU run sets (the suite's own
 XLA_FLAGS are for the CPU); skipped, with the reason, only when the CUDA plugin is absent.
+`MLM_JAX_GPU_LAYOUTS=smoke` compiles one layout of each family (`SMOKE`) instead of all: CI's
+second tier (the newest jax) runs that; the README's test command runs every layout.
 """
 
 from __future__ import annotations
@@ -126,6 +128,15 @@ LAYOUTS = {
                                     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
                                     "--num-layers 3 --moe-layer-freq [0,1,1] --mtp-num-layers 1", True),
 }
+# One layout of each family, with the ones the tests below name: `MLM_JAX_GPU_LAYOUTS=smoke`.
+SMOKE = ("dp8_zero", "tp2_sp_dp4_zero", "cp2_p2p", "cp2_a2a_pp2_flash", "pp2_1f1b_tp2", "pp2_interleaved_zero",
+         "ep4_alltoall", "ep2_allgather_tp2", "pp2_tp2_moe", "fp16", "fp32", "recompute_full_block", "recompute_dots",
+         "documents", "llama_tp2_zero", "tp2_sp_dp4_zero_overlap", "fp8_llama_pp2_1f1b_tp2_sp", "fp8_tensorwise_ep4",
+         "fsdp_params_tp2_sp_dp4", "fsdp_params_dp8_instances2", "mla_moe_mtp_fp8_ep2_tp2_sp_zero")
+if os.environ.get("MLM_JAX_GPU_LAYOUTS", "all") not in ("all", "smoke"):
+    raise ValueError(f"MLM_JAX_GPU_LAYOUTS={os.environ['MLM_JAX_GPU_LAYOUTS']!r}: choose all or smoke")
+if os.environ.get("MLM_JAX_GPU_LAYOUTS") == "smoke":
+    LAYOUTS = {n: LAYOUTS[n] for n in SMOKE}
 HYBRID = [n for n in LAYOUTS if "--num-distributed-optimizer-instances" in LAYOUTS[n][0]]
 FP8_LAYOUTS = [n for n in LAYOUTS if "--fp8-format" in LAYOUTS[n][0]]
 FSDP = [n for n in LAYOUTS if "--use-megatron-fsdp" in LAYOUTS[n][0]]
