@@ -87,7 +87,7 @@ _YARN_FLAGS = (("--rotary-scaling-factor", "rotary_scaling_factor", 1.0), ("--ms
 def validate_mla(cfg: Config) -> None:
     """--multi-latent-attention's sizes, and what it does not compose with (Megatron's rules and
     what is not built here); its flags without it are refused rather than ignored."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     if m.rope_type not in (None, "rope", "yarn"):
         raise ConfigError(f"--rope-type {m.rope_type!r}: choose rope or yarn")
     validate_mtp(cfg)
@@ -117,9 +117,6 @@ def validate_mla(cfg: Config) -> None:
     if m.num_query_groups is not None:
         raise ConfigError("--group-query-attention and --multi-latent-attention exclude each other (as in "
                           "Megatron-LM): MLA's heads each have their own keys and values")
-    if p.context_parallel_size > 1:
-        raise ConfigError(f"--multi-latent-attention with --context-parallel-size {p.context_parallel_size}: "
-                          "context parallelism of MLA is not built yet; use tensor, data, expert or pipeline parallelism")
     if m.use_rope_scaling:
         raise ConfigError("--use-rope-scaling (Llama 3.1's) with --multi-latent-attention: MLA's rope is YaRN "
                           "(--rotary-scaling-factor, --mscale, --mscale-all-dim)")

@@ -19,7 +19,7 @@ from flax import nnx
 import mlm_jax
 
 from mlm_jax.arguments import parse_args
-from mlm_jax.config import ConfigError, ModelConfig, ParallelConfig
+from mlm_jax.config import ModelConfig, ParallelConfig
 from mlm_jax.models.mla import MLAttention, rope_frequencies, softmax_scale
 from mlm_jax.train import main
 from tests.gen_util import memory_model, uncached_greedy
@@ -165,6 +165,8 @@ LAYOUTS = {
                              NO_Q_LATENT),
     "ep2_tp2_sp_deepseek_moe_mtp": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                                sequence_parallel=True), 2, MLA + DEEPSEEK_MOE + MTP1),
+    # context parallelism: the ring over the load-balanced chunks, the values padded to the keys' width
+    "cp2_p2p_tp2_dp2": (ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=2), 2, MLA),
 }
 
 
@@ -231,8 +233,6 @@ def test_megatrons_mla_flags_map_onto_the_config():
      "--group-query-attention and --multi-latent-attention exclude each other"),
     (["--multi-latent-attention", "--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim must be even"),
     (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank must be a positive number, got 0"),
-    (["--multi-latent-attention", "--context-parallel-size", "2", "--seq-length", "64"],
-     "context parallelism of MLA is not built yet"),
     (["--multi-latent-attention", "--bf16", "--attention-dropout", "0", "--qk-head-dim", "256", "--attention-backend",
       "flash"], "--attention-backend flash: cuDNN fused attention of multi-latent attention needs a query/key head dim "
      "(--qk-head-dim + --qk-pos-emb-head-dim) that is a multiple of 8, <= 128 and >= --v-head-dim; got 320 and 128 (256 "
@@ -262,11 +262,6 @@ def test_the_model_counts_mlas_flops_and_parameters():
     mlp = 2 * d * m.ffn_size
     want = 3 * 2 * (m.num_layers * (attn + mlp) + d * m.vocab) + 3 * 2 * s * h * (12 + 6) * m.num_layers / 2
     assert flops_per_token(m, s) == pytest.approx(want)
-
-
-def test_layouts_mla_does_not_build_are_refused_before_compiling():
-    with pytest.raises(ConfigError, match="context parallelism of MLA is not built yet"):
-        finalize(tiny_config(ParallelConfig(context_parallel_size=2), 1, **dict(MLA)), 8)
 
 
 # --------------------------------------------------------------------------- Hugging Face DeepSeek-V3

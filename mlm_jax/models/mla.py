@@ -46,6 +46,7 @@ from mlm_jax.models import fp8
 from mlm_jax.models.attention import CUDNN, attention, choose_backend
 from mlm_jax.models.layers import (SEQ_SPLIT, Norm, add_bias, cast, column_parallel, normal, param, rotate, row_parallel,
                                    value, zeros)
+from mlm_jax.sharding import trace
 from mlm_jax.sharding.rules import constrain
 
 HEADS = ("batch", "context_seq", "heads", "head_dim")
@@ -184,10 +185,17 @@ class MLAttention(nnx.Module):
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=key is not None and cfg.attention_dropout > 0)
         width = v.shape[-1]
-        if backend == CUDNN and width < q.shape[-1]:  # jax's cuDNN entry takes values as wide as keys
+        context_attention = trace.current().context_attention  # the sequence split over context
+        # jax's cuDNN entry takes values as wide as the keys, and so does context parallelism's
+        # attention (its accumulators are the queries' shape): the values padded with zeros
+        if (backend == CUDNN or context_attention is not None) and width < q.shape[-1]:
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - width)))
-        o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
-                      dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
+        if context_attention is not None:
+            o = context_attention(q, k, v, segment_ids_bs, dropout_rate=cfg.attention_dropout, dropout_key=key,
+                                  fused=CUDNN if backend == CUDNN else None)
+        else:
+            o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
+                          dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
         return self._project_out(o[..., :width])
 
     def _project_out(self, o_bshv) -> jax.Array:
