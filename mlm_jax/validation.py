@@ -130,11 +130,10 @@ def validate_mtp(cfg: Config) -> None:
     _positive("--mtp-num-layers", m.mtp_num_layers)
     if not (math.isfinite(m.mtp_loss_scaling_factor) and m.mtp_loss_scaling_factor >= 0):
         raise ConfigError(f"--mtp-loss-scaling-factor must be 0 or more, got {m.mtp_loss_scaling_factor}")
-    for size, flag in ((p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
-                       (p.context_parallel_size, "--context-parallel-size")):
-        if size > 1:
-            raise ConfigError(f"--mtp-num-layers with {flag} {size}: multi-token prediction is not built for this "
-                              "layout yet; use tensor, data or expert parallelism")
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--mtp-num-layers with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: "
+                          "multi-token prediction is not built for this layout yet; use tensor, data, context or "
+                          "expert parallelism")
 
 
 def validate_divisors(cfg: Config) -> None:

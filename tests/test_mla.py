@@ -165,8 +165,9 @@ LAYOUTS = {
                              NO_Q_LATENT),
     "ep2_tp2_sp_deepseek_moe_mtp": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                                sequence_parallel=True), 2, MLA + DEEPSEEK_MOE + MTP1),
-    # context parallelism: the ring over the load-balanced chunks, the values padded to the keys' width
-    "cp2_p2p_tp2_dp2": (ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=2), 2, MLA),
+    # context parallelism: the ring over the load-balanced chunks, the values padded to the keys'
+    # width; MTP rolls its tokens, labels and mask along the original sequence
+    "cp2_p2p_tp2_dp2_mtp": (ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=2), 2, MLA + MTP1),
 }
 
 
@@ -175,7 +176,8 @@ def test_loss_and_every_gradient_match_single_device(name):
     parallel, micro, model = LAYOUTS[name]
     # A MoE's aux loss and the MTP losses are each microbatch's means: the reference's microbatches
     # are the layout's (micro batch x the ranks of batch rows); the plain loss does not care.
-    ranks = 8 // (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size)
+    ranks = 8 // (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                  * parallel.context_parallel_size)
     per_microbatch = dict(model).get("num_experts") or dict(model).get("mtp_num_layers")
     ref_micro = micro * ranks if per_microbatch else 4
     ref_loss, ref_grads = grads_for(ParallelConfig(), ref_micro, single_device=True, model=model)

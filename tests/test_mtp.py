@@ -123,8 +123,6 @@ def test_megatrons_mtp_flags_map_onto_the_config():
     (["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-1"], "--mtp-loss-scaling-factor must be 0 or more"),
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
      "--mtp-num-layers with --pipeline-model-parallel-size 2: multi-token prediction is not built for this layout"),
-    (["--mtp-num-layers", "1", "--context-parallel-size", "2"],
-     "--mtp-num-layers with --context-parallel-size 2: multi-token prediction is not built for this layout"),
 ])
 def test_bad_mtp_flags_are_refused_naming_the_flag(argv, message, capsys):
     assert main(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -360,14 +360,20 @@ class GPT(nnx.Module):
         graphdef, state = nnx.split(self.mtp)
         h = self.final_norm(x_bsd)
         sums, counts, stats = [], [], {}
+        order = trace.current().seq_order
+        order = None if order is None else order(x_bsd.shape[1])  # context parallelism's chunk order
+
+        def roll(x_bs, k):
+            return roll_left(x_bs, k, order)
+
         for k in range(1, self.cfg.mtp_num_layers + 1):
             k_embed, k_layer = stage_keys(None if key is None else jax.random.fold_in(key, k))
-            emb = self.embed_tokens(roll_left(batch["tokens"], k), roll_left(batch["position_ids"], k), k_embed)
+            emb = self.embed_tokens(roll(batch["tokens"], k), roll(batch["position_ids"], k), k_embed)
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k - 1], state))
             h, layer_stats = layer(h, emb, batch["position_ids"], batch.get("segment_ids"), k_layer)
             stats = jax.tree.map(jnp.add, stats, layer_stats) if stats else layer_stats
-            mask = roll_left(batch["loss_mask"], k)
-            sums.append(linear_cross_entropy(h, self.head_weight(), roll_left(batch["labels"], k), mask,
+            mask = roll(batch["loss_mask"], k)
+            sums.append(linear_cross_entropy(h, self.head_weight(), roll(batch["labels"], k), mask,
                                              self.cfg.vocab_size))
             counts.append(jnp.sum(mask))
         term, metrics = mtp_loss_term(sums, counts, batch["loss_mask"], self.cfg.mtp_loss_scaling_factor)

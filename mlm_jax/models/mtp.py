@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mlm_jax.models.moe import row_ranks, whole_microbatch
 
 
-def roll_left(x_bs: jax.Array, k: int) -> jax.Array:
+def roll_left(x_bs: jax.Array, k: int, order=None) -> jax.Array:
     """x shifted k places to the left along the sequence, zeros rolled in (Megatron's `roll_tensor`
-    k times)."""
-    return jnp.concatenate([x_bs[:, k:], jnp.zeros_like(x_bs[:, :k])], axis=1)
+    k times). `order`: [s] the original index of each stored position where the sequence is
+    stored in context parallelism's chunk order (`trace.current().seq_order`): the roll is along
+    the original sequence (these are [b, s] token ids, labels and masks: gathered across the
+    context ranks, a few bytes a token)."""
+    if order is None:
+        return jnp.concatenate([x_bs[:, k:], jnp.zeros_like(x_bs[:, :k])], axis=1)
+    order = np.asarray(order)
+    return jnp.take(roll_left(jnp.take(x_bs, np.argsort(order), axis=1), k), order, axis=1)
 
 
 def loss_term(depth_sums: list, depth_counts: list, loss_mask_bs, scaling: float) -> tuple[jax.Array, dict]:

@@ -10,6 +10,7 @@ import math
 import jax
 from jax.sharding import Mesh
 
+from mlm_jax.parallel.chunks import seq_order
 from mlm_jax.parallel.context import check_comm_type, context_attention
 from mlm_jax.parallel.experts import dispatch_and_combine
 from mlm_jax.platform import mesh_platform
@@ -27,11 +28,12 @@ def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
     each rank of the batch rows its own capacity (`route_groups`); on a mesh whose batch rows are
     whole (one device) the groups of the context outside stay: a test's single-device reference
     routes as a layout's ranks do."""
-    cp = None
+    cp = order = None
     if cp_comm_type is not None and check_comm_type(cp_comm_type) and dict(mesh.shape)[CONTEXT] > 1:
         cp = functools.partial(context_attention, comm_type=cp_comm_type)
+        order = functools.partial(seq_order, context_size=dict(mesh.shape)[CONTEXT])
     groups = row_blocks(mesh, rules)
-    with jax.set_mesh(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp,
+    with jax.set_mesh(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp, seq_order=order,
                                          expert_dispatch=dispatch_and_combine,
                                          route_groups=groups if groups > 1 else trace.current().route_groups):
         yield

@@ -16,6 +16,8 @@ imports `parallel/` or names a mesh axis. The fields:
   context_attention  the context-parallel attention (`parallel/context.py`, with the run's
                      --cp-comm-type) where the mesh splits the sequence and the batch is in the
                      chunk order; None: attention runs on the whole sequence;
+  seq_order          there, seq_order(s): [s] the original index of each stored position of a
+                     sequence of s tokens (`parallel/chunks.py`); None: the plain order;
   expert_dispatch    the token dispatch to the experts (`parallel/experts.py`); None: every
                      expert runs on every token here;
   platform           the platform of the mesh's devices (a deviceless GPU compile runs in a CPU
@@ -39,6 +41,7 @@ class Trace:
     rank_split: tuple | None = None
     route_groups: int = 1
     context_attention: Callable | None = None
+    seq_order: Callable | None = None
     expert_dispatch: Callable | None = None
     platform: str | None = None
     layer_grad_hook: Any = None
