@@ -63,11 +63,12 @@ import jax  # noqa: E402
 assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"
 
 
-# The longest files first (wall seconds in a full run, 2026-12-05), so that neither worker is left
-# with one of them at the end; pyproject's `--no-loadscope-reorder` keeps this order (pytest-xdist
-# otherwise hands out the files with the most tests first).
-HEAVY_FIRST = ("test_gpu_compile.py", "test_pipeline.py", "test_moe.py", "test_reliability.py",
-               "test_megatron_examples.py", "test_compiled.py", "test_context_parallel.py",
+# The longest files first (wall seconds in a full run, 2026-12-05; test_fp8, test_fsdp and test_mla
+# 2026-12-07), so that neither worker is left with one of them at the end; pyproject's
+# `--no-loadscope-reorder` keeps this order (pytest-xdist otherwise hands out the files with the
+# most tests first).
+HEAVY_FIRST = ("test_gpu_compile.py", "test_pipeline.py", "test_moe.py", "test_reliability.py", "test_fp8.py",
+               "test_fsdp.py", "test_megatron_examples.py", "test_compiled.py", "test_context_parallel.py", "test_mla.py",
                "test_checkpoint.py", "test_plan_calibration.py", "test_fp16.py", "test_reliability_data.py",
                "test_megatron_flags_model.py", "test_multihost.py", "test_reliability_eval.py",
                "test_megatron_checkpoint.py", "test_batch_schedule.py", "test_reliability_procs.py", "test_peers.py",
