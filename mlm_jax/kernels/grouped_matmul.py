@@ -125,7 +125,7 @@ def grouped_weight_product(x, dy, group_sizes, out_dtype, *, implementation: str
     """dw[g] = x_g^T @ dy_g ([G, k, n] in `out_dtype`, zero for an empty group): the weight
     gradient of `grouped_product`, x [R, k] and dy [R, n] of any float types (fp8 included)."""
     G = group_sizes.shape[0]
-    implementation = _implementation(implementation, x, jnp.zeros((G, x.shape[1], dy.shape[1]), dy.dtype),
+    implementation = _implementation(implementation, x, jax.ShapeDtypeStruct((G, x.shape[1], dy.shape[1]), dy.dtype),
                                      group_sizes)
     if implementation == XLA:
         # (typed as varying as the operands: a transpose onto an invariant zero sums over the ranks)

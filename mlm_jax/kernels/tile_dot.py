@@ -17,7 +17,8 @@ and bf16 values are exact in fp32.
 
 The Triton rule is registered in jax's private table of Pallas-Triton lowering rules
 (`jax._src.pallas.triton.lowering.triton_lowering_rules`, the same name in jax 0.10 and 0.12);
-`FP8_ON_GPU` is False where that table is missing, and callers keep fp8 out of their kernels.
+`FP8_ON_GPU` is False where that table is missing; models/fp8.py then keeps the dropless experts
+in the compute dtype.
 """
 
 from __future__ import annotations

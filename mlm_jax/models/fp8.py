@@ -278,7 +278,7 @@ def experts(cfg: ModelConfig) -> Recipe | None:
     expert the rows, expert and tensor the weights), so each amax is a max over them: the whole
     tensor's, as one device has it."""
     rec = recipe(cfg)
-    if rec is None or not (cfg.moe_pad_expert_input_to_capacity or cfg.moe_grouped_gemm):
+    if rec is None or not (cfg.moe_pad_expert_input_to_capacity or (cfg.moe_grouped_gemm and FP8_ON_GPU)):
         return None
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
     axes = in_mesh_order(a for a in manual if a != "pipe") or None
@@ -290,7 +290,7 @@ def experts_note(cfg: ModelConfig) -> str | None:
     if cfg.fp8_format is None or not cfg.num_experts or cfg.moe_pad_expert_input_to_capacity or FP8_ON_GPU:
         return None
     return (f"jax {jax.__version__} has no Pallas-Triton lowering table for the fp8 tile product: the MoE "
-            "experts' grouped-matmul kernels upcast their fp8 operands to f16 on GPUs")
+            "experts' grouped matmul stays bf16")
 
 
 def grouped(x: jax.Array, w: jax.Array, sizes: jax.Array, rec: Recipe, implementation: str | None = None):
