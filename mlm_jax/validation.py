@@ -130,10 +130,10 @@ def validate_mtp(cfg: Config) -> None:
     _positive("--mtp-num-layers", m.mtp_num_layers)
     if not (math.isfinite(m.mtp_loss_scaling_factor) and m.mtp_loss_scaling_factor >= 0):
         raise ConfigError(f"--mtp-loss-scaling-factor must be 0 or more, got {m.mtp_loss_scaling_factor}")
-    if p.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--mtp-num-layers with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: "
-                          "multi-token prediction is not built for this layout yet; use tensor, data, context or "
-                          "expert parallelism")
+    if p.pipeline_model_parallel_size > 1 and m.fp8_format:
+        raise ConfigError(f"--mtp-num-layers with --fp8-format and --pipeline-model-parallel-size "
+                          f"{p.pipeline_model_parallel_size}: the depths' fp8 amax histories are not built under the "
+                          "pipeline (the depths run on every stage); leave out one of the three")
 
 
 def validate_divisors(cfg: Config) -> None:

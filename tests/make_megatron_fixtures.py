@@ -15,7 +15,10 @@ Run BY HAND in a separate venv (the tests never import torch):
 model (gpt2: learned positions, LayerNorm, GELU, biases, tied head; llama: rope, RMSNorm, SwiGLU,
 no biases, untied head, GQA 4 heads / 2 groups; moe: llama's, hidden 16, with every MLP a Mixtral
 style mixture of 4 SwiGLU experts, top-2, Megatron's default router (softmax over the top-k
-logits), allgather dispatcher, dropless, the local spec's SequentialMLP), a `torch_dist` save root
+logits), allgather dispatcher, dropless, the local spec's SequentialMLP; mla: DeepSeek-V3 style,
+`SPECS["mla"]`, built with MLATransformerConfig and get_gpt_decoder_block_spec's local layers, its
+core attention `CausalAttention`, as the local spec has none for MLA's head dims; also from a TP2
+writer: `... --tp 2 --only mla`), a `torch_dist` save root
 (`dist_checkpointing.save` of the model's sharded state dict with Megatron-LM's common state:
 args, iteration, checkpoint_version, opt_param_scheduler) and a legacy `torch` one
 (`mp_rank_00/model_optim_rng.pt` of `state_dict_for_save_checkpoint`), both from one tensor-
@@ -46,6 +49,10 @@ checked on 2026-12-04 (torch 2.13.0, megatron-core 0.16.1), for MODEL in gpt2 ll
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check dist --model MODEL     # 1.907e-06; moe: 0.0
     /work/venv-torch/bin/python tests/make_megatron_fixtures.py --check legacy --model MODEL   # 1.907e-06; moe: 0.0
 
+For MODEL mla (2026-12-07): 0.000e+00 for both; its legacy export at tensor parallel 2, loaded by
+Megatron-Core at TP2 (`torchrun --nproc-per-node 2 ... --check legacy_tp2 --model mla --tp 2`):
+1.967e-06.
+
 The same round trip of two MoE models with a shared expert (built with get_gpt_decoder_block_spec,
 not fixtures): every layer MoE, and a dense first layer (Megatron-Core's non-homogeneous layers,
 per-layer keys) also gave 0.000e+00 in both formats, their torch_dist exports holding exactly
@@ -74,6 +81,18 @@ SPECS = {
     # its per-expert chunks make the files larger.
     "moe": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                 untie=True, groups=2, ffn=32, experts=4, topk=2, moe_ffn=8, hidden=16),
+    # DeepSeek-V3 style: multi-latent attention (a query latent, normed latents, YaRN rope), the
+    # first layer dense and the second a mixture of 4 experts with DeepSeek's router (sigmoid
+    # scores, 2 groups of 2 with the best group's experts chosen, the weights normalised and
+    # scaled by 2.5, an expert bias for the choice) and a shared expert.
+    "mla": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                untie=True, groups=None, ffn=32, experts=4, topk=2, moe_ffn=8, hidden=16,
+                mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                         rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0),
+                router=dict(moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1,
+                            moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+                            moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=8,
+                            moe_layer_freq=[0, 1])),
 }
 LAYERS, HIDDEN, HEADS = 2, 32, 4
 
@@ -111,11 +130,33 @@ def init_megatron(tp: int = 1):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
+class CausalAttention(torch.nn.Module):
+    """MLA's core attention without Transformer Engine (the local spec's DotProductAttention takes
+    no MLA head dims): causal softmax(q k^T x softmax_scale) v, the math of TE's fused kernel.
+    q, k [s, b, n, k_channels], v [s, b, n, v_channels] -> [s, b, n * v_channels]."""
+
+    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None, softmax_scale=None,
+                 **unused):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        scores = torch.einsum("sbnk,tbnk->bnst", query, key) * self.softmax_scale
+        s = query.shape[0]
+        scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1), float("-inf"))
+        out = torch.einsum("bnst,tbnv->sbnv", torch.softmax(scores.float(), dim=-1).to(value.dtype), value)
+        return out.reshape(s, out.shape[1], -1)
+
+
 def build(kind: str, tp: int = 1):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     s = SPECS[kind]
     torch.manual_seed(0)
@@ -123,7 +164,9 @@ def build(kind: str, tp: int = 1):
     moe = dict(num_moe_experts=experts, moe_router_topk=s["topk"], moe_ffn_hidden_size=s["moe_ffn"],
                moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=None,
                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2) if experts else {}
-    config = TransformerConfig(
+    moe.update(s.get("router", {}))
+    mla = s.get("mla")
+    kwargs = dict(
         num_layers=LAYERS, hidden_size=s.get("hidden", HIDDEN), num_attention_heads=HEADS, ffn_hidden_size=s["ffn"],
         num_query_groups=s["groups"], normalization=s["normalization"], gated_linear_unit=s["swiglu"],
         activation_func=F.silu if s["swiglu"] else F.gelu, add_bias_linear=s["add_bias_linear"],
@@ -131,15 +174,27 @@ def build(kind: str, tp: int = 1):
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, params_dtype=torch.float32, **moe)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=False, normalization=s["normalization"]),
-                     vocab_size=padded(VOCAB, tp), max_sequence_length=MAX_POS,
-                     share_embeddings_and_output_weights=not s["untie"],
+    if mla:
+        mla_module = sys.modules["megatron.core.transformer.multi_latent_attention"]
+        if not isinstance(mla_module.TELinear, type):  # without Transformer Engine: an isinstance test of nothing
+            mla_module.TELinear = ()
+        config = MLATransformerConfig(**kwargs, **mla, qk_layernorm=True)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=s["normalization"])
+        for layer in spec.layer_specs:  # the local spec's attention has no MLA head dims (TE's has)
+            layer.submodules.self_attention.submodules.core_attention = CausalAttention
+    else:
+        config = TransformerConfig(**kwargs)
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization=s["normalization"])
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded(VOCAB, tp),
+                     max_sequence_length=MAX_POS, share_embeddings_and_output_weights=not s["untie"],
                      position_embedding_type=s["position_embedding_type"], parallel_output=False)
     with torch.no_grad():  # biases and norms away from their zero/one init, so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # the expert bias: large enough to change the choice
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn_like(b))
     return model.eval()
 
 
@@ -163,14 +218,22 @@ def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
         position_embedding_type=s["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
         rotary_interleaved=False, normalization=s["normalization"], norm_epsilon=1e-5, swiglu=s["swiglu"],
         openai_gelu=False, squared_relu=False, untie_embeddings_and_output_weights=s["untie"],
-        add_bias_linear=s["add_bias_linear"], add_qkv_bias=False, apply_layernorm_1p=False, qk_layernorm=False,
+        add_bias_linear=s["add_bias_linear"], add_qkv_bias=False, apply_layernorm_1p=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2, make_vocab_size_divisible_by=128,
         padded_vocab_size=padded(VOCAB, tp), vocab_size=VOCAB - 1, tokenizer_type="NullTokenizer", vocab_file=None,
         merge_file=None, tokenizer_model=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, transformer_impl="local",
         bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
         micro_batch_size=1, global_batch_size=GBS, lr=1e-4, min_lr=1e-5, iteration=ITERATION,
-        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist", **moe_args(kind))
+        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist", **moe_args(kind), **mla_args(kind))
+
+
+def mla_args(kind: str) -> dict:
+    """Megatron-LM's multi-latent attention args (--multi-latent-attention, --q-lora-rank, ...)."""
+    s = SPECS[kind]
+    if not s.get("mla"):
+        return {"multi_latent_attention": False, "qk_layernorm": False}
+    return dict(multi_latent_attention=True, qk_layernorm=True, rope_type=None, **s["mla"])
 
 
 def moe_args(kind: str) -> dict:
@@ -184,7 +247,8 @@ def moe_args(kind: str) -> dict:
                 moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
                 moe_router_enable_expert_bias=False, moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
                 moe_pad_expert_input_to_capacity=False, moe_shared_expert_intermediate_size=None,
-                moe_router_dtype=None, moe_use_legacy_grouped_gemm=False)
+                moe_router_dtype=None, moe_use_legacy_grouped_gemm=False, moe_router_num_groups=None,
+                moe_router_group_topk=None, moe_router_bias_update_rate=1e-3) | s.get("router", {})
 
 
 def common_state(kind: str, fmt: str, tp: int = 1) -> dict:
@@ -372,7 +436,10 @@ def load_into(model, path: str):
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
         model.load_state_dict(state["model"], strict=False)
     else:
-        state = torch.load(os.path.join(path, "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+        from megatron.core import parallel_state
+
+        rank = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+        state = torch.load(os.path.join(path, rank, "model_optim_rng.pt"), weights_only=False)
         model.load_state_dict(state["model"], strict=False)
 
 
@@ -393,7 +460,7 @@ def main(argv=None) -> int:
 
     if a.check:
         manifest = json.load(open(os.path.join(a.out, "manifest.json")))
-        model = build(a.model)
+        model = build(a.model, a.tp)
         with torch.no_grad():
             for prm in model.parameters():
                 prm.zero_()

@@ -13,6 +13,7 @@ naming the file and the key, and a hostile pickle must never run.
 import argparse
 import io
 import os
+import re
 import pickle
 import shutil
 import zipfile
@@ -284,13 +285,25 @@ def test_shapes_that_disagree_with_args_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("setting", [{"qk_layernorm": True}, {"position_embedding_type": "yarn"},
-                                     {"multi_latent_attention": True}, {"rotary_interleaved": True},
-                                     {"moe_router_enable_expert_bias": True}])
+                                     {"rotary_interleaved": True}, {"moe_shared_expert_gate": True}])
 def test_unsupported_models_are_refused_by_arg_name(tmp_path, setting):
     root = _copy(tmp_path, "gpt", "dist_tp1")
     _rewrite_args(root, **setting)
     name = next(iter(setting))
     with pytest.raises(MegatronCheckpointError, match=rf"common\.pt: args\.{name} = "):
+        read_checkpoint(root)
+
+
+@pytest.mark.parametrize("model,setting,key", [
+    ("gpt", {"multi_latent_attention": True, "q_lora_rank": 8}, "decoder.layers.0.self_attention.linear_kv_down_proj"),
+    ("mixtral", {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"},
+     "decoder.layers.0.mlp.router.expert_bias")])
+def test_args_that_ask_for_tensors_the_checkpoint_lacks_name_them(tmp_path, model, setting, key):
+    """Multi-latent attention and the router's expert bias are read (tests/test_megatron_core_fixtures.py);
+    args that say so over a checkpoint without their tensors name the first one missing."""
+    root = _copy(tmp_path, model, "dist_tp1")
+    _rewrite_args(root, **setting)
+    with pytest.raises(MegatronCheckpointError, match=rf"the checkpoint has no tensor '{re.escape(key)}"):
         read_checkpoint(root)
 
 

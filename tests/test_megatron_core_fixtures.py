@@ -120,7 +120,11 @@ FUNCTION_ARGS = ("openai_gelu", "bias_gelu_fusion", "swiglu", "normalization", "
                  "add_bias_linear", "add_qkv_bias", "position_embedding_type", "add_position_embedding", "rotary_base",
                  "rotary_percent", "untie_embeddings_and_output_weights", "apply_layernorm_1p", "num_layers",
                  "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                 "num_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax")
+                 "num_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                 "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+                 "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
+                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")
 
 
 @pytest.mark.parametrize("kind", sorted({k for k, _ in CASES}))

@@ -161,8 +161,9 @@ def test_yarn_for_deepseek_v3s_settings():
 MTP1, MTP2 = (("mtp_num_layers", 1),), (("mtp_num_layers", 2), ("mtp_loss_scaling_factor", 0.5))
 LAYOUTS = {
     "dp2_tp4_sp_mtp2": (ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True), 4, MLA + MTP2),
-    "dp2_tp2_pp2_q_direct": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
-                             NO_Q_LATENT),
+    # the pipeline: the MTP depths run after the last stage's layers, on every stage
+    "dp2_tp2_pp2_q_direct_mtp2": (ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
+                                  NO_Q_LATENT + MTP2),
     "ep2_tp2_sp_deepseek_moe_mtp": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                                sequence_parallel=True), 2, MLA + DEEPSEEK_MOE + MTP1),
     # context parallelism: the ring over the load-balanced chunks, the values padded to the keys'

@@ -275,8 +275,11 @@ LAYOUTS = {
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4,
         MOE + (("moe_expert_capacity_factor", 0.75), ("moe_token_drop_policy", "position"))),
     # (the expert bias: the loads of the schedule's masked slots are no one's)
-    "tp4_pp2_expert_bias": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
-                            MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True))),
+    # and an MTP depth (a MoE layer, run after the last stage's layers on every stage): its loads
+    # and MoE losses counted once
+    "tp4_pp2_expert_bias_mtp": (ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2), 8,
+                                MOE + (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+                                       ("mtp_num_layers", 1))),
     # DeepSeek's router: sigmoid scores, group-limited top-k, scaled weights, the expert bias (whose
     # "gradient", the loads, is compared as every leaf: summed over the ranks, the one device's)
     "ep2_dp4_group_limited_expert_bias": (

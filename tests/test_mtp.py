@@ -121,8 +121,8 @@ def test_megatrons_mtp_flags_map_onto_the_config():
 @pytest.mark.parametrize("argv, message", [
     (["--mtp-num-layers", "0"], "--mtp-num-layers must be a positive number, got 0"),
     (["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-1"], "--mtp-loss-scaling-factor must be 0 or more"),
-    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
-     "--mtp-num-layers with --pipeline-model-parallel-size 2: multi-token prediction is not built for this layout"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--bf16", "--fp8-format", "hybrid"],
+     "--mtp-num-layers with --fp8-format and --pipeline-model-parallel-size 2: the depths' fp8 amax histories"),
 ])
 def test_bad_mtp_flags_are_refused_naming_the_flag(argv, message, capsys):
     assert main(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -344,17 +344,26 @@ class GPT(nnx.Module):
         k_embed, k_layers = stage_keys(key)
         x = self.embed_tokens(batch["tokens"], batch["position_ids"], k_embed)
         x, stats = self.run_layers_aux(x, batch["position_ids"], batch.get("segment_ids"), k_layers)
-        loss_sum, aux = self.head(x, batch["labels"], batch["loss_mask"])
-        mtp_term = jnp.zeros((), jnp.float32)
-        if self.mtp is not None:
-            mtp_term, mtp_metrics, mtp_stats = self._multi_token_prediction(
-                x, batch, None if key is None else jax.random.fold_in(key, 1))
+        loss_sum, aux, mtp_stats = self.head_and_mtp(x, batch, key)
+        if mtp_stats:
             stats = jax.tree.map(jnp.add, stats, mtp_stats) if stats else mtp_stats
-            aux = {**aux, **mtp_metrics}
         moe_term, moe_metrics = aux_terms(stats, batch["loss_mask"])  # MoE losses' gradient
-        return loss_sum + moe_term + mtp_term, {**aux, **moe_metrics}
+        return loss_sum + moe_term, {**aux, **moe_metrics}
 
-    def _multi_token_prediction(self, x_bsd, batch: dict, key) -> tuple[jax.Array, dict, dict]:
+    def head_and_mtp(self, x_bsd, batch: dict, key, vocab_split: VocabSplit | None = None) -> tuple[jax.Array, dict, dict]:
+        """(the head's loss sum plus the MTP depths' term, aux with the depths' metrics, the MTP
+        layers' MoE statistics) on the last layer's output `x_bsd`: `head` without
+        --mtp-num-layers. `key` is the microbatch's dropout key (None: no dropout); `vocab_split`
+        as `head`'s (the pipeline's), for the depths' logits too."""
+        loss_sum, aux = self.head(x_bsd, batch["labels"], batch["loss_mask"], vocab_split)
+        if self.mtp is None:
+            return loss_sum, aux, {}
+        term, metrics, stats = self._multi_token_prediction(
+            x_bsd, batch, None if key is None else jax.random.fold_in(key, 1), vocab_split)
+        return loss_sum + term, {**aux, **metrics}, stats
+
+    def _multi_token_prediction(self, x_bsd, batch: dict, key,
+                                vocab_split: VocabSplit | None = None) -> tuple[jax.Array, dict, dict]:
         """(loss term, metrics, MoE statistics) of the MTP depths (mlm_jax/models/mtp.py) on the
         model's last hidden state `x_bsd` (before the final norm)."""
         graphdef, state = nnx.split(self.mtp)
@@ -373,8 +382,8 @@ class GPT(nnx.Module):
             h, layer_stats = layer(h, emb, batch["position_ids"], batch.get("segment_ids"), k_layer)
             stats = jax.tree.map(jnp.add, stats, layer_stats) if stats else layer_stats
             mask = roll(batch["loss_mask"], k)
-            sums.append(linear_cross_entropy(h, self.head_weight(), roll(batch["labels"], k), mask,
-                                             self.cfg.vocab_size))
+            sums.append(linear_cross_entropy(h, self.head_weight(vocab_split), roll(batch["labels"], k), mask,
+                                             self.cfg.vocab_size, vocab_split))
             counts.append(jnp.sum(mask))
         term, metrics = mtp_loss_term(sums, counts, batch["loss_mask"], self.cfg.mtp_loss_scaling_factor)
         return term, metrics, stats

@@ -287,7 +287,7 @@ class Pipeline:
         def head_aux():
             _, B, S = batch["tokens"].shape  # [microbatches, micro * dp, seq]
             x = jnp.zeros((B, S, self.cfg.model.hidden_size), compute_dtype(self.cfg.model))
-            return nnx.merge(self.graphdef, params).head(x, batch["labels"][0], batch["loss_mask"][0])[1]
+            return nnx.merge(self.graphdef, params).head_and_mtp(x, jax.tree.map(lambda a: a[0], batch), None)[1]
 
         return reduces_once(self.mesh, jax.eval_shape(head_aux))
 
@@ -426,6 +426,7 @@ class _Stage:
         self.train = not program.forward_only
         self.use_dropout, self.key, self.scale, self.batch = use_dropout, key, scale, batch
         self.head_split = head_split
+        self.mtp = pipeline.cfg.model.mtp_num_layers is not None  # the head runs the depths on its microbatch
         self.stage = jax.lax.axis_index(PIPE)
         # Everything a stage accumulates varies over the manual axes: the gradients of the
         # (invariant) params are then this stage's and this rank's own, with no implicit psum.
@@ -465,7 +466,17 @@ class _Stage:
             # in fp32: XLA:CPU's bf16 all-reduce promotion aborts on it (its reducer carries a
             # sharding annotation), and the shares then add without rounding.
             y_last = jax.lax.psum(jnp.where(v == self.last, y, 0).astype(jnp.float32), PIPE).astype(y.dtype)
-            loss_sum, aux = model.head(y_last, head_in["labels"], head_in["loss_mask"], vocab_split=self.head_split)
+            # Multi-token prediction (--mtp-num-layers) runs here, after the last layer as in
+            # Megatron's last stage: every stage runs its depths on the same output (in lockstep
+            # the tick waits for the slowest stage anyway) with its 1/P of the vocab, so each
+            # one's backward carries its share of the gradient, and the sums over `pipe` (the
+            # output's above, the shared parameters' after the schedule) add the shares up.
+            key = jax.random.fold_in(self.key, head_in.get("mb", mb)) if self.use_dropout else None
+            loss_sum, aux, mtp_stats = model.head_and_mtp(y_last, head_in, key, vocab_split=self.head_split)
+            if mtp_stats:  # an MoE depth's losses: once, with the head's loss (their metrics add to the layers')
+                mtp_moe_term, mtp_moe_aux = aux_terms(mtp_stats, head_in["loss_mask"])
+                loss_sum = loss_sum + mtp_moe_term
+                aux = {**aux, **{k: a for k, a in mtp_moe_aux.items() if k != "moe_microbatches"}}
             return _masked(v == self.last, (loss_sum * self.scale, aux))
 
         def no_head():
@@ -478,7 +489,8 @@ class _Stage:
             moe_aux["moe_microbatches"] = jnp.where(v == self.last, moe_aux["moe_microbatches"], 0.0)
         # moe_term is varying whenever it depends on the layers; without MoE it is a constant 0,
         # made varying so that the backward slot's masked cotangent (varying) fits it.
-        return y, loss, self.vary(moe_term * self.scale), jax.tree.map(self.vary, {**aux, **moe_aux})
+        aux = {**moe_aux, **{k: a + moe_aux[k] if k in moe_aux else a for k, a in aux.items()}}
+        return y, loss, self.vary(moe_term * self.scale), jax.tree.map(self.vary, aux)
 
     # Gradients accumulate in the compute layout (replicated over data, as Megatron's grad
     # buffer); the ZeRO reduce-scatter to storage happens once, after the schedule. Pinned,
@@ -525,8 +537,10 @@ class _Stage:
         inputs: labels and loss mask of the last stage's microbatch in this slot) of a slot."""
         mb, c, valid = a[f"{slot}_mb"], a[f"{slot}_chunk"], a[f"{slot}_valid"] > 0
         mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
-        head_in = {k: jax.lax.dynamic_index_in_dim(self.batch[k], a[f"{slot}_head_mb"], keepdims=False)
-                   for k in ("labels", "loss_mask")}
+        head_mb = a[f"{slot}_head_mb"]
+        head_in = {k: jax.lax.dynamic_index_in_dim(self.batch[k], head_mb, keepdims=False)
+                   for k in (self.batch if self.mtp else ("labels", "loss_mask"))}
+        head_in["mb"] = head_mb
         if self.V == 1:  # a static index: no per-tick copy of the stage's weights
             layers_c = jax.tree.map(lambda x: x[0], self.layers_vl)  # [Lmax, ...]
         else:
@@ -567,6 +581,10 @@ class _Stage:
         # cotangent: a masked slot's routing of microbatch 0 is no one's.
         d_lc = jax.tree_util.tree_map_with_path(
             lambda p, d: jnp.where(valid, d, jnp.zeros_like(d)) if is_expert_bias(p) else d, d_lc)
+        # An MoE MTP depth's (shared parameters): every stage routed the head's microbatch; its
+        # loads are the last virtual stage's, when it had a unit.
+        d_sh = jax.tree_util.tree_map_with_path(
+            lambda p, d: jnp.where(valid & at_loss, d, jnp.zeros_like(d)) if is_expert_bias(p) else d, d_sh)
         return d_lc, self.pin_shared(d_sh), d_x, _masked(valid, (loss, aux))
 
     def accumulate(self, carry, a: dict, d_lc, d_sh):

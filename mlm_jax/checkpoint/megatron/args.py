@@ -23,11 +23,9 @@ _NOT_FROM_ARGS = {"padded_vocab_size", "vocab_size", "recompute_granularity", "r
 
 # Settings that change what the model computes and that mlm_jax does not have: refused when set.
 UNSUPPORTED = {
-    "qk_layernorm": "query/key layer norms", "multi_latent_attention": "multi-latent attention",
     "rotary_interleaved": "interleaved rotary embedding", "use_rope_scaling": "Llama 3.1 rope scaling",
     "rope_scaling": "rope scaling", "mtp_num_layers": "multi-token prediction layers",
-    "squared_relu": "squared ReLU", "quick_geglu": "quick GeGLU", "moe_router_enable_expert_bias":
-    "the router's expert bias", "moe_shared_expert_gate": "a gated shared expert",
+    "squared_relu": "squared ReLU", "quick_geglu": "quick GeGLU", "moe_shared_expert_gate": "a gated shared expert",
     "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP weights", "softmax_scale": "a custom softmax scale",
     "window_size": "sliding-window attention", "heterogeneous_layers_config_path": "heterogeneous layers",
     "experimental_attention_variant": "an experimental attention variant",
@@ -49,6 +47,10 @@ def _unsupported(args, where: str) -> None:
         value = getattr(args, name, None)
         if _is_set(name, value):
             raise MegatronCheckpointError(f"{where}: args.{name} = {value!r}: {what} is not supported by mlm_jax")
+    if getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False):
+        raise MegatronCheckpointError(f"{where}: args.qk_layernorm = True without multi-latent attention: query/key "
+                                      "layer norms are not supported by mlm_jax (with args.multi_latent_attention "
+                                      "they are the latents' norms)")
     factor = getattr(args, "rotary_seq_len_interpolation_factor", None)
     if factor not in (None, 1, 1.0):
         raise MegatronCheckpointError(f"{where}: args.rotary_seq_len_interpolation_factor = {factor!r} is not "

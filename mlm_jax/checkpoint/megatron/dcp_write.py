@@ -123,13 +123,21 @@ def dist_key(name: str, m: ModelConfig) -> tuple[str, tuple[int, ...], tuple[int
     if not match:
         return name, (), ()
     i, rest = int(match.group(1)), match.group(2)
-    rest = _NORMS.get(rest, rest)
+    if not m.multi_latent_attention:  # Megatron-Core's MLA specs keep the local norms' names
+        rest = _NORMS.get(rest, rest)
     lead, dims = ((i,), (m.num_layers,)) if stacked(m) else ((), ())
     expert = _EXPERT.match(rest)
     if expert:
         rest = f"mlp.experts.experts.{expert.group(2)}"
         lead, dims = (*lead, int(expert.group(1))), (*dims, m.num_experts)
     return (f"decoder.layers.{rest}" if stacked(m) else f"decoder.layers.{i}.{rest}"), lead, dims
+
+
+def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
+    if not m.multi_latent_attention:
+        return _ATTENTION
+    q = ("linear_q_down_proj", "linear_q_up_proj") if m.q_lora_rank else ("linear_q_proj",)
+    return tuple(f"self_attention.{lin}" for lin in ("linear_proj", *q, "linear_kv_down_proj", "linear_kv_up_proj"))
 
 
 def extra_states(m: ModelConfig) -> list[str]:
@@ -139,7 +147,7 @@ def extra_states(m: ModelConfig) -> list[str]:
     out = []
     for i in range(L):
         moe = m.is_moe_layer(i)
-        linears = _ATTENTION + ((_SHARED if m.moe_shared_expert_intermediate_size else ()) if moe else _MLP)
+        linears = _attention_linears(m) + ((_SHARED if m.moe_shared_expert_intermediate_size else ()) if moe else _MLP)
         if stacked(m):
             out += [f"decoder.layers.{lin}._extra_state/shard_{i}_{L}" for lin in linears]
             if moe:

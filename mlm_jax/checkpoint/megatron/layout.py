@@ -162,12 +162,16 @@ def _layer(src: Tensors, m: ModelConfig, i: int, moe: bool) -> dict:
                              "layer_norm_bias")
     else:
         out["norm1"] = _norm(src, m, (f"{p}.input_layernorm",), f"layer {i}'s input norm")
-    qkv = src.take(f"{p}.self_attention.linear_qkv.weight", (g * (r + 2) * k, d))
-    attn = {"wqkv": qkv.reshape(g, r + 2, k, d).transpose(3, 0, 1, 2)}  # [d, g, r + 2, k]
-    wo = src.take(f"{p}.self_attention.linear_proj.weight", (d, h * k))
-    attn["wo"] = wo.T.reshape(h, k, d)
+    if m.multi_latent_attention:
+        attn = _mla(src, m, f"{p}.self_attention")
+    else:
+        qkv = src.take(f"{p}.self_attention.linear_qkv.weight", (g * (r + 2) * k, d))
+        attn = {"wqkv": qkv.reshape(g, r + 2, k, d).transpose(3, 0, 1, 2)}  # [d, g, r + 2, k]
+        wo = src.take(f"{p}.self_attention.linear_proj.weight", (d, h * k))
+        attn["wo"] = wo.T.reshape(h, k, d)
+        if bias:
+            attn["bqkv"] = src.take(f"{p}.self_attention.linear_qkv.bias", (g * (r + 2) * k,)).reshape(g, r + 2, k)
     if bias:
-        attn["bqkv"] = src.take(f"{p}.self_attention.linear_qkv.bias", (g * (r + 2) * k,)).reshape(g, r + 2, k)
         attn["bo"] = src.take(f"{p}.self_attention.linear_proj.bias", (d,))
     out["attention"] = attn
     if src.has(f"{p}.mlp.linear_fc1.layer_norm_weight"):
@@ -176,6 +180,43 @@ def _layer(src: Tensors, m: ModelConfig, i: int, moe: bool) -> dict:
         out["norm2"] = _norm(src, m, (f"{p}.pre_mlp_layernorm",), f"layer {i}'s pre-MLP norm")
     out["mlp"] = _moe(src, m, p) if moe else _mlp(src, m, f"{p}.mlp", m.ffn_size)
     return out
+
+
+def _mla(src: Tensors, m: ModelConfig, a: str) -> dict:
+    """MLASelfAttention's projections ([out, in]; the up projections' outputs head-major, each
+    head's query [no rope; rope] and key/value [key; value], the down projection's [latent; key
+    rope part]) and its latent norms (the local spec's q_layernorm / kv_layernorm, or fused into
+    Transformer Engine's up projections as layer_norm_weight)."""
+    d, h, k, r, e = m.hidden_size, m.num_attention_heads, m.head_dim, m.kv_lora_rank, m.qk_pos_emb_head_dim
+    kv = m.qk_head_dim + m.v_head_dim
+    out = {"wkv_down": src.take(f"{a}.linear_kv_down_proj.weight", (r + e, d)).T,
+           "wkv_up": src.take(f"{a}.linear_kv_up_proj.weight", (h * kv, r)).T.reshape(r, h, kv),
+           "wo": src.take(f"{a}.linear_proj.weight", (d, h * m.v_head_dim)).T.reshape(h, m.v_head_dim, d)}
+    if m.qk_layernorm:
+        out["kv_norm"] = _latent_norm(src, m, a, "kv", r)
+    if m.q_lora_rank:
+        rq = m.q_lora_rank
+        out["wq_down"] = src.take(f"{a}.linear_q_down_proj.weight", (rq, d)).T
+        out["wq_up"] = src.take(f"{a}.linear_q_up_proj.weight", (h * k, rq)).T.reshape(rq, h, k)
+        if m.qk_layernorm:
+            out["q_norm"] = _latent_norm(src, m, a, "q", rq)
+    else:
+        out["wq"] = src.take(f"{a}.linear_q_proj.weight", (h * k, d)).T.reshape(d, h, k)
+    return out
+
+
+def _latent_norm(src: Tensors, m: ModelConfig, a: str, which: str, width: int) -> dict:
+    """An MLA latent's norm: `{which}_layernorm.weight` (local spec) or the up projection's fused
+    `layer_norm_weight` (Transformer Engine's)."""
+    names = (f"{a}.{which}_layernorm", f"{a}.linear_{which}_up_proj")
+    for prefix, w, b in ((names[0], "weight", "bias"), (names[1], "layer_norm_weight", "layer_norm_bias")):
+        if src.has(f"{prefix}.{w}"):
+            out = {"scale": src.take(f"{prefix}.{w}", (width,))}
+            if m.normalization == "LayerNorm":
+                out["bias"] = src.take(f"{prefix}.{b}", (width,))
+            return out
+    raise MegatronCheckpointError(f"the checkpoint has neither {names[0]}.weight nor {names[1]}.layer_norm_weight "
+                                  f"(the {which} latent's norm under args.qk_layernorm)")
 
 
 def _w1(x_nd: np.ndarray, f: int, swiglu: bool) -> np.ndarray:
@@ -202,6 +243,7 @@ def _moe(src: Tensors, m: ModelConfig, p: str) -> dict:
     d, E, f, n = m.hidden_size, m.num_experts, m.moe_ffn_size, 2 if m.swiglu else 1
     e = f"{p}.mlp.experts"
     out = {"router": src.take(f"{p}.mlp.router.weight", (E, d)).T,
+           **({"expert_bias": src.take(f"{p}.mlp.router.expert_bias", (E,))} if m.moe_router_enable_expert_bias else {}),
            "w1": _w1(src.take(f"{e}.linear_fc1.weight", (E, n * f, d)), f, m.swiglu),
            "w2": np.swapaxes(src.take(f"{e}.linear_fc2.weight", (E, d, f)), -1, -2)}
     if m.add_bias_linear:

@@ -38,9 +38,6 @@ def check_layout(m: ModelConfig, tp: int, pp: int) -> None:
     """Sizes Megatron-LM can hold this model at (even pipeline stages); an error names the size."""
     if tp < 1 or pp < 1:
         raise MegatronCheckpointError(f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
-    if m.multi_latent_attention:
-        raise MegatronCheckpointError("this model has multi-latent attention: writing its weights as a Megatron "
-                                      "checkpoint is not built yet")
     check_tensor_parallel(m, tp)
     if m.num_layers % pp:
         raise MegatronCheckpointError(f"--pipeline-model-parallel-size {pp}: does not divide num_layers = "
@@ -91,6 +88,24 @@ def _mlp(p: str, mlp: dict, m: ModelConfig):
         yield f"{p}.linear_fc2.bias", _np(mlp["b2"])
 
 
+def _mla(a: str, attn: dict, m: ModelConfig):
+    """Multi-latent attention's projections and latent norms under the local spec's names (layout._mla
+    inverted)."""
+    t = lambda x: np.ascontiguousarray(_np(x).reshape(x.shape[0], -1).T)  # noqa: E731  [in, ..] -> [out, in]
+    if m.q_lora_rank:
+        yield f"{a}.linear_q_down_proj.weight", t(attn["wq_down"])
+        yield f"{a}.linear_q_up_proj.weight", t(attn["wq_up"])
+    else:
+        yield f"{a}.linear_q_proj.weight", t(attn["wq"])
+    yield f"{a}.linear_kv_down_proj.weight", t(attn["wkv_down"])
+    yield f"{a}.linear_kv_up_proj.weight", t(attn["wkv_up"])
+    yield f"{a}.linear_proj.weight", np.ascontiguousarray(_np(attn["wo"]).reshape(-1, m.hidden_size).T)
+    if m.qk_layernorm:
+        if m.q_lora_rank:
+            yield from _norm(f"{a}.q_layernorm", attn["q_norm"], m)
+        yield from _norm(f"{a}.kv_layernorm", attn["kv_norm"], m)
+
+
 def _layer(params: dict, m: ModelConfig, i: int, name: int):
     lp, moe = _layer_params(params, m, i)
     d, h, g, k = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
@@ -98,11 +113,15 @@ def _layer(params: dict, m: ModelConfig, i: int, name: int):
     p = f"decoder.layers.{name}"
     yield from _norm(f"{p}.input_layernorm", lp["norm1"], m)
     a = lp["attention"]
-    yield (f"{p}.self_attention.linear_qkv.weight",
-           np.ascontiguousarray(_np(a["wqkv"]).transpose(1, 2, 3, 0).reshape(g * (r + 2) * k, d)))
-    yield f"{p}.self_attention.linear_proj.weight", np.ascontiguousarray(_np(a["wo"]).reshape(h * k, d).T)
+    if m.multi_latent_attention:
+        yield from _mla(f"{p}.self_attention", a, m)
+    else:
+        yield (f"{p}.self_attention.linear_qkv.weight",
+               np.ascontiguousarray(_np(a["wqkv"]).transpose(1, 2, 3, 0).reshape(g * (r + 2) * k, d)))
+        yield f"{p}.self_attention.linear_proj.weight", np.ascontiguousarray(_np(a["wo"]).reshape(h * k, d).T)
+        if m.add_bias_linear:
+            yield f"{p}.self_attention.linear_qkv.bias", _np(a["bqkv"]).reshape(-1)
     if m.add_bias_linear:
-        yield f"{p}.self_attention.linear_qkv.bias", _np(a["bqkv"]).reshape(-1)
         yield f"{p}.self_attention.linear_proj.bias", _np(a["bo"])
     yield from _norm(f"{p}.pre_mlp_layernorm", lp["norm2"], m)
     mlp = lp["mlp"]
@@ -110,6 +129,8 @@ def _layer(params: dict, m: ModelConfig, i: int, name: int):
         yield from _mlp(f"{p}.mlp", mlp, m)
         return
     yield f"{p}.mlp.router.weight", np.ascontiguousarray(_np(mlp["router"]).T)
+    if m.moe_router_enable_expert_bias:
+        yield f"{p}.mlp.router.expert_bias", _np(mlp["expert_bias"])
     for j in range(m.num_experts):
         e = {key: mlp[key][j] for key in ("w1", "w2", "b1", "b2") if key in mlp}
         yield from _mlp(f"{p}.mlp.experts.local_experts.{j}", e, m)

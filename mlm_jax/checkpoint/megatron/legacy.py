@@ -13,7 +13,9 @@ Experts are numbered within each expert-parallel rank.
 `LegacyShards.tensors()` merges the ranks into global tensors under per-layer names
 (`decoder.layers.<global i>.<rest>`), the same names `layout.py` reads from torch_dist:
   column parallel (split on dim 0): linear_qkv, linear_fc1 (SwiGLU: each rank holds its
-      [gate_r; up_r], merged to [all gate; all up]), word_embeddings, output_layer
+      [gate_r; up_r], merged to [all gate; all up]), word_embeddings, output_layer, and multi-latent
+      attention's projections (linear_q_proj, linear_q_up_proj, linear_kv_up_proj: by heads; the
+      down projections in the local spec, whole on every rank in Transformer Engine's)
   row parallel (split on dim 1): linear_proj.weight, linear_fc2.weight
   replicated: norms (also the fused `layer_norm_weight`s), row-parallel biases, router,
       position embeddings (rank 0's copy is taken)
@@ -39,7 +41,12 @@ _SEQ_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-          "word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+          "word_embeddings.weight", "output_layer.weight", "output_layer.bias",
+          "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight",  # MLA's, by heads
+          # MLA's down projections: column parallel in the local spec (what mlm_jax writes), whole on
+          # every rank in Transformer Engine's (TELinear "duplicated"): equal pieces are one tensor.
+          "linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+DUPLICATED_IN_TE = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -179,6 +186,8 @@ def merge_tensor_parallel(name: str, pieces: list, swiglu: bool) -> np.ndarray:
     if tail in ("linear_fc1.weight", "linear_fc1.bias") and swiglu:
         halves = [np.split(a, 2, axis=0) for a in arrays]  # each rank: [gate_r; up_r]
         return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
+    if tail in DUPLICATED_IN_TE and all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
+        return arrays[0]
     if tail in COLUMN:
         return np.concatenate(arrays, axis=0)
     if tail in ROW:

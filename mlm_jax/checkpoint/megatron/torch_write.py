@@ -161,7 +161,9 @@ def megatron_args(m: ModelConfig, tp: int, pp: int, iteration: int, consumed_sam
     vocab = m.vocab_size - 1 if kind == "NullTokenizer" else m.vocab_size  # NullTokenizer adds its eod
     fields.update(
         ffn_hidden_size=m.ffn_size, num_query_groups=m.query_groups, group_query_attention=m.query_groups != h,
-        kv_channels=m.head_dim, padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
+        # MLA's head dims are its own args; Megatron-LM's kv_channels default (hidden / heads) stays.
+        kv_channels=(m.kv_channels or m.hidden_size // h) if m.multi_latent_attention else m.head_dim,
+        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
         vocab_size=vocab, tokenizer_type=kind, vocab_file=tok.get("vocab_file"), merge_file=tok.get("merge_file"),
         tokenizer_model=tok.get("tokenizer_model"), tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
