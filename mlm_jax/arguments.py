@@ -260,7 +260,7 @@ ACCEPTED: list[tuple[str, str, str]] = [
     # Megatron's DeepSeek-V3 script's (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh)
     ("--use-flash-attn", "true", "accepted: cuDNN's fused (flash) attention runs where it applies, as --attention-backend auto (the default) decides"),
     ("--manual-gc-interval", "int", "accepted, no effect: Python's garbage collector is left automatic"),
-    ("--recompute-modules", "list", "core_attn | moe_act | layernorm | mla_up_proj | mlp | moe | shared_experts; accepted, not applied: --recompute-granularity selective recomputes the attention core"),
+    ("--recompute-modules", "list", "core_attn | moe_act | layernorm | mla_up_proj | mlp | moe | shared_experts, with --recompute-granularity selective: those modules' values are recomputed in the backward, not kept (core_attn: always, the fused attention keeps none)"),
     ("--moe-flex-dispatcher-backend", "str", "deepep | hybridep; accepted, no effect: the expert dispatch is XLA's all-to-all (--moe-token-dispatcher-type flex runs alltoall)"),
     ("--moe-permute-fusion", "true", "accepted, no effect: XLA fuses the tokens' permutation"),
     ("--auto-detect-ckpt-format", "true", "always: --load reads an mlm_jax, Megatron torch_dist or torch checkpoint by what it finds"),
@@ -725,6 +725,8 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
     for module in given["--recompute-modules"] or ():
         if module not in _RECOMPUTE_MODULES:
             raise ConfigError(f"--recompute-modules {module!r}: choose from {', '.join(_RECOMPUTE_MODULES)}")
+    if given["--recompute-modules"]:
+        sections["model"]["recompute_modules"] = tuple(dict.fromkeys(given["--recompute-modules"]))
     if given["--megatron-fsdp-grad-comm-dtype"] == "bf16":
         sections["parallel"].setdefault("grad_reduce_in_bf16", True)
     if given["--moe-router-dtype"] == "fp64":

@@ -87,6 +87,8 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
     recompute_num_layers: int | None = None  # uniform: group size; block: checkpointed layers
+    # With selective: Megatron's --recompute-modules (models/recompute.py `MODULES`)
+    recompute_modules: tuple[str, ...] | None = None
     bf16: bool = False
     fp16: bool = False  # fp16 compute, fp32 master params and optimizer state, loss scaling (loss_scale.py)
     # Megatron's --attention-backend: flash/fused = cuDNN's fused kernel, unfused/local = XLA's

@@ -648,6 +648,9 @@ def validate_pipeline(cfg: Config, world_size: int) -> None:
 
 def _check_recompute(m: ModelConfig) -> None:
     """Megatron's rules: --recompute-method needs full granularity, and its layer count >= 1."""
+    if m.recompute_modules and m.recompute_granularity != "selective":
+        raise ConfigError(f"--recompute-modules {' '.join(m.recompute_modules)} needs --recompute-granularity "
+                          f"selective, as in Megatron-LM (got {m.recompute_granularity})")
     if m.recompute_method is not None and m.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {m.recompute_method} needs --recompute-granularity full "
                           f"(got {m.recompute_granularity})")

@@ -192,6 +192,76 @@ def test_loss_and_every_gradient_match_single_device(name):
         assert np.abs(grads["mtp"]["eh_proj"]).max() > 0 and np.abs(grads["mtp"]["layer"]["attention"]["wo"]).max() > 0
 
 
+# --------------------------------------------------------------------------- --recompute-modules
+
+RECOMPUTED = MLA + DEEPSEEK_MOE + (("moe_layer_freq", (0, 1)), ("recompute_granularity", "selective"))
+
+
+def _count(jaxpr, test) -> int:
+    """Equations `test(eqn)` holds for, in a jaxpr and every jaxpr nested in its equations."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += bool(test(eqn))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                count += _count(inner, test) if hasattr(inner, "eqns") else 0
+    return count
+
+
+def _projections(eqn) -> bool:  # a matmul without batch dims (every projection; no attention product)
+    return eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
+
+
+def test_recompute_modules_recompute_each_module_and_keep_the_gradients():
+    """Megatron's DeepSeek-V3 script's `--recompute-modules mlp moe mla_up_proj layernorm` (and the
+    other two): the gradient step (traced) runs each module's forward again in its backward: the
+    dense layer's MLP first product, the MoE layer's router and experts, the shared expert's first
+    product, MLA's two up projections per layer, the norms (rsqrt: the layers' two and MLA's two
+    latent norms; no expert product again); the experts' activation output is not kept; the loss
+    and every gradient are those without (one device, fp32: the same products, recomputed)."""
+    import contextlib
+    import io
+
+    from mlm_jax.models.moe import expert_ffn
+    from tests.parallel_util import build, fixed_batch, place
+
+    def traced(modules):
+        model = dict(RECOMPUTED, recompute_modules=modules) if modules else dict(RECOMPUTED)
+        pz = build(ParallelConfig(), 4, jax.devices()[:1], **model)
+        return pz.loss_and_grads.trace(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0)).jaxpr.jaxpr
+
+    def counts(jaxpr):
+        return {name: _count(jaxpr, _projections if name == "dot" else lambda e, n=name: e.primitive.name == n)
+                for name in ("dot", "rsqrt", "ragged_dot_general")}
+
+    base, layers = counts(traced(())), 2
+    more = {("mlp",): {"dot": 1}, ("shared_experts",): {"dot": 1}, ("moe",): {"dot": 2, "ragged_dot_general": 2},
+            ("mla_up_proj",): {"dot": 2 * layers}, ("layernorm",): {"rsqrt": 4 * layers}}
+    for modules, extra in more.items():
+        got = counts(traced(modules))
+        assert got == {k: n + extra.get(k, 0) for k, n in base.items()}, (modules, got, base)
+
+    def residuals(modules):  # what the experts' gradient keeps
+        cfg = ModelConfig(hidden_size=16, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=8, swiglu=True,
+                          recompute_granularity="selective", recompute_modules=modules)
+        x, ids = jnp.ones((12, 16)), jnp.arange(12) % 4
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(
+                lambda x, w1, w2: expert_ffn(cfg, x, ids, w1, w2, None, None).sum(), x, jnp.ones((4, 16, 2, 8)),
+                jnp.ones((4, 8, 16)))
+        return out.getvalue()
+
+    assert "mlp_activation" in residuals(None) and "mlp_activation" not in residuals(("moe_act",))
+    ref_loss, ref = grads_for(ParallelConfig(), 4, single_device=True, model=RECOMPUTED)
+    loss, grads = grads_for(ParallelConfig(), 4, single_device=True,
+                            model=RECOMPUTED + (("recompute_modules", ("mlp", "moe", "mla_up_proj", "layernorm",
+                                                                       "moe_act", "shared_experts")),))
+    assert loss == ref_loss
+    assert_trees_close(ref, grads, 1e-6)
+
+
 # --------------------------------------------------------------------------- decoding
 
 

@@ -117,6 +117,7 @@ RECOMPUTE = {
     "full_block_1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     "full_block_3": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
     "dots": dict(recompute_granularity="dots"),
+    "selective_mlp_layernorm": dict(recompute_granularity="selective", recompute_modules=("mlp", "layernorm")),
 }
 LAYERS = 4
 
@@ -186,6 +187,8 @@ def test_recompute_policies_lower_the_compiled_memory(recompute_runs):
     # Block: the more layers checkpointed, the less kept (all of them: full).
     assert temp["full"] <= temp["full_block_3"] < temp["full_block_1"], temp
     assert temp["full_block_3"] < temp["none"], temp
+    # --recompute-modules mlp layernorm: the MLP's hidden values and the norms' outputs not kept
+    assert temp["full"] < temp["selective_mlp_layernorm"] < temp["none"], temp
 
 
 def test_offload_is_refused_on_cpu_and_allowed_on_gpu():
@@ -205,6 +208,10 @@ def test_offload_is_refused_on_cpu_and_allowed_on_gpu():
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
      "--recompute-num-layers 0: must be 1 or more"),
     (["--recompute-granularity", "everything"], "--recompute-granularity 'everything': choose one of"),
+    (["--recompute-modules", "mlp", "layernorm"], "--recompute-modules mlp layernorm needs --recompute-granularity "
+                                                 "selective, as in Megatron-LM (got None)"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "attention"],
+     "--recompute-modules 'attention': choose from core_attn, moe_act"),
 ])
 def test_recompute_flag_errors_name_the_flag(argv, message):
     from mlm_jax.arguments import parse_args

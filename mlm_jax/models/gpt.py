@@ -34,7 +34,7 @@ from flax import nnx
 
 from mlm_jax import platform
 from mlm_jax.config import ConfigError, ModelConfig
-from mlm_jax.models import fp8
+from mlm_jax.models import fp8, recompute
 from mlm_jax.models.attention import Attention
 from mlm_jax.models.layers import SEQ_SPLIT, SEQ_WHOLE, Norm, compute_dtype, dropout, fp32_einsum, lookup, normal, param
 from mlm_jax.models.mla import CACHE as LATENT_CACHE, MLAttention
@@ -90,10 +90,19 @@ class Block(nnx.Module):
         # With sequence parallelism the norms run on [batch, seq/tensor, embed]; the column-parallel
         # projections gather their output to the whole sequence (`layers.column_parallel`,
         # Megatron's SP); the MoE's router and dispatch take it gathered here.
-        o = self.attention(self.norm1(x_bsd), positions_bs, segment_ids_bs, keys[0])
+        # --recompute-modules (models/recompute.py): `layernorm` recomputes each norm with the
+        # block it feeds; `moe`, `mlp` the whole MoE or MLP.
+        o = recompute.module(cfg, "layernorm", lambda x: self.attention(self.norm1(x), positions_bs, segment_ids_bs,
+                                                                        keys[0]), x_bsd)
         x_bsd = constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[1]), BLOCK_BOUNDARY)
-        y = self.norm2(x_bsd)
-        o, stats = self.mlp(constrain(y, SEQ_WHOLE)) if self.moe else (self.mlp(y), {})
+
+        def mlp(x):
+            y = self.norm2(x)
+            if self.moe:
+                return recompute.module(cfg, "moe", lambda y: self.mlp(y), constrain(y, SEQ_WHOLE))
+            return recompute.module(cfg, "mlp", lambda y: self.mlp(y), y), {}
+
+        o, stats = recompute.module(cfg, "layernorm", mlp, x_bsd)
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY), stats
 
     def cached(self, x_bsd, positions_bs, cache: dict):

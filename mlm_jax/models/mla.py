@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.models import fp8
+from mlm_jax.models import fp8, recompute
 from mlm_jax.models.attention import CUDNN, attention, choose_backend
 from mlm_jax.models.layers import (SEQ_SPLIT, Norm, add_bias, cast, column_parallel, normal, param, rotate, row_parallel,
                                    value, zeros)
@@ -140,14 +140,22 @@ class MLAttention(nnx.Module):
     def _queries(self, y_bsd, positions_bs):
         """q [b, s, h, k]: the no-position part, then the rope part turned; times the softmax
         scale's YaRN factor (`softmax_scale` over attention's own 1/sqrt(k))."""
-        cfg, dt = self.cfg, y_bsd.dtype
+        return self._queries_from(self._query_input(y_bsd), positions_bs)
+
+    def _query_input(self, y_bsd):
+        """What the query's up (or only) projection takes: the normed query latent, or y."""
+        if self.wq is not None:
+            return y_bsd
+        q_lat = self._down(y_bsd, self.wq_down, self.fp8_history_q_down)
+        return q_lat if self.q_norm is None else self.q_norm(q_lat)
+
+    def _queries_from(self, q_in, positions_bs):
+        cfg, dt = self.cfg, q_in.dtype
         rec, history = fp8.recipe(cfg), value(self.fp8_history_q)
         if self.wq is None:
-            q_lat = self._down(y_bsd, self.wq_down, self.fp8_history_q_down)
-            q_lat = q_lat if self.q_norm is None else self.q_norm(q_lat)
-            q = column_parallel("bsr,rhk->bshk", q_lat, cast(self.wq_up, dt), W_UP, HEADS, rec, history)
+            q = column_parallel("bsr,rhk->bshk", q_in, cast(self.wq_up, dt), W_UP, HEADS, rec, history)
         else:
-            q = column_parallel("bsd,dhk->bshk", y_bsd, cast(self.wq, dt), ("embed", "heads", "head_dim"), HEADS, rec,
+            q = column_parallel("bsd,dhk->bshk", q_in, cast(self.wq, dt), ("embed", "heads", "head_dim"), HEADS, rec,
                                 history)
         q = constrain(q, HEADS)
         nope = cfg.qk_head_dim
@@ -180,23 +188,29 @@ class MLAttention(nnx.Module):
         """y: the normed input [batch, seq, embed] (a block boundary); returns [batch, seq, embed]
         before the residual add."""
         cfg, dt = self.cfg, y_bsd.dtype
-        q = self._queries(y_bsd, positions_bs)
-        k, v = self._keys_values(*self._latents(y_bsd, positions_bs))
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=key is not None and cfg.attention_dropout > 0)
-        width = v.shape[-1]
         context_attention = trace.current().context_attention  # the sequence split over context
-        # jax's cuDNN entry takes values as wide as the keys, and so does context parallelism's
-        # attention (its accumulators are the queries' shape): the values padded with zeros
-        if (backend == CUDNN or context_attention is not None) and width < q.shape[-1]:
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - width)))
-        if context_attention is not None:
-            o = context_attention(q, k, v, segment_ids_bs, dropout_rate=cfg.attention_dropout, dropout_key=key,
-                                  fused=CUDNN if backend == CUDNN else None)
-        else:
-            o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
-                          dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
-        return self._project_out(o[..., :width])
+
+        def up_and_core(q_in, latent, k_pe):  # --recompute-modules mla_up_proj recomputes this (but the core)
+            q = self._queries_from(q_in, positions_bs)
+            k, v = self._keys_values(latent, k_pe)
+            width = v.shape[-1]
+            # jax's cuDNN entry takes values as wide as the keys, and so does context parallelism's
+            # attention (its accumulators are the queries' shape): the values padded with zeros
+            if (backend == CUDNN or context_attention is not None) and width < q.shape[-1]:
+                v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - width)))
+            if context_attention is not None:
+                o = context_attention(q, k, v, segment_ids_bs, dropout_rate=cfg.attention_dropout, dropout_key=key,
+                                      fused=CUDNN if backend == CUDNN else None)
+            else:
+                o = attention(q, k, v, None, None, segment_ids_bs, segment_ids_bs, backend=backend,
+                              dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
+            return o[..., :width]
+
+        o = recompute.module(cfg, "mla_up_proj", up_and_core, self._query_input(y_bsd),
+                             *self._latents(y_bsd, positions_bs))
+        return self._project_out(o)
 
     def _project_out(self, o_bshv) -> jax.Array:
         dt = o_bshv.dtype

@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mlm_jax.config import ModelConfig
 from mlm_jax.kernels.grouped_matmul import XLA, grouped_matmul
-from mlm_jax.models import fp8
+from mlm_jax.models import fp8, recompute
 from mlm_jax.models.layers import cast, mlp_activation, normal, param, zeros
 from mlm_jax.models.mlp import MLP
 from mlm_jax.sharding import trace
@@ -314,7 +314,7 @@ class MoE(nnx.Module):
         if self.b2 is not None:  # sum_k weight_k * b2[expert_k]: linear, so outside the dispatch
             out = out + jnp.einsum("bsk,bskd->bsd", weights_bsk, cast(self.b2, dt)[experts_bsk])
         if self.shared is not None:
-            out = out + self.shared(y_bsd)
+            out = out + recompute.module(cfg, "shared_experts", lambda y: self.shared(y), y_bsd)
         return constrain(out, ("batch", None, "embed")), r.stats
 
 
@@ -379,7 +379,7 @@ def aux_terms(stats: dict, loss_mask_bs) -> tuple[jax.Array, dict]:
 # two products (the second's input is one activation of the first; its output the router
 # weights' gradient needs) and the rows it received (EXPERT_ROWS), nothing else, so no matmul or
 # collective runs twice.
-EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS = "moe_expert_hidden", "moe_expert_out", "moe_expert_rows"
+EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS = recompute.EXPERT_VALUES
 
 
 def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, grouped: bool = False):
@@ -403,8 +403,10 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, group
         h = checkpoint_name(gmm(xs, w1_flat, sizes), EXPERT_HIDDEN).reshape(R, *w1.shape[2:])  # [r, (2,) f]
         if b1 is not None:
             h = h + b1[jnp.minimum(ids_s, n_local - 1)]
-        u = jnp.where(valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0)  # [r, f]
-        ys = checkpoint_name(gmm(u, w2, sizes), EXPERT_OUT)  # [r, d]
+        # --recompute-modules moe_act: the activation's output recomputed for the product's backward
+        ys = recompute.module(cfg, "moe_act", lambda h: gmm(jnp.where(
+            valid[:, None], mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 1), 0), w2, sizes), h)
+        ys = checkpoint_name(ys, EXPERT_OUT)  # [r, d]
     else:
         starts = jnp.cumsum(sizes) - sizes
         slot = jnp.arange(R) - starts[jnp.minimum(ids_s, n_local - 1)]
@@ -415,8 +417,9 @@ def expert_ffn(cfg: ModelConfig, x_rd, ids_r, w1, w2, b1, cap: int | None, group
         h = checkpoint_name(h, EXPERT_HIDDEN)  # [e, c, (2,) f]
         if b1 is not None:
             h = h + b1[:, None]
-        y_ecd = checkpoint_name(product("ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2),
-                                EXPERT_OUT)
+        y_ecd = recompute.module(cfg, "moe_act", lambda h: product(
+            "ecf,efd->ecd", mlp_activation(h, cfg.swiglu, cfg.openai_gelu, 2), w2), h)
+        y_ecd = checkpoint_name(y_ecd, EXPERT_OUT)
         ys = jnp.where(valid[:, None], y_ecd.at[e_idx, slot].get(mode="fill", fill_value=0), 0)
     return ys if grouped else jnp.zeros_like(ys).at[order].set(ys)  # back to the input row order
 

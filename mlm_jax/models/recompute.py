@@ -11,6 +11,23 @@ recomputed in the backward pass instead of kept from the forward.
              most of full's saving for a fraction of its cost;
   offload    (mlm_jax) as `dots`, with the kept matmul outputs moved to host memory (pinned)
              and brought back for the backward: needs a GPU or TPU backend.
+`--recompute-modules` with `selective` (Megatron's; the DeepSeek-V3 script's `mlp moe mla_up_proj
+layernorm`): each module named runs under a checkpoint of its own (`module`), which keeps its
+inputs, and recomputes the rest in the backward. A value that a later op's backward needs is kept
+whatever its checkpoint says, so a module's region reaches as far as its values' consumers:
+  mlp, moe, shared_experts
+             the dense MLP, the whole MoE layer (router, dispatch, experts, combine), the shared
+             expert: only the input kept;
+  moe_act    the experts' activation and their second product: the activation's output is not
+             kept (recomputed from the first product's, which is);
+  mla_up_proj
+             multi-latent attention's up projections with the attention core they feed: the
+             queries, keys and values are recomputed from the latents; the attention's output and
+             log-sum-exp stay kept, so its forward does not run again;
+  layernorm  each norm with the block it feeds (attention, MLP or MoE), keeping that block's
+             matmul outputs, attention values and the MoE's products and received rows: the
+             norm's output (and the block's other elementwise values) recomputed;
+  core_attn  the attention core: what every run does (above).
 `--recompute-method` with `full` (Megatron's):
   uniform    layers in groups of `--recompute-num-layers` (default 1); only each group's input
              is kept and the whole group recomputed;
@@ -49,6 +66,37 @@ def check_offload_platform(cfg: ModelConfig, platform: str | None = None) -> Non
             f"the {platform} backend does not support; use it on a GPU, or choose dots | full | selective")
 
 
+# The MoE's named values (models/moe.py): its products' outputs and the rows its dispatch received.
+EXPERT_VALUES = ("moe_expert_hidden", "moe_expert_out", "moe_expert_rows")
+
+# --recompute-modules: Megatron's names (core_attn: what every run does already).
+MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def _modules(cfg: ModelConfig) -> tuple[str, ...]:
+    return tuple(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else ()
+
+
+def module(cfg: ModelConfig, name: str, fn: Callable, *args):
+    """fn(*args), run under a checkpoint of its own when `name` is in --recompute-modules: it
+    keeps its inputs, the attention's output and log-sum-exp, and with `layernorm` its matmuls'
+    outputs and the MoE's products and received rows (`_KEEPS_MATMULS`); the rest of it runs again
+    in the backward."""
+    if name not in _modules(cfg):
+        return fn(*args)
+    keep_products = name in _KEEPS_MATMULS
+    matmuls = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    def policy(prim, *a, **params):
+        if _is_attention_value(prim, params):
+            return True
+        if not keep_products:
+            return False
+        return matmuls(prim, *a, **params) or (prim.name == "name" and params.get("name") in EXPERT_VALUES)
+
+    return jax.checkpoint(fn, policy=policy)(*args)
+
+
 # The attention's output and its softmax's log-sum-exp: what a fused (flash) backward needs
 # besides q, k and v. `dots` and `offload` keep them with the matmul outputs; otherwise the
 # attention, whose products have batch dims, would run its forward again inside the backward
@@ -63,6 +111,9 @@ _FUSED_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_at
 def keep_attention(out, lse):
     """`out` and `lse` named as the attention values `dots` and `offload` keep."""
     return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
+
+
+_KEEPS_MATMULS = ("layernorm",)
 
 
 def _is_attention_value(prim, params) -> bool:
