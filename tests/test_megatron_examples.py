@@ -220,17 +220,16 @@ def test_deepseek_v3_script_trains(files, tmp_path, monkeypatch):
     its tensor size 1), 2 iterations; --moe-router-force-load-balancing left out (refused above)."""
     monkeypatch.chdir(tmp_path)
     v = {**variables(files, tmp_path), **DEEPSEEK_VARIABLES, "OUTPUT_PATH": str(tmp_path / "out")}
-    # --bf16 left out: XLA:CPU (jax 0.10) aborts compiling this bf16 step with an MTP depth of MoE kind
-    # (its all-reduce promotion meets a jax-made reduction ending in a copy; the GPU-compile tier
-    # compiles the bf16 layout for H100s)
     argv = scaled(read_args("deepseek_v3_mfsdp", v), {**DEEPSEEK_SIZES, "--tokenizer-model": files["HF_TOKENIZER"],
-                                                       "--moe-router-force-load-balancing": None, "--bf16": None})
+                                                       "--moe-router-force-load-balancing": None})
     cfg = parse_args(argv)
     m, p = cfg.model, cfg.parallel
     assert m.multi_latent_attention and m.qk_layernorm and m.mtp_num_layers == 1 and m.rotary_scaling_factor == 40
     assert m.moe_router_enable_expert_bias and m.moe_router_score_function == "sigmoid"
     assert p.use_megatron_fsdp and p.data_parallel_sharding_strategy == "optim_grads_params"
     assert p.grad_reduce_in_bf16 and m.moe_token_dispatcher_type == "alltoall"  # its FSDP grad dtype, flex
+    assert m.bf16 and m.recompute_granularity == "selective"
+    assert m.recompute_modules == ("mlp", "moe", "mla_up_proj", "layernorm")
     summary, records = run(argv, tmp_path)
     assert summary["last_iteration"] == 2 and summary["exit_reason"] is None
     assert all(math.isfinite(r["lm_loss"]) and math.isfinite(r["mtp_1_loss"]) for r in records)
