@@ -29,7 +29,7 @@ NO_EFFECT = [
     ["--empty-unused-memory-level", "2"], ["--fp8-interval", "1"], ["--keep-fp8-transpose-cache"],
     ["--moe-router-dtype", "fp32"], ["--cache-mla-latents"],
     # Megatron's DeepSeek-V3 script's
-    ["--use-flash-attn"], ["--manual-gc-interval", "10"], ["--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm"],
+    ["--use-flash-attn"], ["--manual-gc-interval", "10"],
     ["--moe-flex-dispatcher-backend", "hybridep"], ["--moe-permute-fusion"], ["--auto-detect-ckpt-format"],
     ["--dist-ckpt-strictness", "log_all"], ["--log-timers-to-tensorboard"], ["--log-memory-to-tensorboard"],
     ["--log-validation-ppl-to-tensorboard"], ["--log-num-zeros-in-grad"], ["--log-params-norm"],
@@ -57,6 +57,7 @@ def test_every_accepted_flag_is_tested_and_in_help(capsys):
     # FSDP's (tests/test_fsdp.py: their mapping and refusals)
     tested |= {"--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy"}
     tested |= {"--megatron-fsdp-grad-comm-dtype"}  # bf16: test_megatrons_deepseek_script_flags_that_carry_a_meaning
+    tested |= {"--recompute-modules"}  # applied: tests/test_mla.py, tests/test_perf.py, test_megatron_examples.py
     assert tested == {flag for flag, _, _ in ACCEPTED}
     with pytest.raises(SystemExit):
         parse_args(["--help"])

@@ -47,12 +47,12 @@ def test_unsharded_and_the_named_specs():
 
 def test_the_pipeline_runs_the_models_stage_api_and_has_no_layer_loop():
     """One lax.scan in the runtime (over ticks); the layers, the embedding and the loss come from
-    the model (run_layers, embed_tokens, head)."""
+    the model (run_layers, embed_tokens, head_and_mtp: the head with the MTP depths)."""
     from mlm_jax.pipeline import runtime
 
     src = inspect.getsource(runtime)
     assert src.count("jax.lax.scan(") == 1 and "self.tick" in src
-    for call in ("model.run_layers_aux(", "model.embed_tokens(", "model.head("):
+    for call in ("model.run_layers_aux(", "model.embed_tokens(", "model.head_and_mtp("):
         assert call in src, call
     for copy in ("cross_entropy", "logsumexp", "jnp.bfloat16", "nnx.split(", "PartitionSpec"):
         assert copy not in src, copy

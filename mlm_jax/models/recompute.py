@@ -165,7 +165,9 @@ def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig, hook=None):
     plain = body if hook is None else hook.wrap(body)
     keep = None if hook is None else hook.keeps
     if g in (None, "selective"):
-        return _scan_sum(plain, x, xs, unroll=unrolled(n, g))
+        # --recompute-modules' checkpoints: never unrolled (XLA merged their recomputation with the
+        # forward: the unrolled step kept as much as without them)
+        return _scan_sum(plain, x, xs, unroll=unrolled(n, g) and not _modules(cfg))
     if g in ("dots", "offload"):
         return _scan_sum(_remat(body, g, n, keep), x, xs)
     k = cfg.recompute_num_layers or 1
