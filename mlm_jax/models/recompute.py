@@ -71,6 +71,7 @@ EXPERT_VALUES = ("moe_expert_hidden", "moe_expert_out", "moe_expert_rows")
 
 # --recompute-modules: Megatron's names (core_attn: what every run does already).
 MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+_KEEPS_MATMULS = ("layernorm",)  # the modules whose checkpoint keeps its matmuls' outputs
 
 
 def _modules(cfg: ModelConfig) -> tuple[str, ...]:
@@ -111,9 +112,6 @@ _FUSED_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_at
 def keep_attention(out, lse):
     """`out` and `lse` named as the attention values `dots` and `offload` keep."""
     return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
-
-
-_KEEPS_MATMULS = ("layernorm",)
 
 
 def _is_attention_value(prim, params) -> bool:

@@ -534,7 +534,8 @@ class _Stage:
 
     def unit(self, a: dict, slot: str):
         """(microbatch, chunk, virtual stage, valid, microbatch inputs, chunk layers, head
-        inputs: labels and loss mask of the last stage's microbatch in this slot) of a slot."""
+        inputs: labels and loss mask of the last stage's microbatch in this slot, with MTP its
+        whole microbatch, and "mb" its index) of a slot."""
         mb, c, valid = a[f"{slot}_mb"], a[f"{slot}_chunk"], a[f"{slot}_valid"] > 0
         mb_in = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, keepdims=False), self.batch)
         head_mb = a[f"{slot}_head_mb"]
