@@ -18,7 +18,7 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
-from mlm_jax.config import (FP8_FORMATS, FP8_RECIPES, SHARDING_STRATEGIES, CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
+from mlm_jax.config import (FP8_FORMATS, FP8_RECIPES, RECOMPUTE_MODULES, SHARDING_STRATEGIES, CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                             InstrumentsConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from mlm_jax.flag_aliases import unknown_flag
 
@@ -292,7 +292,6 @@ _ACCEPTED_CHOICES = {
     "--megatron-fsdp-grad-comm-dtype": ("bf16", "fp32"),
     "--megatron-fsdp-main-grads-dtype": ("bf16", "fp32"),
 }
-_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 _FP4 = "fp4 (NVFP4) GEMMs need Blackwell GPUs; mlm_jax trains on H100/H200 in bf16 or fp8 (--fp8-format)"
 _FP8_ATTENTION = "the attention runs in bf16 (cuDNN's fp8 attention is not built); --fp8-format covers the projections"
@@ -723,8 +722,8 @@ def _map_accepted(args: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
     if given["--num-workers"] is not None and given["--num-workers"] < 0:
         raise ConfigError(f"--num-workers must be 0 or more, got {given['--num-workers']}")
     for module in given["--recompute-modules"] or ():
-        if module not in _RECOMPUTE_MODULES:
-            raise ConfigError(f"--recompute-modules {module!r}: choose from {', '.join(_RECOMPUTE_MODULES)}")
+        if module not in RECOMPUTE_MODULES:
+            raise ConfigError(f"--recompute-modules {module!r}: choose from {', '.join(RECOMPUTE_MODULES)}")
     if given["--recompute-modules"]:
         sections["model"]["recompute_modules"] = tuple(dict.fromkeys(given["--recompute-modules"]))
     if given["--megatron-fsdp-grad-comm-dtype"] == "bf16":

@@ -19,6 +19,8 @@ from mlm_jax.errors import ConfigError
 
 # fp8 (mlm_jax/models/fp8.py): the formats of Megatron's --fp8-format, and the recipes built.
 FP8_FORMATS = ("e4m3", "hybrid")
+# Megatron's --recompute-modules (with selective; models/recompute.py recomputes each)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 FP8_RECIPES = ("tensorwise", "delayed")
 
 
@@ -87,7 +89,7 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective", "dots", "offload"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None  # with full only
     recompute_num_layers: int | None = None  # uniform: group size; block: checkpointed layers
-    # With selective: Megatron's --recompute-modules (models/recompute.py `MODULES`)
+    # With selective: Megatron's --recompute-modules (RECOMPUTE_MODULES)
     recompute_modules: tuple[str, ...] | None = None
     bf16: bool = False
     fp16: bool = False  # fp16 compute, fp32 master params and optimizer state, loss scaling (loss_scale.py)

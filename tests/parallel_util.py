@@ -148,3 +148,16 @@ def document_grads_for(parallel: ParallelConfig, micro_batch: int, single_device
     state = pz.init(0)
     loss, grads = pz.loss_and_grads(state["params"], place(pz, document_batch()), jax.random.key(0))
     return float(loss), jax.tree.map(np.asarray, pz.plain(grads))
+
+
+def count_eqns(jaxpr, test) -> int:
+    """Equations `test(eqn)` holds for, in a jaxpr and every jaxpr nested in its equations (scans,
+    remat, custom VJPs, jit)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += bool(test(eqn))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                count += count_eqns(inner, test) if hasattr(inner, "eqns") else 0
+    return count

@@ -197,18 +197,6 @@ def test_loss_and_every_gradient_match_single_device(name):
 RECOMPUTED = MLA + DEEPSEEK_MOE + (("moe_layer_freq", (0, 1)), ("recompute_granularity", "selective"))
 
 
-def _count(jaxpr, test) -> int:
-    """Equations `test(eqn)` holds for, in a jaxpr and every jaxpr nested in its equations."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += bool(test(eqn))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                count += _count(inner, test) if hasattr(inner, "eqns") else 0
-    return count
-
-
 def _projections(eqn) -> bool:  # a matmul without batch dims (every projection; no attention product)
     return eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
 
@@ -224,7 +212,7 @@ def test_recompute_modules_recompute_each_module_and_keep_the_gradients():
     import io
 
     from mlm_jax.models.moe import expert_ffn
-    from tests.parallel_util import build, fixed_batch, place
+    from tests.parallel_util import build, count_eqns, fixed_batch, place
 
     def traced(modules):
         model = dict(RECOMPUTED, recompute_modules=modules) if modules else dict(RECOMPUTED)
@@ -232,7 +220,7 @@ def test_recompute_modules_recompute_each_module_and_keep_the_gradients():
         return pz.loss_and_grads.trace(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0)).jaxpr.jaxpr
 
     def counts(jaxpr):
-        return {name: _count(jaxpr, _projections if name == "dot" else lambda e, n=name: e.primitive.name == n)
+        return {name: count_eqns(jaxpr, _projections if name == "dot" else lambda e, n=name: e.primitive.name == n)
                 for name in ("dot", "rsqrt", "ragged_dot_general")}
 
     base, layers = counts(traced(())), 2

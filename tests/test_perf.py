@@ -19,7 +19,7 @@ from mlm_jax import metrics
 from mlm_jax.config import ConfigError, ParallelConfig
 from mlm_jax.instruments import Throughput
 from mlm_jax.models.recompute import check_offload_platform
-from tests.parallel_util import build, fixed_batch, place
+from tests.parallel_util import build, count_eqns, fixed_batch, place
 
 ONE = jax.devices()[:1]
 
@@ -148,18 +148,10 @@ def test_recompute_gives_the_gradients_of_no_recompute(recompute_runs, name):
 
 
 def _batched_products(jaxpr) -> int:
-    """dot_generals with batch dims (the attention's products: no projection has any) in a
-    jaxpr and every jaxpr nested in its equations (scans, remat, custom VJPs, jit)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-            count += bool(lhs_batch)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                count += _batched_products(inner) if hasattr(inner, "eqns") else 0
-    return count
+    """dot_generals with batch dims (the attention's products: no projection has any), nested
+    jaxprs included."""
+    return count_eqns(jaxpr, lambda e: (e.primitive.name == "dot_general"
+                                        and bool(e.params["dimension_numbers"][1][0])))
 
 
 def test_attention_forward_runs_once_short_of_full_recompute():

@@ -69,13 +69,14 @@ def check_offload_platform(cfg: ModelConfig, platform: str | None = None) -> Non
 # The MoE's named values (models/moe.py): its products' outputs and the rows its dispatch received.
 EXPERT_VALUES = ("moe_expert_hidden", "moe_expert_out", "moe_expert_rows")
 
-# --recompute-modules: Megatron's names (core_attn: what every run does already).
-MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 _KEEPS_MATMULS = ("layernorm",)  # the modules whose checkpoint keeps its matmuls' outputs
 
 
 def _modules(cfg: ModelConfig) -> tuple[str, ...]:
-    return tuple(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else ()
+    """The --recompute-modules that add a checkpoint (core_attn: what every run does already)."""
+    if cfg.recompute_granularity != "selective":
+        return ()
+    return tuple(m for m in cfg.recompute_modules or () if m != "core_attn")
 
 
 def module(cfg: ModelConfig, name: str, fn: Callable, *args):
