@@ -125,3 +125,62 @@ class _QuietLoader(importlib.abc.Loader):
         with _stderr_silenced():
             self.loader.exec_module(module)
         _quiet_discovery()
+
+
+def _capability(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(text).split("."))
+
+
+@contextlib.contextmanager
+def compiling_for(mesh):
+    """jax's cuDNN attention checks answer for the mesh's NVIDIA devices while a step is traced.
+
+    jax asks the local GPU's compute capability before it lets cuDNN's fused attention take a
+    head wider than 128 (up to 256 on Hopper: DeepSeek-V3's 192-wide MLA heads) or MLA's unequal
+    query and value widths. A deviceless compile (`mlm_jax.plan`) runs in a CPU process whose
+    compile-only devices carry the target's capability: for its duration jax's two checks
+    (`check_compute_capability`, `is_cuda_compute_capability_equal`) read that capability instead
+    of failing over to "no GPU". Where the process has NVIDIA GPUs of its own, or the mesh is not
+    NVIDIA's, nothing changes."""
+    device = mesh.devices.flat[0]
+    target = getattr(device, "compute_capability", None)
+    if mesh_platform(mesh) != CUDA or target is None or _local_cuda():
+        yield
+        return
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError:  # no cuDNN attention module in this jax: nothing asks
+        yield
+        return
+    names = ("check_compute_capability", "is_cuda_compute_capability_equal")
+    saved = {n: getattr(fa, n) for n in names if hasattr(fa, n)}
+    answers = {"check_compute_capability": lambda c: _capability(target) >= _capability(c),
+               "is_cuda_compute_capability_equal": lambda c: _capability(target) == _capability(c)}
+    for name in saved:
+        setattr(fa, name, answers[name])
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fa, name, fn)
+
+
+def _local_cuda() -> bool:
+    """Whether this process's default backend is NVIDIA GPUs (a real device, not a deviceless compile)."""
+    import jax
+
+    try:
+        return device_platform(jax.devices()[0]) == CUDA
+    except RuntimeError:
+        return False
+
+
+def cudnn_capability_at_least(capability: str) -> bool:
+    """jax's own answer to "is the GPU cuDNN runs on at least `capability`?" (the device this
+    process runs on, or a deviceless compile's target inside `compiling_for`); False without a GPU."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return bool(fa.check_compute_capability(capability))
+    except (ImportError, AttributeError, RuntimeError, ValueError, TypeError):
+        return False

@@ -51,8 +51,9 @@ LLAMA = " --normalization RMSNorm --swiglu --position-embedding-type rope --disa
 # A MoE's layouts at seq 1024: 4096 (token, choice) rows a device a microbatch, so that the grouped
 # kernel's row tiles (128 rows; one more at each expert's edge) are a small share of its work.
 FP8 = " --fp8-format hybrid"  # Megatron's default recipe: delayed scaling
-MLA = (" --multi-latent-attention --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 32 --qk-pos-emb-head-dim 16 "
-       "--v-head-dim 32 --qk-layernorm --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0")
+# DeepSeek-V3's head widths: query/key 128 + 64 = 192 (cuDNN takes them on Hopper), value 128
+MLA = (" --multi-latent-attention --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+       "--v-head-dim 128 --qk-layernorm --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0")
 DEEPSEEK_ROUTER = (" --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 "
                    "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 512")
 MOE = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --seq-length 1024 --max-position-embeddings 1024"
@@ -121,7 +122,7 @@ LAYOUTS = {
     "zero1_dp8_instances2": (BF16 + " --use-distributed-optimizer --num-distributed-optimizer-instances 2", True),
     "fsdp_params_dp8_instances2": (BF16 + " --use-megatron-fsdp --num-distributed-optimizer-instances 2 --num-layers 4",
                                    True),
-    # DeepSeek-V3's shape: multi-latent attention (cuDNN, the values padded to the keys' 48), a dense
+    # DeepSeek-V3's shape: multi-latent attention (cuDNN, 192-wide heads, the values padded to 192), a dense
     # first layer, then MoE layers of sigmoid, group-limited routing with the expert bias and a shared
     # expert, and one multi-token prediction depth; in fp8 (delayed scaling), the experts too
     "mla_moe_mtp_fp8_ep2_tp2_sp_zero": (BF16 + FP8 + MLA + MOE + DEEPSEEK_ROUTER + " --expert-model-parallel-size 2 "

@@ -297,7 +297,7 @@ def test_megatrons_mla_flags_map_onto_the_config():
     (["--multi-latent-attention", "--bf16", "--attention-dropout", "0", "--qk-head-dim", "256", "--attention-backend",
       "flash"], "--attention-backend flash: cuDNN fused attention of multi-latent attention needs a query/key head dim "
      "(--qk-head-dim + --qk-pos-emb-head-dim) that is a multiple of 8, <= 128 and >= --v-head-dim; got 320 and 128 (256 "
-     "on a Hopper GPU that this process runs on"),
+     "on a Hopper or newer GPU)"),
 ])
 def test_bad_mla_flags_are_refused_naming_the_flag(argv, message, capsys):
     assert main(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -62,23 +62,17 @@ def fused_attention_obstacle(m: ModelConfig, documents: bool) -> str | None:
             return ("cuDNN fused attention of multi-latent attention needs a query/key head dim (--qk-head-dim + "
                     f"--qk-pos-emb-head-dim) that is a multiple of 8, <= {widest} and >= --v-head-dim; got "
                     f"{m.head_dim} and {m.value_head_dim}"
-                    + ("" if widest > 128 else " (256 on a Hopper GPU that this process runs on: jax checks the "
-                                               "device itself, so a deviceless compile keeps to 128)"))
+                    + ("" if widest > 128 else " (256 on a Hopper or newer GPU)"))
     elif m.head_dim % 8 or m.head_dim > 128:
         return f"cuDNN fused attention needs a head dim that is a multiple of 8 and <= 128, got {m.head_dim}"
     return None
 
 
 def _widest_cudnn_head() -> int:
-    """The widest head jax lets cuDNN's fused attention take here: 256 on the Hopper (or newer)
-    GPUs this process runs on, else 128. jax asks the device itself (`check_compute_capability`),
-    so a deviceless compile for H100s gets 128."""
-    try:
-        device = jax.devices()[0]
-        capability = getattr(device, "compute_capability", None)
-        return 256 if device.platform == "gpu" and capability and float(capability) >= 9.0 else 128
-    except (RuntimeError, ValueError, TypeError):
-        return 128
+    """The widest head jax lets cuDNN's fused attention take here: 256 on Hopper (or newer) GPUs,
+    else 128. jax asks the device (`check_compute_capability`): the GPU this process runs on, or
+    the target of a deviceless compile while its step is traced (`platform.compiling_for`)."""
+    return 256 if platform.cudnn_capability_at_least("9.0") else 128
 
 
 def choose_backend(cfg: ModelConfig, dtype, *, documents: bool, aligned: bool, dropout_on: bool,

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from mlm_jax.parallel.chunks import seq_order
 from mlm_jax.parallel.context import check_comm_type, context_attention
 from mlm_jax.parallel.experts import dispatch_and_combine
-from mlm_jax.platform import mesh_platform
+from mlm_jax.platform import compiling_for, mesh_platform
 from mlm_jax.sharding import trace
 from mlm_jax.sharding.mesh import CONTEXT
 from mlm_jax.sharding.rules import logical_to_spec
@@ -21,7 +21,8 @@ from mlm_jax.sharding.rules import logical_to_spec
 
 @contextlib.contextmanager
 def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
-    """The mesh, its activation `rules`, its devices' platform and the expert dispatch in force
+    """The mesh, its activation `rules`, its devices' platform (and, compiling for GPUs without
+    one, their compute capability: `platform.compiling_for`) and the expert dispatch in force
     while a step is traced. `cp_comm_type` (the train and eval steps, whose batches are in the
     load-balanced chunk order) installs context-parallel attention where the mesh splits the
     sequence over `context`; without it attention runs on the whole sequence. A MoE router gives
@@ -33,7 +34,7 @@ def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
         cp = functools.partial(context_attention, comm_type=cp_comm_type)
         order = functools.partial(seq_order, context_size=dict(mesh.shape)[CONTEXT])
     groups = row_blocks(mesh, rules)
-    with jax.set_mesh(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp, seq_order=order,
+    with jax.set_mesh(mesh), compiling_for(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp, seq_order=order,
                                          expert_dispatch=dispatch_and_combine,
                                          route_groups=groups if groups > 1 else trace.current().route_groups):
         yield
