@@ -118,6 +118,7 @@ FLAGS: list[tuple[str, str, str, str, str]] = [
     ("--moe-pad-expert-input-to-capacity", "model", "moe_pad_expert_input_to_capacity", "true", "every expert computes exactly its capacity"),
     ("--moe-shared-expert-intermediate-size", "model", "moe_shared_expert_intermediate_size", "int", "shared expert's hidden size (default: none)"),
     ("--moe-token-dispatcher-type", "model", "moe_token_dispatcher_type", "str", "alltoall | allgather (flex: alltoall)"),
+    ("--moe-receive-buffer-factor", "model", "moe_receive_buffer_factor", "float", "(mlm_jax) with --expert-model-parallel-size > 1 and the alltoall dispatcher: the rows a rank's receive buffer holds, as a multiple of the rows it sends (tokens x top-k; 1.0 is a perfectly balanced load); rows beyond it are dropped, the busiest experts' first, and counted in the dropped tokens (default: the worst case, expert-parallel size x the rows sent: never drops)"),
     ("--moe-grouped-gemm", "model", "moe_grouped_gemm", "true", "the experts as one grouped-GEMM kernel (Pallas/Triton) on NVIDIA GPUs; on by default here, XLA's ragged_dot elsewhere"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", "int", "expert parallel size (carved out of data parallel)"),
     ("--expert-tensor-parallel-size", "parallel", "expert_tensor_parallel_size", "int", "tensor parallel size of the experts (default and only value: --tensor-model-parallel-size)"),

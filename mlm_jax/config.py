@@ -122,6 +122,10 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    # (mlm_jax) the rows an expert-parallel rank's receive buffer holds, as a multiple of the rows
+    # it sends (tokens x top-k); rows beyond it are dropped (parallel/experts.py `within`). None:
+    # the worst case (ep x the rows sent), which never drops.
+    moe_receive_buffer_factor: float | None = None
     moe_grouped_gemm: bool = True  # the experts' grouped-GEMM kernel on NVIDIA GPUs (else XLA's ragged_dot)
     # fp8 matmuls (Megatron's --fp8-* flags; mlm_jax/models/fp8.py): None, or one of FP8_FORMATS
     # (e5m2 gradients); the recipe is Megatron's name (only "tensorwise" is built).

@@ -599,6 +599,8 @@ def validate_moe(cfg: Config, world_size: int) -> None:
     if not m.num_experts:
         if ep != 1:
             raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts")
+        if m.moe_receive_buffer_factor is not None:
+            raise ConfigError("--moe-receive-buffer-factor needs --num-experts (a mixture-of-experts model)")
         return
     if p.context_parallel_size > 1:
         raise ConfigError(
@@ -633,6 +635,16 @@ def validate_moe(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor} must be positive")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    factor = m.moe_receive_buffer_factor
+    if factor is not None:
+        if not factor > 0:
+            raise ConfigError(f"--moe-receive-buffer-factor {factor} must be positive (1.0: the rows a rank "
+                              "sends, a perfectly balanced load)")
+        if ep == 1 or m.moe_token_dispatcher_type != "alltoall":
+            raise ConfigError(f"--moe-receive-buffer-factor sizes the alltoall dispatcher's receive buffers, "
+                              f"which --expert-model-parallel-size {ep} with --moe-token-dispatcher-type "
+                              f"{m.moe_token_dispatcher_type} does not have; use --expert-model-parallel-size > 1 "
+                              "and --moe-token-dispatcher-type alltoall, or leave it out")
 
 
 def validate_pipeline(cfg: Config, world_size: int) -> None:

@@ -232,6 +232,10 @@ LAYOUTS = {
                             MOE + (("swiglu", True), ("moe_shared_expert_intermediate_size", 64))),
     "ep2_pp2": (ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2,
                 MOE + (("moe_router_load_balancing_type", "seq_aux_loss"),)),
+    # Receive buffers of 1.5x the rows a rank sends (the worst case: 2x), which this routing never
+    # overflows: the bounded exchange, in the pipeline's per-rank schedule
+    "ep2_pp2_receive_buffer": (ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2,
+                               MOE + (("moe_receive_buffer_factor", 1.5),)),
     "ep2_tp2_pp2": (ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                    pipeline_model_parallel_size=2), 4, MOE + (("swiglu", True),)),
     "ep2_mixed_pattern": (ParallelConfig(expert_model_parallel_size=2), 1,
@@ -302,12 +306,17 @@ def rank_blocks(parallel: ParallelConfig) -> int:
     return 8 // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
 
+def reference_model(model: tuple) -> tuple:
+    """A layout's model on one device: the dispatcher, its padding and its receive buffers are
+    execution choices (the reference runs the plain model; with capacity dropping, routing each
+    microbatch as the layout's ranks hold its rows)."""
+    return tuple(kv for kv in model if kv[0] not in ("moe_token_dispatcher_type", "moe_receive_buffer_factor"))
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_every_gradient_match_single_device(name):
     parallel, micro, model = LAYOUTS[name]
-    # The dispatcher and padding are execution choices: the reference runs the plain model,
-    # with capacity dropping routing each microbatch as the layout's ranks hold its rows.
-    ref_model = tuple(kv for kv in model if kv[0] not in ("moe_token_dispatcher_type",))
+    ref_model = reference_model(model)
     groups = rank_blocks(parallel) if dict(model).get("moe_expert_capacity_factor") else 1
     ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=ref_model, route_groups=groups)
     loss, grads = grads_for(parallel, micro, model=model)
@@ -447,6 +456,15 @@ def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
      "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
     (ParallelConfig(), dict(num_experts=4, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                             moe_router_bias_update_rate=-1.0), "--moe-router-bias-update-rate must be a positive"),
+    (ParallelConfig(expert_model_parallel_size=2), dict(num_experts=4, moe_receive_buffer_factor=0.0),
+     "--moe-receive-buffer-factor 0.0 must be positive"),
+    (ParallelConfig(), dict(num_experts=4, moe_receive_buffer_factor=1.5),
+     "--moe-receive-buffer-factor sizes the alltoall dispatcher's receive buffers, which "
+     "--expert-model-parallel-size 1 with --moe-token-dispatcher-type alltoall does not have"),
+    (ParallelConfig(expert_model_parallel_size=2), dict(num_experts=4, moe_receive_buffer_factor=1.5,
+                                                        moe_token_dispatcher_type="allgather"),
+     "--expert-model-parallel-size 2 with --moe-token-dispatcher-type allgather does not have"),
+    (ParallelConfig(), dict(moe_receive_buffer_factor=1.5), "--moe-receive-buffer-factor needs --num-experts"),
 ])
 def test_invalid_moe_configs_fail_naming_the_rule(parallel, model, message):
     with pytest.raises(ConfigError, match=None) as e:
@@ -553,6 +571,28 @@ def test_aux_metrics_reach_the_train_step_and_format():
     assert format_aux({}) == "" and aux_record({"tokens": 3.0}) == {}
 
 
+def test_rows_the_receive_buffers_drop_are_reported(monkeypatch):
+    """ep2 with --moe-receive-buffer-factor 0.5 (buffers of half the rows a rank sends: a
+    quarter of the worst case): the train step's dropped fraction counts the rows the buffers
+    dropped (no capacity here: the router drops none), the same on the ragged path (the
+    collective emulated)."""
+    from mlm_jax.models.moe import aux_record
+    from mlm_jax.parallel import experts
+    from tests.parallel_util import build, fixed_batch, place
+
+    def dropped() -> float:
+        pz = build(ParallelConfig(expert_model_parallel_size=2), 1, fresh=True,
+                   **dict(MOE + (("moe_receive_buffer_factor", 0.5),)))
+        _, m = pz.train_step(pz.init(0), place(pz, fixed_batch()), jax.random.key(0))
+        return aux_record(jax.tree.map(float, m["aux"]))["moe_dropped_fraction"]
+
+    padded = dropped()
+    assert 0.5 <= padded < 1  # at most half the rows fit
+    monkeypatch.setattr(experts, "_ragged_here", lambda: True)
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    assert dropped() == pytest.approx(padded, rel=1e-6)
+
+
 @pytest.mark.parametrize("ep", [1, 2], ids=["dp4_pp2", "dp2_ep2_pp2"])
 def test_dropless_moe_pipeline_reduces_data_parallel_gradients_once(ep):
     """dp4 x pp2 and dp2 x ep2 x pp2, dropless: inside the tick scans the only collectives over
@@ -640,12 +680,26 @@ def _np_ragged_all_to_all(operands, outputs, offsets):
     return results
 
 
-@pytest.mark.parametrize("ep, n_local, cap", [(2, 1, None), (4, 1, None), (4, 3, None), (4, 2, 3), (8, 2, 1)])
-def test_ragged_offsets_deliver_every_row_to_its_expert_and_back(ep, n_local, cap):
+def _np_within(sizes_in: np.ndarray, rows: int | None) -> np.ndarray:
+    """The receive buffer's rule written out: [source, e] rows cut to `rows` in all, every
+    expert keeping at most the largest c that fits, each expert's rows from source 0 first."""
+    if rows is None:
+        return sizes_in
+    per_e = sizes_in.sum(0)
+    c = max(c for c in range(int(per_e.max()) + 1) if np.minimum(per_e, c).sum() <= rows)
+    before = np.cumsum(sizes_in, 0) - sizes_in
+    return np.clip(c - before, 0, sizes_in)
+
+
+@pytest.mark.parametrize("ep, n_local, cap, buffer", [
+    (2, 1, None, None), (4, 1, None, None), (4, 3, None, None), (4, 2, 3, None), (8, 2, 1, None),
+    (4, 3, None, 20), (4, 2, 3, 9), (8, 2, 1, 5), (2, 3, None, 1)])
+def test_ragged_offsets_deliver_every_row_to_its_expert_and_back(ep, n_local, cap, buffer):
     """`experts.ragged_offsets` (vmapped over `expert` ranks) against numpy: every rank's rows,
     sorted by (destination, local expert), land in each destination's buffer sorted by local
-    expert, each expert's from source 0, 1, ... (at most `cap` of each source's), an empty tail
-    after them; the return brings every row sent back to its place, and nothing else."""
+    expert, each expert's from source 0, 1, ... (at most `cap` of each source's; with `buffer`,
+    at most that many rows in all, cut as `_np_within` says), an empty tail after them; the
+    return brings every row sent back to its place, and nothing else."""
     from mlm_jax.parallel import experts
     from mlm_jax.sharding.mesh import EXPERT
 
@@ -653,14 +707,17 @@ def test_ragged_offsets_deliver_every_row_to_its_expert_and_back(ep, n_local, ca
     counts = rng.integers(0, 6, (ep, ep, n_local)).astype(np.int32)  # [source, dest, e]
     counts[0, 1] = 0  # a source that sends a destination nothing
     R = int(counts.sum((1, 2)).max()) + 2  # every source's rows (the last few dropped: sent nowhere)
-    received = ep * (R if cap is None else min(R, n_local * cap))
-    got = jax.vmap(lambda c: experts.ragged_offsets(c, cap), axis_name=EXPERT)(jnp.asarray(counts))
+    received = ep * (R if cap is None else min(R, n_local * cap)) if buffer is None else buffer
+    got = jax.vmap(lambda c: experts.ragged_offsets(c, cap, buffer), axis_name=EXPERT)(jnp.asarray(counts))
     dispatch, combine, expert_rows = jax.tree.map(np.asarray, got)
     on = lambda offsets, rank: tuple(a[rank] for a in offsets)  # noqa: E731
     rows = [1000 * (i + 1) + np.arange(R, dtype=np.float32)[:, None] for i in range(ep)]  # [R, 1] labels
     buffers = _np_ragged_all_to_all(rows, [np.zeros((received, 1), np.float32)] * ep,
                                     [on(dispatch, i) for i in range(ep)])
-    sizes = counts if cap is None else np.minimum(counts, cap)
+    capped = counts if cap is None else np.minimum(counts, cap)
+    sizes = np.stack([_np_within(capped[:, j], buffer) for j in range(ep)], 1)  # [source, dest, e]
+    if buffer is not None:
+        assert (sizes < capped).any() and sizes.sum((0, 2)).max() <= buffer  # the case cuts rows
     starts = np.cumsum(counts.reshape(ep, -1), 1).reshape(counts.shape) - counts  # in each source's rows
     for j in range(ep):
         want = [rows[i][starts[i, j, e]:starts[i, j, e] + sizes[i, j, e]] for e in range(n_local) for i in range(ep)]
@@ -708,7 +765,69 @@ def test_the_emulated_ragged_all_to_all_is_jaxs_docstring_example():
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-RAGGED = ["ep4_alltoall", "ep4_capacity_padded", "ep2_tp2_dp2_sp_zero", "ep2_pp2"]
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
+def test_a_bounded_receive_buffer_drops_the_rows_within_says(ragged, monkeypatch):
+    """--moe-receive-buffer-factor 0.5 on 4 expert ranks (each sends 16 rows; a buffer of 8 where
+    the worst case is 64), routing skewed towards rank 0's experts: the alltoall dispatch (the
+    padded exchange of XLA:CPU, and the ragged one of NVIDIA targets with the collective
+    emulated) equals every expert on every token with the rows `_np_within` cuts given weight 0:
+    output, the count of rows dropped, and the gradients of tokens, weights and experts."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from mlm_jax.parallel import experts
+    from mlm_jax.sharding.mesh import EXPERT
+
+    if ragged:
+        monkeypatch.setattr(experts, "_ragged_here", lambda: True)
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    ep, T, n_experts = 4, 8, 8
+    n_local, R = n_experts // ep, T * K
+    cfg = layer_cfg(num_experts=n_experts, moe_receive_buffer_factor=0.5)
+    buffer = experts.receive_rows(cfg, R, n_local, None, ep)
+    assert buffer == 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ep, T, D)).astype(np.float32)
+    p = np.array([4, 3, 1, 1, 1, 1, 1, 1], float)  # rank 0's experts (0, 1) the busiest
+    e = np.stack([[rng.choice(n_experts, K, replace=False, p=p / p.sum()) for _ in range(T)]
+                  for _ in range(ep)]).astype(np.int32)  # [rank, T, K]
+    w = rng.uniform(0.2, 1.0, (ep, T, K)).astype(np.float32)
+    w1 = (0.3 * rng.normal(size=(n_experts, D, F))).astype(np.float32)
+    w2 = (0.3 * rng.normal(size=(n_experts, F, D))).astype(np.float32)
+    g = rng.normal(size=(ep, T, D)).astype(np.float32)
+
+    # The rule: each source's rows in (expert, token) order; the first `within` of each (dest, e) go.
+    counts = np.zeros((ep, ep, n_local), np.int64)  # [source, dest, e]
+    for i in range(ep):
+        np.add.at(counts[i], (e[i] // n_local, e[i] % n_local), 1)
+    sent = np.stack([_np_within(counts[:, j], buffer) for j in range(ep)], 1)
+    keep = np.zeros((ep, T, K), np.float32)
+    for i in range(ep):
+        order = np.argsort(e[i].reshape(-1), kind="stable")
+        seen = np.zeros(n_experts, np.int64)
+        for r in order:
+            ex = e[i].reshape(-1)[r]
+            keep[i].reshape(-1)[r] = seen[ex] < sent[i, ex // n_local, ex % n_local]
+            seen[ex] += 1
+    assert 0 < keep.sum() < keep.size  # some rows dropped, not all
+
+    def reference(x, w, w1, w2):
+        return jnp.stack([moe_lib.local_experts(cfg, x[i], e[i], w[i] * keep[i], w1, w2, None, None)
+                          for i in range(ep)])
+
+    mesh = Mesh(np.array(jax.devices()[:ep]), (EXPERT,))
+    ours = jax.shard_map(lambda x, e, w, w1, w2: jax.tree.map(
+        lambda a: a[None], experts._alltoall(cfg, x[0], e[0], w[0], w1, w2, None, None, ep)),
+        mesh=mesh, in_specs=(P(EXPERT),) * 5, out_specs=(P(EXPERT), P(EXPERT)), check_vma=False)
+    out, dropped = jax.jit(ours)(x, e, w, w1, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(x, w, w1, w2)), rtol=1e-5, atol=1e-6)
+    assert float(np.sum(dropped)) == keep.size - keep.sum()
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(a[0], e, *a[1:])[0] * g), argnums=(0, 1, 2, 3)))(x, w, w1, w2)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a) * g), argnums=(0, 1, 2, 3))(x, w, w1, w2)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+RAGGED = ["ep4_alltoall", "ep4_capacity_padded", "ep2_tp2_dp2_sp_zero", "ep2_pp2", "ep2_pp2_receive_buffer"]
 
 
 @pytest.mark.parametrize("name", RAGGED)
@@ -730,7 +849,7 @@ def test_ragged_dispatch_matches_single_device(name, monkeypatch):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", counted)
     parallel, micro, model = LAYOUTS[name]
     groups = rank_blocks(parallel) if dict(model).get("moe_expert_capacity_factor") else 1
-    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=model, route_groups=groups)
+    ref_loss, ref_grads = grads_for(*REFERENCE, single_device=True, model=reference_model(model), route_groups=groups)
     pz = build(parallel, micro, fresh=True, **dict(model))  # traced anew: the ragged path
     loss, grads = pz.loss_and_grads(pz.init(0)["params"], place(pz, fixed_batch()), jax.random.key(0))
     assert calls, "the ragged path did not run"

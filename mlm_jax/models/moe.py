@@ -302,20 +302,30 @@ class MoE(nnx.Module):
 
     def __call__(self, y_bsd) -> tuple[jax.Array, dict]:
         # The expert-parallel dispatch where a step installed one (parallel/experts.py).
-        dispatch_and_combine = trace.current().expert_dispatch or all_experts_here
+        dispatch_and_combine = trace.current().expert_dispatch or _all_experts_here_no_drops
         cfg, dt = self.cfg, y_bsd.dtype
         b, s, d = y_bsd.shape
         logits = jnp.einsum("bsd,de->bse", y_bsd.astype(jnp.float32), self.router[...])  # [b, s, E] fp32
         r = route(cfg, logits, None if self.expert_bias is None else self.expert_bias[...])
         experts_bsk = r.experts_tk.reshape(b, s, -1)
         weights_bsk = r.weights_tk.reshape(b, s, -1).astype(dt)
-        out = dispatch_and_combine(cfg, y_bsd, experts_bsk, weights_bsk, cast(self.w1, dt),
-                                   cast(self.w2, dt), cast(self.b1, dt))
+        out, dropped = dispatch_and_combine(cfg, y_bsd, experts_bsk, weights_bsk, cast(self.w1, dt),
+                                            cast(self.w2, dt), cast(self.b1, dt))
+        stats = with_buffer_drops(cfg, r.stats, dropped, b * s)
         if self.b2 is not None:  # sum_k weight_k * b2[expert_k]: linear, so outside the dispatch
             out = out + jnp.einsum("bsk,bskd->bsd", weights_bsk, cast(self.b2, dt)[experts_bsk])
         if self.shared is not None:
             out = out + recompute.module(cfg, "shared_experts", lambda y: self.shared(y), y_bsd)
-        return constrain(out, ("batch", None, "embed")), r.stats
+        return constrain(out, ("batch", None, "embed")), stats
+
+
+def with_buffer_drops(cfg: ModelConfig, stats: dict, dropped, tokens: int) -> dict:
+    """The router's statistics with the (token, choice) rows the expert dispatch's receive
+    buffers dropped (--moe-receive-buffer-factor; `dropped`: this program's, of its `tokens`)
+    added to the dropped fraction, on the router's terms (the whole microbatch's, this rank's share)."""
+    total = float(tokens * cfg.moe_router_topk * row_ranks())
+    drops = whole_microbatch(jax.lax.stop_gradient(dropped)) / (total * row_ranks())
+    return {**stats, "dropped_fraction": stats["dropped_fraction"] + drops}
 
 
 def aux_record(aux: dict) -> dict:
@@ -438,6 +448,10 @@ def local_experts(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap):
     ids = jnp.where(w_tk != 0, e_tk, w1.shape[0]).reshape(T * K)  # dropped rows: empty
     y_rd = expert_ffn(cfg, jnp.repeat(x_td, K, axis=0), ids, w1, w2, b1, cap)  # [T*K, d]
     return jnp.einsum("tk,tkd->td", w_tk, y_rd.reshape(T, K, -1))
+
+
+def _all_experts_here_no_drops(*args):
+    return all_experts_here(*args), jnp.zeros((), jnp.float32)
 
 
 def all_experts_here(cfg, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):

@@ -53,11 +53,13 @@ from mlm_jax.sharding.rules import active_rules, logical_to_spec
 
 
 def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
-    """Dispatch rows to the rank owning their expert, run, return, combine: [T, d] -> [T, d].
+    """Dispatch rows to the rank owning their expert, run, return, combine: [T, d] -> ([T, d],
+    the rows the receive buffers dropped).
 
     The T*K rows go sorted by global expert (so by destination, then by its local expert;
     dropped rows last). On NVIDIA targets (`_ragged_here`) each destination gets exactly its
-    rows (`_ragged_exchange`), elsewhere a block padded to its worst case (`_padded_exchange`)."""
+    rows (`_ragged_exchange`), elsewhere a block padded to its worst case (`_padded_exchange`).
+    With --moe-receive-buffer-factor a destination takes at most `receive_rows` rows (`within`)."""
     T, K = e_tk.shape
     n_local, R = w1.shape[0], T * K
     E = n_local * ep
@@ -66,11 +68,41 @@ def _alltoall(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
     ids_s = ids[order]
     x_rows = jnp.repeat(x_td, K, axis=0)[order]  # [R, d]
     exchange = _ragged_exchange if _ragged_here() else _padded_exchange
+    buffer = receive_rows(cfg, R, n_local, cap, ep)
     # [R, d] in sorted order, dropped rows 0 (kept for the backward: the router weights' gradient
     # needs it, and recomputing it would run the exchanges again)
-    y_s = checkpoint_name(exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep), EXPERT_OUT)
+    y_s, dropped = exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep, buffer)
+    y_s = checkpoint_name(y_s, EXPERT_OUT)
     y_rows = jnp.zeros_like(y_s).at[order].set(y_s)
-    return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1))
+    return jnp.einsum("tk,tkd->td", w_tk, y_rows.reshape(T, K, -1)), dropped
+
+
+def receive_rows(cfg: ModelConfig, rows: int, n_local: int, cap: int | None, ep: int) -> int | None:
+    """The rows an expert-parallel rank's receive buffer holds when each rank sends `rows`:
+    --moe-receive-buffer-factor x rows, where that is below the worst case (ep x rows dropless,
+    ep x min(rows, n_local x capacity) with a capacity factor); None: the worst case (no row is
+    ever dropped for want of room)."""
+    factor = cfg.moe_receive_buffer_factor
+    worst = ep * (rows if cap is None else min(rows, n_local * cap))
+    if factor is None or math.ceil(factor * rows) >= worst:
+        return None
+    return max(math.ceil(factor * rows), 1)
+
+
+def within(sizes_in, rows: int):
+    """sizes_in [source, e] (the rows each source sends each local expert here) cut to at most
+    `rows` in all: every local expert keeps at most c rows, c the largest with sum_e min(rows_e,
+    c) <= rows (the busiest experts give up rows first, as a capacity drops them), each expert's
+    kept rows the first in source order (its buffer's order), each source's its first."""
+    per_e = jnp.sum(sizes_in, axis=0)  # [e]
+    n = per_e.shape[0]
+    s = jnp.sort(per_e)
+    below = jnp.cumsum(s) - s  # the rows of the experts smaller than the k-th
+    c_k = (rows - below) // (n - jnp.arange(n))  # c if the k-th and larger experts are the ones cut
+    prev = jnp.concatenate([jnp.zeros((1,), s.dtype), s[:-1]])
+    c = jnp.max(jnp.where(c_k >= prev, jnp.minimum(c_k, s), -1))  # the largest c that fits
+    before = jnp.cumsum(sizes_in, axis=0) - sizes_in  # [source, e]: rows of lower sources
+    return jnp.clip(c - before, 0, sizes_in).astype(sizes_in.dtype)
 
 
 def _ragged_here() -> bool:
@@ -79,49 +111,63 @@ def _ragged_here() -> bool:
     return platform.current() == platform.CUDA
 
 
-def _padded_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int):
-    """Sorted rows [R, d] -> their experts' outputs [R, d], with one all_to_all each way of
-    [ep, per_dest, d] blocks: every destination's block padded to its worst case."""
+def _padded_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int, buffer: int | None = None):
+    """Sorted rows [R, d] -> (their experts' outputs [R, d], rows dropped), with one all_to_all
+    each way of [ep, per_dest, d] blocks: every destination's block padded to its worst case.
+    With `buffer` (`receive_rows`) the rows a destination's buffer would not hold (`within`,
+    as the ragged exchange cuts them) go as empty rows (output 0)."""
     n_local, R = w1.shape[0], x_rows.shape[0]
     per_dest = R if cap is None else min(R, n_local * cap)  # a destination's block, padded
     dest = ids_s // n_local  # [R]; ep for dropped rows
     per_rank = jnp.bincount(dest, length=ep + 1)
     starts = jnp.cumsum(per_rank) - per_rank  # first sorted row of each destination
     pos = jnp.arange(R) - starts[jnp.minimum(dest, ep)]
+    local = (ids_s - dest * n_local).astype(jnp.int32)
+    dropped = jnp.zeros((), jnp.float32)
+    if buffer is not None:  # the first `sent` rows of each (destination, expert) go
+        counts = jnp.bincount(ids_s, length=ep * n_local + 1)
+        (_, sent, _, _), _, _ = ragged_offsets(counts[:-1].reshape(ep, n_local).astype(jnp.int32), cap, buffer)
+        group_at = jnp.cumsum(counts) - counts  # first sorted row of each (destination, expert)
+        kept = jnp.arange(R) - group_at[ids_s] < jnp.append(sent, 0)[ids_s]
+        local = jnp.where(kept, local, n_local)
+        dropped = (jnp.sum(counts[:-1]) - jnp.sum(sent)).astype(jnp.float32)
     send = jnp.zeros((ep, per_dest, x_rows.shape[1]), x_rows.dtype).at[dest, pos].set(x_rows, mode="drop")
-    send_ids = jnp.full((ep, per_dest), n_local, jnp.int32).at[dest, pos].set(
-        (ids_s - dest * n_local).astype(jnp.int32), mode="drop")
+    send_ids = jnp.full((ep, per_dest), n_local, jnp.int32).at[dest, pos].set(local, mode="drop")
     # [ep (destination), per_dest, d] -> [ep (source), per_dest, d]
     recv = checkpoint_name(jax.lax.all_to_all(send, EXPERT, 0, 0, tiled=True), EXPERT_ROWS)
     recv_ids = checkpoint_name(jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True), EXPERT_ROWS)
     y = expert_ffn(cfg, recv.reshape(ep * per_dest, -1), recv_ids.reshape(-1), w1, w2, b1,
                    None if cap is None else ep * cap)  # at most `cap` rows per expert from each source
     back = jax.lax.all_to_all(y.reshape(ep, per_dest, -1), EXPERT, 0, 0, tiled=True)  # [dest, per_dest, d]
-    return back.at[dest, pos].get(mode="fill", fill_value=0)
+    return back.at[dest, pos].get(mode="fill", fill_value=0), dropped
 
 
-def _ragged_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int):
-    """Sorted rows [R, d] -> their experts' outputs [R, d], with one ragged all-to-all each way:
-    a rank sends exactly the rows each destination's experts take (`ragged_offsets`).
+def _ragged_exchange(cfg, x_rows, ids_s, w1, w2, b1, cap, ep: int, buffer: int | None = None):
+    """Sorted rows [R, d] -> (their experts' outputs [R, d], rows dropped), with one ragged
+    all-to-all each way: a rank sends exactly the rows each destination's experts take
+    (`ragged_offsets`).
 
     A destination's rows arrive sorted by its local expert, into a receive buffer of static
     size, the worst case a rank may receive: ep x T*K rows dropless, ep x min(T*K, n_local x
     capacity) with a capacity factor (each source sends at most `cap` rows per expert: more are
-    dropped, as the padded blocks drop them). The buffer's unused tail is empty (id n_local:
-    the experts skip it). The outputs go back with the reverse offsets."""
+    dropped, as the padded blocks drop them); `buffer` rows with --moe-receive-buffer-factor
+    (`within` decides which rows fit). The buffer's unused tail is empty (id n_local: the
+    experts skip it). The outputs go back with the reverse offsets; rows not sent come back 0."""
     n_local, R = w1.shape[0], x_rows.shape[0]
-    received = ep * (R if cap is None else min(R, n_local * cap))  # the receive buffer's rows
+    received = ep * (R if cap is None else min(R, n_local * cap)) if buffer is None else buffer
     counts = jnp.bincount(ids_s, length=ep * n_local + 1)[:-1].reshape(ep, n_local)  # [dest, e]
     # (kept for the backward, as the rows received are: no collective runs again there)
-    dispatch, combine, expert_rows = checkpoint_name(ragged_offsets(counts.astype(jnp.int32), cap), EXPERT_ROWS)
+    dispatch, combine, expert_rows = checkpoint_name(ragged_offsets(counts.astype(jnp.int32), cap, buffer),
+                                                     EXPERT_ROWS)
     recv = checkpoint_name(_ragged_all_to_all(x_rows, dispatch, combine, received, R), EXPERT_ROWS)
     # [received, d]: expert 0's rows from source 0, 1, ..., expert 1's, ...; then the empty tail
     ids = jnp.sum(jnp.arange(received)[:, None] >= jnp.cumsum(expert_rows)[None, :], axis=1)  # [received]
     y = expert_ffn(cfg, recv, ids.astype(jnp.int32), w1, w2, b1, None if cap is None else ep * cap, grouped=True)
-    return _ragged_all_to_all(y, combine, dispatch, R, received)  # [R, d] sorted
+    dropped = (jnp.sum(counts) - jnp.sum(dispatch[1])).astype(jnp.float32)
+    return _ragged_all_to_all(y, combine, dispatch, R, received), dropped  # [R, d] sorted
 
 
-def ragged_offsets(counts, cap: int | None = None):
+def ragged_offsets(counts, cap: int | None = None, buffer: int | None = None):
     """The offsets and sizes of the dispatch's and the return's ragged all-to-alls, on one rank of
     `expert` (inside a shard_map or a vmap over it).
 
@@ -131,7 +177,9 @@ def ragged_offsets(counts, cap: int | None = None):
     1's, ...: where a source's rows land depends on the other sources' counts, so the counts
     (and where each slice starts in its source's rows, for the return) go to the destinations
     in one all_to_all of [ep, 2, n_local] int32 and the destinations' offsets come back in a
-    second ([ep, n_local]).
+    second ([ep, n_local]). With `buffer` a destination takes at most that many rows
+    (`within`), and tells each source how many of its rows it takes in the second all_to_all
+    ([ep, 2, n_local]); a source sends the first that many of each (dest, e).
 
     Returns (dispatch, combine, expert_rows): dispatch and combine are (input_offsets,
     send_sizes, output_offsets, recv_sizes), each [ep * n_local] int32, one slice per (peer,
@@ -144,9 +192,15 @@ def ragged_offsets(counts, cap: int | None = None):
     # -> [source, 2, e]: what each source sends me, and where it sits in that source's rows
     got = jax.lax.all_to_all(jnp.stack([sizes, send_at], 1), EXPERT, 0, 0, tiled=True)
     sizes_in, source_at = got[:, 0], got[:, 1]  # [source, e]
+    if buffer is not None:
+        sizes_in = within(sizes_in, buffer)
     expert_rows = sizes_in.sum(0)  # [e]
     recv_at = (jnp.cumsum(expert_rows) - expert_rows)[None] + jnp.cumsum(sizes_in, 0) - sizes_in  # [source, e]
-    out_at = jax.lax.all_to_all(recv_at, EXPERT, 0, 0, tiled=True)  # [dest, e]: in its buffer
+    if buffer is None:
+        out_at = jax.lax.all_to_all(recv_at, EXPERT, 0, 0, tiled=True)  # [dest, e]: in its buffer
+    else:  # and how many of my rows each destination takes
+        out_at, sizes = jnp.unstack(jax.lax.all_to_all(jnp.stack([recv_at, sizes_in], 1), EXPERT, 0, 0,
+                                                       tiled=True), axis=1)
     flat_ = lambda a: a.reshape(ep * n_local).astype(jnp.int32)  # noqa: E731
     # Slices (dest, e) of my sorted rows into each destination's buffer; I receive (source, e).
     dispatch = tuple(map(flat_, (send_at, sizes, out_at, sizes_in)))
@@ -190,7 +244,9 @@ def _allgather(cfg, x_td, e_tk, w_tk, w1, w2, b1, cap, ep: int):
 
 
 def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, w2, b1):
-    """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> [b, s, d].
+    """sum_k weights[k] * expert_{experts[k]}(y) for every token: [b, s, d] -> ([b, s, d], the
+    (token, choice) rows the receive buffers dropped: --moe-receive-buffer-factor, fp32, this
+    program's rows: a rank's own in a per-rank body).
 
     Inside parallelize's step (activation rules active): a shard_map over the axes of data,
     expert and tensor not already manual (see the module docstring); rows that do not split
@@ -217,7 +273,7 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         whole = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, P())  # noqa: E731
         out = all_experts_here(cfg, whole(y_bsd), whole(experts_bsk), whole(weights_bsk),  # every group
                                whole(w1), whole(w2), whole(b1))
-        return jax.lax.with_sharding_constraint(out, P())
+        return jax.lax.with_sharding_constraint(out, P()), jnp.zeros((), jnp.float32)
     ep = sizes[EXPERT]
     # A device's rows below are one routing group (a rank's), or all of them on one device
     # routing as a layout's ranks do: at most `cap` rows per expert.
@@ -225,17 +281,20 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     cap = row_capacity(cfg, b * s // groups, max(groups // math.prod(sizes[a] for a in row_axes), 1))
     w_specs = [logical_to_spec(n, rules) for n in _weight_names(cfg, w1.ndim)]
     manual = frozenset(a for a in (*row_axes, EXPERT, TENSOR) if a) - outer
+    split_here = in_mesh_order(set(row_axes) & manual)  # the axes this map splits the rows over
 
     def body(x, e, w, w1_, w2_, b1_):  # [b/(row axes), s, d] rows whole over tensor; w1_ [E/ep, d, (2,) f/tp]
         bl = x.shape[0]
         args = (cfg, x.reshape(bl * s, d), e.reshape(bl * s, -1), w.reshape(bl * s, -1), w1_, w2_, b1_, cap)
+        dropped = jnp.zeros((), jnp.float32)
         if ep == 1:
             out = local_experts(*args)
         elif cfg.moe_token_dispatcher_type == "allgather":
             out = _allgather(*args, ep)
         else:
-            out = _alltoall(*args, ep)
-        return (_sum_over_tensor(out) if outer else psum(out, TENSOR)).reshape(bl, s, d)
+            out, dropped = _alltoall(*args, ep)
+        out = (_sum_over_tensor(out) if outer else psum(out, TENSOR)).reshape(bl, s, d)
+        return out, (psum(dropped, split_here) if split_here else dropped)
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
     fn = _saving_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
@@ -258,7 +317,8 @@ _sum_over_tensor.defvjp(lambda partial: (psum(partial, TENSOR), None), lambda _,
 
 
 def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
-    """shard_map(body) whose forward also returns, per device, the residuals of its own jax.vjp
+    """shard_map(body) (body: inputs -> (output, a statistic without gradient, replicated over
+    the manual axes)) whose forward also returns, per device, the residuals of its own jax.vjp
     (each stacked on a new leading dim split over the manual axes it varies over, so that their
     sharding is ours, not jax's partial evaluation's: nested in a shard_map, jax gave residuals a
     sharding Shardy rejects, the outer manual axis `pipe` as a free axis ahead of `data`; the
@@ -280,9 +340,9 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     keep = jax.checkpoint_policies.save_only_these_names(EXPERT_HIDDEN, EXPERT_OUT, EXPERT_ROWS)
 
-    def vjp_of(x, e, w, w1, w2, b1):
+    def vjp_of(x, e, w, w1, w2, b1):  # (output, vjp, the body's second output: no gradient)
         fn = jax.checkpoint(lambda x_, w_, w1_, w2_, b1_: body(x_, e, w_, w1_, w2_, b1_), policy=keep)
-        return jax.vjp(fn, x, w, w1, w2, b1)
+        return jax.vjp(fn, x, w, w1, w2, b1, has_aux=True)
 
     def fresh(*inputs):
         # Unchecked, the inputs keep the enclosing map's varying axes and what the body computes
@@ -291,12 +351,12 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     def fwd_body(x, e, w, w1, w2, b1):
         x, w, w1, w2, b1 = inputs = fresh(x, w, w1, w2, b1)
-        out, vjp = vjp_of(x, e, w, w1, w2, b1)
+        out, vjp, aux = vjp_of(x, e, w, w1, w2, b1)
         leaves, kept["tree"] = jax.tree.flatten(vjp)
         kept["input_of"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
         stored = [leaf for leaf, i in zip(leaves, kept["input_of"]) if i is None]
         kept["varying"] = [in_mesh_order(varying_axes(leaf)) for leaf in stored]
-        return out, [leaf[None] for leaf in stored]
+        return out, aux, [leaf[None] for leaf in stored]
 
     def bwd_body(args, residuals, g):
         x, _, w, w1, w2, b1 = args
@@ -316,29 +376,31 @@ def _saving_shard_map(body, in_specs, out_spec, manual, check_vma=True):
 
     def fwd_map(*args):
         every = P(in_mesh_order(manual))
-        jax.eval_shape(lambda *a: jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, every),
+        jax.eval_shape(lambda *a: jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, P(), every),
                                                 axis_names=manual, check_vma=check_vma)(*a), *args)
-        return jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, stacked()), axis_names=manual,
+        return jax.shard_map(fwd_body, in_specs=in_specs, out_specs=(out_spec, P(), stacked()), axis_names=manual,
                              check_vma=check_vma)(*args)
 
     def bwd_map(args, residuals, g):
         return jax.shard_map(bwd_body, in_specs=(in_specs, stacked(), out_spec), out_specs=diff_specs,
                              axis_names=manual, check_vma=check_vma)(args, residuals, g)
 
-    def forward(*args):  # the output varies over the enclosing map's axes as the inputs do
-        out, residuals = fwd_map(*args)
-        return varying(out, sorted(set().union(*(varying_axes(a) for a in args if a is not None)))), residuals
+    def forward(*args):  # the outputs vary over the enclosing map's axes as the inputs do
+        out, aux, residuals = fwd_map(*args)
+        axes = sorted(set().union(*(varying_axes(a) for a in args if a is not None)))
+        return (varying(out, axes), varying(aux, axes)), residuals
 
     @jax.custom_vjp
     def fn(*args):
         return forward(*args)[0]
 
     def fwd(*args):
-        out, residuals = forward(*args)
-        return out, (args, residuals)
+        outs, residuals = forward(*args)
+        return outs, (args, residuals)
 
-    def bwd(saved, g):
+    def bwd(saved, cotangents):
         args, _ = saved
+        g = cotangents[0]  # (the second output has no gradient)
         x, _, w, w1, w2, b1 = args
         d_x, d_w, d_w1, d_w2, d_b1 = (None if d is None else varying(d, sorted(varying_axes(a)))
                                       for d, a in zip(bwd_map(*saved, g), (x, w, w1, w2, b1)))
