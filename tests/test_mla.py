@@ -206,7 +206,8 @@ def test_recompute_modules_recompute_each_module_and_keep_the_gradients():
     other two): the gradient step (traced) runs each module's forward again in its backward: the
     dense layer's MLP first product, the MoE layer's router and experts, the shared expert's first
     product, MLA's two up projections per layer, the norms (rsqrt: the layers' two and MLA's two
-    latent norms; no expert product again); the experts' activation output is not kept; the loss
+    latent norms; no expert product again), and all four of them together each of these; the
+    experts' activation output is not kept; the loss
     and every gradient are those without (one device, fp32: the same products, recomputed)."""
     import contextlib
     import io
@@ -226,6 +227,10 @@ def test_recompute_modules_recompute_each_module_and_keep_the_gradients():
     base, layers = counts(traced(())), 2
     more = {("mlp",): {"dot": 1}, ("shared_experts",): {"dot": 1}, ("moe",): {"dot": 2, "ragged_dot_general": 2},
             ("mla_up_proj",): {"dot": 2 * layers}, ("layernorm",): {"rsqrt": 4 * layers}}
+    # All four of the script's together: each its own (layernorm's region keeps none of what the
+    # others recompute: before, it kept the MoE's products and the up projections' outputs)
+    script = ("mlp", "moe", "mla_up_proj", "layernorm")
+    more[script] = {k: sum(more[(m,)].get(k, 0) for m in script) for k in base}
     for modules, extra in more.items():
         got = counts(traced(modules))
         assert got == {k: n + extra.get(k, 0) for k, n in base.items()}, (modules, got, base)

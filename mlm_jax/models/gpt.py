@@ -91,9 +91,16 @@ class Block(nnx.Module):
         # projections gather their output to the whole sequence (`layers.column_parallel`,
         # Megatron's SP); the MoE's router and dispatch take it gathered here.
         # --recompute-modules (models/recompute.py): `layernorm` recomputes each norm with the
-        # block it feeds; `moe`, `mlp` the whole MoE or MLP.
-        o = recompute.module(cfg, "layernorm", lambda x: self.attention(self.norm1(x), positions_bs, segment_ids_bs,
-                                                                        keys[0]), x_bsd)
+        # block it feeds; `moe`, `mlp` the whole MoE or MLP. With `mla_up_proj` too, the first
+        # norm's region ends at multi-latent attention's latents (it would keep the up
+        # projections' outputs, which mla_up_proj recomputes).
+        if cfg.multi_latent_attention and recompute.named(cfg, "mla_up_proj"):
+            latents = recompute.module(cfg, "layernorm", lambda x: self.attention.latents(self.norm1(x), positions_bs),
+                                       x_bsd)
+            o = self.attention.from_latents(latents, positions_bs, segment_ids_bs, keys[0])
+        else:
+            o = recompute.module(cfg, "layernorm", lambda x: self.attention(self.norm1(x), positions_bs,
+                                                                            segment_ids_bs, keys[0]), x_bsd)
         x_bsd = constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[1]), BLOCK_BOUNDARY)
 
         def mlp(x):
@@ -102,7 +109,7 @@ class Block(nnx.Module):
                 return recompute.module(cfg, "moe", lambda y: self.mlp(y), constrain(y, SEQ_WHOLE))
             return recompute.module(cfg, "mlp", lambda y: self.mlp(y), y), {}
 
-        o, stats = recompute.module(cfg, "layernorm", mlp, x_bsd)
+        o, stats = recompute.module(cfg, "layernorm", mlp, x_bsd, block="moe" if self.moe else "mlp")
         return constrain(x_bsd + dropout(o, cfg.hidden_dropout, keys[2]), BLOCK_BOUNDARY), stats
 
     def cached(self, x_bsd, positions_bs, cache: dict):

@@ -187,7 +187,16 @@ class MLAttention(nnx.Module):
     def __call__(self, y_bsd, positions_bs, segment_ids_bs, key) -> jax.Array:
         """y: the normed input [batch, seq, embed] (a block boundary); returns [batch, seq, embed]
         before the residual add."""
-        cfg, dt = self.cfg, y_bsd.dtype
+        return self.from_latents(self.latents(y_bsd, positions_bs), positions_bs, segment_ids_bs, key)
+
+    def latents(self, y_bsd, positions_bs) -> tuple:
+        """The down projections' side: (what the query's up projection takes, the normed latent,
+        the key rope part turned)."""
+        return (self._query_input(y_bsd), *self._latents(y_bsd, positions_bs))
+
+    def from_latents(self, latents: tuple, positions_bs, segment_ids_bs, key) -> jax.Array:
+        """The up projections, the attention core and the output projection, from `latents`."""
+        cfg, dt = self.cfg, latents[1].dtype
         backend = choose_backend(cfg, dt, documents=segment_ids_bs is not None, aligned=True,
                                  dropout_on=key is not None and cfg.attention_dropout > 0)
         context_attention = trace.current().context_attention  # the sequence split over context
@@ -208,9 +217,7 @@ class MLAttention(nnx.Module):
                               dropout_rate=cfg.attention_dropout, dropout_key=key)  # [b, s, h, v]
             return o[..., :width]
 
-        o = recompute.module(cfg, "mla_up_proj", up_and_core, self._query_input(y_bsd),
-                             *self._latents(y_bsd, positions_bs))
-        return self._project_out(o)
+        return self._project_out(recompute.module(cfg, "mla_up_proj", up_and_core, *latents))
 
     def _project_out(self, o_bshv) -> jax.Array:
         dt = o_bshv.dtype

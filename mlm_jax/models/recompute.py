@@ -26,7 +26,11 @@ whatever its checkpoint says, so a module's region reaches as far as its values'
              log-sum-exp stay kept, so its forward does not run again;
   layernorm  each norm with the block it feeds (attention, MLP or MoE), keeping that block's
              matmul outputs, attention values and the MoE's products and received rows: the
-             norm's output (and the block's other elementwise values) recomputed;
+             norm's output (and the block's other elementwise values) recomputed. With `mlp` or
+             `moe` too, their block keeps nothing but its input (an outer checkpoint's policy
+             decides for the checkpoints inside it); with `mla_up_proj` too, the first norm's
+             region ends at multi-latent attention's latents (models/gpt.py `Block`). With
+             `shared_experts` or `moe_act` but not `moe`, layernorm keeps their products;
   core_attn  the attention core: what every run does (above).
 `--recompute-method` with `full` (Megatron's):
   uniform    layers in groups of `--recompute-num-layers` (default 1); only each group's input
@@ -79,14 +83,22 @@ def _modules(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(m for m in cfg.recompute_modules or () if m != "core_attn")
 
 
-def module(cfg: ModelConfig, name: str, fn: Callable, *args):
+def named(cfg: ModelConfig, name: str) -> bool:
+    """Whether --recompute-modules puts module `name` under a checkpoint of its own."""
+    return name in _modules(cfg)
+
+
+def module(cfg: ModelConfig, name: str, fn: Callable, *args, block: str | None = None):
     """fn(*args), run under a checkpoint of its own when `name` is in --recompute-modules: it
     keeps its inputs, the attention's output and log-sum-exp, and with `layernorm` its matmuls'
     outputs and the MoE's products and received rows (`_KEEPS_MATMULS`); the rest of it runs again
-    in the backward."""
+    in the backward. `block`: the module that the region's norm feeds (`mlp`, `moe`); when it is
+    named too, the region keeps none of its products (an outer checkpoint's policy decides for
+    the values of the checkpoints inside it: keeping the block's products would undo its
+    recomputation), and the block is recomputed whole, its norm with it."""
     if name not in _modules(cfg):
         return fn(*args)
-    keep_products = name in _KEEPS_MATMULS
+    keep_products = name in _KEEPS_MATMULS and not (block is not None and named(cfg, block))
     matmuls = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
     def policy(prim, *a, **params):
