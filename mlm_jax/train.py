@@ -172,7 +172,7 @@ def build_model(cfg: Config, mesh, layout: BatchLayout, log):
     from mlm_jax.models.build import abstract_model, count_params
     from mlm_jax.models.fp8 import experts_note as fp8_experts_note
     from mlm_jax.parallel.data import bf16_grad_reduce_note, overlap_grad_reduce_note
-    from mlm_jax.parallel.fsdp import torch_fsdp2_note
+    from mlm_jax.parallel.fsdp import recompute_modules_note, torch_fsdp2_note
     from mlm_jax.build import parallelize
     from mlm_jax.platform import mesh_platform
 
@@ -184,6 +184,7 @@ def build_model(cfg: Config, mesh, layout: BatchLayout, log):
     for flag, note in (("--grad-reduce-in-bf16", bf16_grad_reduce_note(cfg, mesh)),
                        ("--overlap-grad-reduce", overlap_grad_reduce_note(cfg, mesh)),
                        ("--use-torch-fsdp2", torch_fsdp2_note(cfg)),
+                       ("--recompute-modules", recompute_modules_note(cfg)),
                        ("--fp8-format", fp8_experts_note(cfg.model))):
         if note:
             log(f"> {flag}: {note}")

@@ -176,6 +176,13 @@ def scan_layers(body: Callable, x, xs, n: int, cfg: ModelConfig, hook=None):
     plain = body if hook is None else hook.wrap(body)
     keep = None if hook is None else hook.keeps
     if g in (None, "selective"):
+        if _modules(cfg) and plain is not body:
+            # The hook rematerializes the layer (FSDP's optim_grads_params: its weights gathered
+            # again in the backward) under one policy, and jax applies the outermost checkpoint's
+            # policy to every value inside it, the modules' checkpoints' too: it would keep all
+            # that they recompute. Each layer is recomputed whole instead (`parallel.fsdp`
+            # `recompute_modules_note` says so in the run's log).
+            return _scan_sum(_remat(body, "full", n, keep), x, xs)
         # --recompute-modules' checkpoints: never unrolled (XLA merged their recomputation with the
         # forward: the unrolled step kept as much as without them)
         return _scan_sum(plain, x, xs, unroll=unrolled(n, g) and not _modules(cfg))

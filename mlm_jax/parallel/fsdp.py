@@ -58,6 +58,18 @@ def regathers(cfg: Config) -> bool:
     return cfg.parallel.sharding_strategy == "optim_grads_params"
 
 
+def recompute_modules_note(cfg: Config) -> str | None:
+    """What --recompute-modules runs as under optim_grads_params (the run logs it); None elsewhere."""
+    m = cfg.model
+    if not (cfg.parallel.use_megatron_fsdp and regathers(cfg) and m.recompute_granularity == "selective"
+            and any(name != "core_attn" for name in m.recompute_modules or ())):
+        return None
+    return (f"{' '.join(m.recompute_modules)} under --data-parallel-sharding-strategy optim_grads_params: each "
+            "layer is recomputed whole, as --recompute-granularity full (the layer's weights are gathered again "
+            "in the backward under one checkpoint, whose policy would override the modules' own and keep "
+            "what they recompute)")
+
+
 def torch_fsdp2_note(cfg: Config) -> str | None:
     """What --use-torch-fsdp2 runs as (the run logs it); None without it."""
     p = cfg.parallel
