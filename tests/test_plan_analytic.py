@@ -372,3 +372,23 @@ def test_a_model_no_layout_fits_says_only_more_gpus_help_and_how_many():
     more = int(text.split("(about ")[1].split(":")[0])
     assert any(r["fits"] for r in search.search(cfg, more, 8, hw, usable))
     assert not any(r["fits"] for r in search.search(cfg, more // 2, 8, hw, usable))
+
+
+def test_the_suggestions_for_a_step_that_does_not_fit_name_what_applies():
+    """The one `error:` line's suggestions for Megatron's DeepSeek-V3 layout (FSDP over 256 GPUs,
+    EP 8, dense first layers): the receive buffers' bound (the worst case is 8 x a balanced
+    load) and twice the GPUs (the state is split over the data ranks); no pipeline (refused for
+    a mixed dense/MoE stack). Without experts or FSDP neither of those, and the pipeline."""
+    from mlm_jax.plan.check import suggestions
+
+    moe = ("--bf16 --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "
+           "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 512 --vocab-size 1000 "
+           "--mock-data --num-experts 16 --moe-router-topk 2 --moe-layer-freq ([0]*1+[1]*3) "
+           "--expert-model-parallel-size 8 --use-megatron-fsdp --use-distributed-optimizer")
+    said = suggestions(finalize(parse_args(moe.split()), 256), 256, 8)
+    assert "--moe-receive-buffer-factor 2" in said and "--gpus 512" in said, said
+    assert not any(s.startswith("--pipeline-model-parallel-size") for s in said), said
+    bounded = suggestions(finalize(parse_args([*moe.split(), "--moe-receive-buffer-factor", "1.5"]), 256), 256, 8)
+    assert not any(s.startswith("--moe-receive-buffer-factor") for s in bounded), bounded
+    said = suggestions(finalize(parse_args(GPT_1P3B.split()), 8), 8, 8)
+    assert "--pipeline-model-parallel-size 2" in said and not any(s.startswith(("--gpus", "--moe")) for s in said)

@@ -130,10 +130,16 @@ def suggestions(cfg, gpus: int, gpus_per_node: int) -> list[str]:
         out.append(f"--micro-batch-size {t.micro_batch_size // 2}")
     if not p.use_distributed_optimizer and data_parallel_size(p, gpus) > 1:
         out.append("--use-distributed-optimizer")
+    if (m.num_experts and p.expert_model_parallel_size > 1 and m.moe_token_dispatcher_type == "alltoall"
+            and m.moe_receive_buffer_factor is None and p.expert_model_parallel_size > 2):
+        out.append("--moe-receive-buffer-factor 2")  # the worst case is ep x: receive buffers 2 x a balanced load
     if p.tensor_model_parallel_size * 2 <= gpus_per_node:
         sp = "" if p.sequence_parallel else " --sequence-parallel"
         out.append(f"--tensor-model-parallel-size {p.tensor_model_parallel_size * 2}{sp}")
-    out.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size * 2}")
+    if not (m.num_experts and len({m.is_moe_layer(i) for i in range(m.num_layers)}) > 1):  # (refused with mixed layers)
+        out.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size * 2}")
+    if p.use_megatron_fsdp:  # the state is split over the data ranks: twice as many hold half
+        out.append(f"--gpus {gpus * 2}")
     return out
 
 
