@@ -124,8 +124,10 @@ LAYOUTS = {
                                    True),
     # DeepSeek-V3's shape: multi-latent attention (cuDNN, 192-wide heads, the values padded to 192), a dense
     # first layer, then MoE layers of sigmoid, group-limited routing with the expert bias and a shared
-    # expert, and one multi-token prediction depth; in fp8 (delayed scaling), the experts too
-    "mla_moe_mtp_fp8_ep2_tp2_sp_zero": (BF16 + FP8 + MLA + MOE + DEEPSEEK_ROUTER + " --expert-model-parallel-size 2 "
+    # expert, and one multi-token prediction depth; in fp8 (delayed scaling), the experts too; the
+    # dispatch's receive buffers 1.5 x a balanced load (the worst case: 2 x)
+    "mla_moe_mtp_fp8_ep2_tp2_sp_zero": (BF16 + FP8 + MLA + MOE + DEEPSEEK_ROUTER + " --moe-receive-buffer-factor 1.5"
+                                        " --expert-model-parallel-size 2 "
                                     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
                                     "--num-layers 3 --moe-layer-freq [0,1,1] --mtp-num-layers 1", True),
 }
