@@ -270,7 +270,7 @@ def test_recompute_modules_under_optim_grads_params_recompute_each_layer_whole()
     backward) and jax applies the outermost checkpoint's policy to every value inside it: the
     --recompute-modules' checkpoints kept all they should recompute, as much as without them
     (2,010,192 bytes of temporaries against 2,010,184). Each layer is recomputed whole instead:
-    the compiled gradient step keeps what --recompute-granularity full's keeps, and the run's
+    the compiled gradient step keeps no more than --recompute-granularity full's, and the run's
     note says so."""
     from mlm_jax.parallel.fsdp import recompute_modules_note
     from tests.parallel_util import tiny_config
@@ -283,7 +283,9 @@ def test_recompute_modules_under_optim_grads_params_recompute_each_layer_whole()
 
     modules = dict(recompute_granularity="selective", recompute_modules=("mlp", "layernorm"))
     none, full, named = temporaries({}), temporaries(dict(FULL_RECOMPUTE)), temporaries(modules)
-    assert full < 0.7 * none and abs(named - full) <= 0.01 * full, (none, full, named)
+    # (jax 0.10: named = full within 64 bytes; jax 0.12: named 4% below full, the modules'
+    # checkpoints inside the layer's giving XLA a slightly different program)
+    assert full < 0.7 * none and named <= 1.01 * full, (none, full, named)
     note = recompute_modules_note(finalize(tiny_config(ZERO3, 1, **modules), 8))
     assert note.startswith("mlp layernorm under --data-parallel-sharding-strategy optim_grads_params: each layer "
                            "is recomputed whole"), note
