@@ -33,11 +33,19 @@ class LoadedModel:
     iteration: int | None  # None for a Hugging Face folder (and a Megatron release checkpoint)
 
     def __post_init__(self):
-        self._forward = None
+        self._forward = {}  # "logits" / "mtp" -> its jitted function
         self._decoder = None
 
     def logits(self, tokens) -> np.ndarray:
         """float32 [batch, seq, config.vocab_size] (true vocab) for int tokens [batch, seq]."""
+        return self._run(tokens, "logits")
+
+    def mtp_logits(self, tokens) -> list[np.ndarray]:
+        """Each multi-token prediction depth's logits, as `logits` (depth k's at position i score
+        token i + k + 1); [] for a model without --mtp-num-layers."""
+        return list(self._run(tokens, "mtp")) if self.config.mtp_num_layers else []
+
+    def _run(self, tokens, what: str):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -56,19 +64,20 @@ class LoadedModel:
             raise ValueError(f"{tokens.shape[1]} tokens exceed the model's {m.max_position_embeddings} positions")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= m.vocab_size):
             raise ValueError(f"token ids must be in [0, {m.vocab_size})")
-        if self._forward is None:
+        if what not in self._forward:
             graphdef, _, _ = abstract_model(Config(model=m))
-            rules = activation_rules(False)
 
             def forward(params, tokens_bs):
-                return nnx.merge(graphdef, params)(tokens_bs)[..., : m.vocab_size]  # [b, s, true vocab]
+                model = nnx.merge(graphdef, params)
+                if what == "mtp":
+                    return [x[..., : m.vocab_size] for x in model.mtp_logits(tokens_bs)]
+                return model(tokens_bs)[..., : m.vocab_size]  # [b, s, true vocab]
 
-            self._forward = (jax.jit(forward), rules)
-        fn, rules = self._forward
+            self._forward[what] = jax.jit(forward)
         spec = tokens_spec(tokens.shape[0], dict(self.mesh.shape))
         x = jax.device_put(jnp.asarray(tokens, jnp.int32), NamedSharding(self.mesh, spec))
-        with tracing(self.mesh, rules):
-            return np.asarray(fn(self.params, x), dtype=np.float32)
+        with tracing(self.mesh, activation_rules(False)):
+            return jax.tree.map(lambda a: np.asarray(a, dtype=np.float32), self._forward[what](self.params, x))
 
 
     def decoder(self):

@@ -18,7 +18,8 @@ style mixture of 4 SwiGLU experts, top-2, Megatron's default router (softmax ove
 logits), allgather dispatcher, dropless, the local spec's SequentialMLP; mla: DeepSeek-V3 style,
 `SPECS["mla"]`, built with MLATransformerConfig and get_gpt_decoder_block_spec's local layers, its
 core attention `CausalAttention`, as the local spec has none for MLA's head dims; also from a TP2
-writer: `... --tp 2 --only mla`), a `torch_dist` save root
+writer: `... --tp 2 --only mla`; mla_mtp: mla's with one multi-token prediction depth, whose
+logits the manifest holds too, `mtp_logits`), a `torch_dist` save root
 (`dist_checkpointing.save` of the model's sharded state dict with Megatron-LM's common state:
 args, iteration, checkpoint_version, opt_param_scheduler) and a legacy `torch` one
 (`mp_rank_00/model_optim_rng.pt` of `state_dict_for_save_checkpoint`), both from one tensor-
@@ -51,7 +52,9 @@ checked on 2026-12-04 (torch 2.13.0, megatron-core 0.16.1), for MODEL in gpt2 ll
 
 For MODEL mla (2026-12-07): 0.000e+00 for both; its legacy export at tensor parallel 2, loaded by
 Megatron-Core at TP2 (`torchrun --nproc-per-node 2 ... --check legacy_tp2 --model mla --tp 2`):
-1.967e-06.
+1.967e-06. For MODEL mla_mtp (2026-12-07; `--check` prints the MTP depth's logits' difference
+too): 0.000e+00 and 0.000e+00 for both formats; the legacy export at TP2 loaded at TP2: 1.132e-06
+and 1.527e-06.
 
 The same round trip of two MoE models with a shared expert (built with get_gpt_decoder_block_spec,
 not fixtures): every layer MoE, and a dense first layer (Megatron-Core's non-homogeneous layers,
@@ -94,6 +97,9 @@ SPECS = {
                             moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=8,
                             moe_layer_freq=[0, 1])),
 }
+# The same with one multi-token prediction depth (Megatron-Core's MultiTokenPredictionBlock: its
+# layer the last layer's kind, a MoE layer here), its logits recorded too.
+SPECS["mla_mtp"] = dict(SPECS["mla"], mtp=dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1))
 LAYERS, HIDDEN, HEADS = 2, 32, 4
 
 
@@ -178,16 +184,22 @@ def build(kind: str, tp: int = 1):
         mla_module = sys.modules["megatron.core.transformer.multi_latent_attention"]
         if not isinstance(mla_module.TELinear, type):  # without Transformer Engine: an isinstance test of nothing
             mla_module.TELinear = ()
-        config = MLATransformerConfig(**kwargs, **mla, qk_layernorm=True)
+        config = MLATransformerConfig(**kwargs, **mla, **s.get("mtp", {}), qk_layernorm=True)
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=s["normalization"])
         for layer in spec.layer_specs:  # the local spec's attention has no MLA head dims (TE's has)
             layer.submodules.self_attention.submodules.core_attention = CausalAttention
     else:
         config = TransformerConfig(**kwargs)
         spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization=s["normalization"])
+    mtp = None
+    if s.get("mtp"):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded(VOCAB, tp),
                      max_sequence_length=MAX_POS, share_embeddings_and_output_weights=not s["untie"],
-                     position_embedding_type=s["position_embedding_type"], parallel_output=False)
+                     position_embedding_type=s["position_embedding_type"], parallel_output=False,
+                     mtp_block_spec=mtp)
     with torch.no_grad():  # biases and norms away from their zero/one init, so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -203,8 +215,33 @@ def logits(model) -> np.ndarray:
     pos = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
         masked = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]  # True: hidden
+        if model.config.mtp_num_layers:
+            return all_logits(model, ids, pos, masked)[0]
         out = model(ids, pos, attention_mask=masked)
     return out[..., :VOCAB].float().numpy()  # the true vocab (NullTokenizer: vocab_size + 1)
+
+
+def all_logits(model, ids, pos, masked) -> list[np.ndarray]:
+    """[the model's logits, then each MTP depth's] ([b, s, true vocab] each): Megatron-Core's
+    GPTModel runs its MTP depths only with labels (it returns the per-token loss then), so the
+    output layer's outputs are recorded (the depths' first, in order, then the model's), copied:
+    its cross entropy then overwrites them in place."""
+    outs = []
+    hook = model.output_layer.register_forward_hook(lambda mod, inp, out: outs.append(out[0].detach().clone()))
+    try:
+        model(ids, pos, attention_mask=masked, labels=ids)
+    finally:
+        hook.remove()
+    outs = [o.transpose(0, 1)[..., :VOCAB].float().numpy() for o in outs]  # [s, b, v] -> [b, s, v]
+    return [outs[-1], *outs[:-1]]
+
+
+def mtp_logits(model) -> list:
+    ids = torch.tensor(IDS)
+    pos = torch.arange(ids.shape[1])[None]
+    masked = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        return [x[0].tolist() for x in all_logits(model, ids, pos, masked)[1:]]
 
 
 def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
@@ -225,7 +262,8 @@ def make_args(kind: str, tp: int = 1) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, transformer_impl="local",
         bias_gelu_fusion=False, bf16=False, fp16=False, params_dtype=torch.float32,
         micro_batch_size=1, global_batch_size=GBS, lr=1e-4, min_lr=1e-5, iteration=ITERATION,
-        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist", **moe_args(kind), **mla_args(kind))
+        consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist", **moe_args(kind), **mla_args(kind),
+        **(s.get("mtp") or {"mtp_num_layers": None}))
 
 
 def mla_args(kind: str) -> dict:
@@ -467,6 +505,9 @@ def main(argv=None) -> int:
         load_into(model, a.check)
         want = np.asarray(manifest["models"][a.model]["logits"], np.float32)
         print(f"{a.check}: max |logits - manifest| = {np.abs(logits(model) - want).max():.3e}")
+        if SPECS[a.model].get("mtp"):
+            got, want = np.asarray(mtp_logits(model)), np.asarray(manifest["models"][a.model]["mtp_logits"])
+            print(f"{a.check}: max |MTP logits - manifest| = {np.abs(got - want).max():.3e}")
         return 0
     path = os.path.join(a.out, "manifest.json")
     manifest = {"megatron_core": megatron.core.__version__, "torch": torch.__version__, "ids": IDS,
@@ -486,8 +527,10 @@ def main(argv=None) -> int:
         model = build(kind, a.tp)
         out = logits(model)
         folders = save(model, kind, a.out, a.tp)
-        manifest["models"][kind if a.tp == 1 else f"{kind}_tp{a.tp}"] = {"folders": folders,
-                                                                          "logits": out[0].tolist()}
+        entry = {"folders": folders, "logits": out[0].tolist()}
+        if SPECS[kind].get("mtp"):
+            entry["mtp_logits"] = mtp_logits(model)
+        manifest["models"][kind if a.tp == 1 else f"{kind}_tp{a.tp}"] = entry
         print(f"{kind}: {folders}, logits {out.shape}")
     if torch.distributed.get_rank() == 0:
         with open(path, "w") as f:

@@ -1,6 +1,7 @@
 """Checkpoints written by Megatron-Core itself (0.16.1 on the CPU, `tests/make_megatron_fixtures.py`,
 run by hand; tests/fixtures/megatron/manifest.json holds Megatron-Core's own logits): mlm_jax reads
-both formats without PyTorch and computes the same logits."""
+both formats without PyTorch and computes the same logits (and, for the DeepSeek-V3 style model
+with a multi-token prediction depth, the depth's logits too)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def test_logits_equal_megatron_cores(kind, folder):
     got = loaded.logits(np.asarray(MANIFEST["ids"], np.int32))[0]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    _assert_mtp_logits(loaded, kind)
+
+
+def _assert_mtp_logits(loaded, kind: str) -> None:
+    """A model with multi-token prediction depths: each depth's logits are Megatron-Core's (its
+    MultiTokenPredictionBlock's, through the shared output layer)."""
+    want = MANIFEST["models"][kind].get("mtp_logits")
+    got = loaded.mtp_logits(np.asarray(MANIFEST["ids"], np.int32))
+    assert len(got) == len(want or [])
+    for depth, (g, w) in enumerate(zip(got, want or [])):
+        np.testing.assert_allclose(g[0], np.asarray(w, np.float32), rtol=0, atol=1e-5, err_msg=f"MTP depth {depth + 1}")
 
 
 # --------------------------------------------------------------------------- resuming Megatron's Adam
@@ -124,7 +136,8 @@ FUNCTION_ARGS = ("openai_gelu", "bias_gelu_fusion", "swiglu", "normalization", "
                  "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
                  "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                 "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")
+                 "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                 "mtp_num_layers", "mtp_loss_scaling_factor")
 
 
 @pytest.mark.parametrize("kind", sorted({k for k, _ in CASES}))
@@ -144,5 +157,7 @@ def test_import_then_export_keeps_every_model_arg(kind, tmp_path):
               if hasattr(src, name) and getattr(src, name) != getattr(out, name, "missing")}
     assert not differ, differ
     ids = np.asarray(MANIFEST["ids"], np.int32)
-    np.testing.assert_allclose(mlm_jax.load(str(tmp_path / "export")).logits(ids)[0],
-                               np.asarray(MANIFEST["models"][kind]["logits"], np.float32), rtol=0, atol=1e-5)
+    exported = mlm_jax.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(exported.logits(ids)[0], np.asarray(MANIFEST["models"][kind]["logits"], np.float32),
+                               rtol=0, atol=1e-5)
+    _assert_mtp_logits(exported, kind)

@@ -382,20 +382,15 @@ class GPT(nnx.Module):
                                 vocab_split: VocabSplit | None = None) -> tuple[jax.Array, dict, dict]:
         """(loss term, metrics, MoE statistics) of the MTP depths (mlm_jax/models/mtp.py) on the
         model's last hidden state `x_bsd` (before the final norm)."""
-        graphdef, state = nnx.split(self.mtp)
-        h = self.final_norm(x_bsd)
-        sums, counts, stats = [], [], {}
         order = trace.current().seq_order
         order = None if order is None else order(x_bsd.shape[1])  # context parallelism's chunk order
 
         def roll(x_bs, k):
             return roll_left(x_bs, k, order)
 
-        for k in range(1, self.cfg.mtp_num_layers + 1):
-            k_embed, k_layer = stage_keys(None if key is None else jax.random.fold_in(key, k))
-            emb = self.embed_tokens(roll(batch["tokens"], k), roll(batch["position_ids"], k), k_embed)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k - 1], state))
-            h, layer_stats = layer(h, emb, batch["position_ids"], batch.get("segment_ids"), k_layer)
+        sums, counts, stats = [], [], {}
+        for k, h, layer_stats in self._mtp_depths(x_bsd, batch["tokens"], batch["position_ids"],
+                                                  batch.get("segment_ids"), key, roll):
             stats = jax.tree.map(jnp.add, stats, layer_stats) if stats else layer_stats
             mask = roll(batch["loss_mask"], k)
             sums.append(linear_cross_entropy(h, self.head_weight(vocab_split), roll(batch["labels"], k), mask,
@@ -403,6 +398,30 @@ class GPT(nnx.Module):
             counts.append(jnp.sum(mask))
         term, metrics = mtp_loss_term(sums, counts, batch["loss_mask"], self.cfg.mtp_loss_scaling_factor)
         return term, metrics, stats
+
+    def _mtp_depths(self, x_bsd, tokens_bs, positions_bs, segment_ids_bs, key, roll):
+        """(k, depth k's output h (final-normed), its MoE statistics) for k = 1..D, on the model's
+        last hidden state `x_bsd` (before the final norm); `roll(x_bs, k)` shifts k places left."""
+        graphdef, state = nnx.split(self.mtp)
+        h = self.final_norm(x_bsd)
+        for k in range(1, self.cfg.mtp_num_layers + 1):
+            k_embed, k_layer = stage_keys(None if key is None else jax.random.fold_in(key, k))
+            emb = self.embed_tokens(roll(tokens_bs, k), roll(positions_bs, k), k_embed)
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k - 1], state))
+            h, layer_stats = layer(h, emb, positions_bs, segment_ids_bs, k_layer)
+            yield k, h, layer_stats
+
+    def mtp_logits(self, tokens_bs: jax.Array, positions_bs: jax.Array | None = None) -> list[jax.Array]:
+        """Each multi-token prediction depth's logits [batch, seq, padded vocab] (fp32, padding
+        masked, no dropout): depth k's at position i score token i + k + 1. [] without MTP."""
+        if self.mtp is None:
+            return []
+        b, s = tokens_bs.shape
+        if positions_bs is None:
+            positions_bs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self.run_layers(self.embed_tokens(tokens_bs, positions_bs, None), positions_bs, None, None)
+        return [_masked_logits(head_matmul(h, self.head_weight()), self.cfg.vocab_size)
+                for _, h, _ in self._mtp_depths(x, tokens_bs, positions_bs, None, None, roll_left)]
 
     def __call__(
         self,

@@ -24,7 +24,7 @@ _NOT_FROM_ARGS = {"padded_vocab_size", "vocab_size", "recompute_granularity", "r
 # Settings that change what the model computes and that mlm_jax does not have: refused when set.
 UNSUPPORTED = {
     "rotary_interleaved": "interleaved rotary embedding", "use_rope_scaling": "Llama 3.1 rope scaling",
-    "rope_scaling": "rope scaling", "mtp_num_layers": "multi-token prediction layers",
+    "rope_scaling": "rope scaling",
     "squared_relu": "squared ReLU", "quick_geglu": "quick GeGLU", "moe_shared_expert_gate": "a gated shared expert",
     "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP weights", "softmax_scale": "a custom softmax scale",
     "window_size": "sliding-window attention", "heterogeneous_layers_config_path": "heterogeneous layers",

@@ -55,6 +55,7 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, 
                  "common_backend_version": 1}
 # Legacy per-layer names -> the keys Megatron-Core saves (its fused-norm names, its experts).
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.*)$")  # never stacked on the layers
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
           "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
@@ -119,18 +120,21 @@ def stacked(m: ModelConfig) -> bool:
 def dist_key(name: str, m: ModelConfig) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(Megatron-Core's key, the chunk's leading offsets, the key's leading global dims) of a
     legacy name: layer (stacked), then expert."""
-    match = _LAYER.match(name)
-    if not match:
+    match, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
+    if not (match or mtp):
         return name, (), ()
-    i, rest = int(match.group(1)), match.group(2)
+    rest = (match or mtp).group(2)
     if not m.multi_latent_attention:  # Megatron-Core's MLA specs keep the local norms' names
         rest = _NORMS.get(rest, rest)
-    lead, dims = ((i,), (m.num_layers,)) if stacked(m) else ((), ())
+    on_layers = match is not None and stacked(m)
+    lead, dims = ((int(match.group(1)),), (m.num_layers,)) if on_layers else ((), ())
     expert = _EXPERT.match(rest)
     if expert:
         rest = f"mlp.experts.experts.{expert.group(2)}"
         lead, dims = (*lead, int(expert.group(1))), (*dims, m.num_experts)
-    return (f"decoder.layers.{rest}" if stacked(m) else f"decoder.layers.{i}.{rest}"), lead, dims
+    if mtp:
+        return f"{mtp.group(1)}.{rest}", lead, dims
+    return (f"decoder.layers.{rest}" if on_layers else f"decoder.layers.{match.group(1)}.{rest}"), lead, dims
 
 
 def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
@@ -154,9 +158,20 @@ def extra_states(m: ModelConfig) -> list[str]:
                 out += [f"decoder.layers.{lin}._extra_state/shard_{i}.{j}_{L}.{E}" for lin in _EXPERTS
                         for j in range(E)]
         else:
-            out += [f"decoder.layers.{i}.{lin}._extra_state/shard_0_1" for lin in linears]
-            if moe:
-                out += [f"decoder.layers.{i}.{lin}._extra_state/shard_{j}_{E}" for lin in _EXPERTS for j in range(E)]
+            out += _layer_extra_states(m, f"decoder.layers.{i}", moe)
+    for k in range(m.mtp_num_layers or 0):  # each depth's own keys, its layer the last layer's kind
+        out += [f"mtp.layers.{k}.eh_proj._extra_state/shard_0_1"]
+        out += _layer_extra_states(m, f"mtp.layers.{k}.transformer_layer", m.is_moe_layer(L - 1))
+    return out
+
+
+def _layer_extra_states(m: ModelConfig, p: str, moe: bool) -> list[str]:
+    """A layer's `_extra_state` keys under its own prefix `p` (not stacked on the layers)."""
+    E = m.num_experts
+    linears = _attention_linears(m) + ((_SHARED if m.moe_shared_expert_intermediate_size else ()) if moe else _MLP)
+    out = [f"{p}.{lin}._extra_state/shard_0_1" for lin in linears]
+    if moe:
+        out += [f"{p}.{lin}._extra_state/shard_{j}_{E}" for lin in _EXPERTS for j in range(E)]
     return out
 
 

@@ -29,7 +29,8 @@ import numpy as np
 from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
 from mlm_jax.config import ModelConfig
 
-_PER_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
+_PER_EXPERT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts)\.(\d+)\."
+                         r"(linear_fc[12]\.(?:weight|bias))$")
 
 
 class Tensors:
@@ -100,6 +101,8 @@ def to_params(src: Tensors, m: ModelConfig, checkpoint_vocab: int) -> dict:
     else:
         params["layers"] = stack(range(m.num_layers))
     params["final_norm"] = _norm(src, m, ("decoder.final_layernorm",), "the final norm")
+    if m.mtp_num_layers:
+        params["mtp"] = _stack([_mtp(src, m, k) for k in range(m.mtp_num_layers)])
     if m.untie_embeddings_and_output_weights:
         params["lm_head"] = _rows(src.take("output_layer.weight", (checkpoint_vocab, d)), m.vocab).T
     elif src.has("output_layer.weight"):  # a tied copy (some converters write one): must equal
@@ -151,10 +154,24 @@ def _norm(src: Tensors, m: ModelConfig, prefixes: tuple[str, ...], why: str, wei
     raise MegatronCheckpointError(f"the checkpoint has none of {[w for w, _ in names]} ({why})")
 
 
-def _layer(src: Tensors, m: ModelConfig, i: int, moe: bool) -> dict:
+def _mtp(src: Tensors, m: ModelConfig, k: int) -> dict:
+    """Multi-token prediction depth k + 1 (Megatron-Core's `mtp.layers.{k}`): its norms of the
+    embedding and of the hidden state, eh_proj ([d, 2d]: the normed embedding's columns, then the
+    hidden state's), its layer (the last layer's kind) and its final norm."""
+    d, p = m.hidden_size, f"mtp.layers.{k}"
+    eh = src.take(f"{p}.eh_proj.weight", (d, 2 * d))
+    return {"enorm": _norm(src, m, (f"{p}.enorm",), f"MTP depth {k + 1}'s embedding norm"),
+            "hnorm": _norm(src, m, (f"{p}.hnorm",), f"MTP depth {k + 1}'s hidden-state norm"),
+            "eh_proj": np.stack([eh[:, :d].T, eh[:, d:].T]),
+            "layer": _layer(src, m, m.num_layers - 1, m.is_moe_layer(m.num_layers - 1), f"{p}.transformer_layer"),
+            "final_norm": _norm(src, m, (f"{p}.final_layernorm",), f"MTP depth {k + 1}'s final norm")}
+
+
+def _layer(src: Tensors, m: ModelConfig, i: int, moe: bool, p: str | None = None) -> dict:
+    """Layer i (`decoder.layers.{i}`, or the layer under prefix `p`)."""
     d, h, g, k = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     r, bias = h // g, m.add_bias_linear
-    p = f"decoder.layers.{i}"
+    p = p or f"decoder.layers.{i}"
     out = {}
     norm1 = (f"{p}.self_attention.linear_qkv.layer_norm_weight", f"{p}.input_layernorm.weight")
     if src.has(norm1[0]):

@@ -58,10 +58,7 @@ def _layer_params(params: dict, m: ModelConfig, i: int) -> tuple[dict, bool]:
     else:
         tree, idx = params["layers"], i
 
-    def pick(t):
-        return {k: pick(v) if isinstance(v, dict) else v[idx] for k, v in t.items()}
-
-    return pick(tree), moe
+    return _pick(tree, idx), moe
 
 
 def _norm(p: str, norm: dict, m: ModelConfig):
@@ -108,9 +105,30 @@ def _mla(a: str, attn: dict, m: ModelConfig):
 
 def _layer(params: dict, m: ModelConfig, i: int, name: int):
     lp, moe = _layer_params(params, m, i)
+    yield from _layer_tensors(lp, moe, m, f"decoder.layers.{name}")
+
+
+def _mtp(params: dict, m: ModelConfig, k: int):
+    """Multi-token prediction depth k + 1 under Megatron-Core's `mtp.layers.{k}` (layout._mtp
+    inverted): its layer is the last layer's kind."""
+    dp = _pick(params["mtp"], k)
+    p = f"mtp.layers.{k}"
+    yield from _norm(f"{p}.enorm", dp["enorm"], m)
+    yield from _norm(f"{p}.hnorm", dp["hnorm"], m)
+    eh = _np(dp["eh_proj"])  # [2, d, d]: the embedding's, the hidden state's
+    yield f"{p}.eh_proj.weight", np.ascontiguousarray(np.concatenate([eh[0].T, eh[1].T], axis=1))  # [d, 2d]
+    yield from _layer_tensors(dp["layer"], m.is_moe_layer(m.num_layers - 1), m, f"{p}.transformer_layer")
+    yield from _norm(f"{p}.final_layernorm", dp["final_norm"], m)
+
+
+def _pick(tree: dict, idx: int) -> dict:
+    return {k: _pick(v, idx) if isinstance(v, dict) else v[idx] for k, v in tree.items()}
+
+
+def _layer_tensors(lp: dict, moe: bool, m: ModelConfig, p: str):
+    """A layer's tensors (`lp`: its params) under prefix `p`."""
     d, h, g, k = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     r = h // g
-    p = f"decoder.layers.{name}"
     yield from _norm(f"{p}.input_layernorm", lp["norm1"], m)
     a = lp["attention"]
     if m.multi_latent_attention:
@@ -141,8 +159,8 @@ def _layer(params: dict, m: ModelConfig, i: int, name: int):
 def global_tensors(params: dict, m: ModelConfig, rows: int, layers: range | None = None, first: bool = True,
                    last: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(Megatron name, global fp32 array) of the tensors one pipeline stage holds: the embedding
-    (`first`), `layers` (numbered from 0 within the stage), the final norm and output layer
-    (`last`). `rows` is the padded vocab written (embedding rows cut or zero-padded to it)."""
+    (`first`), `layers` (numbered from 0 within the stage), the final norm, output layer and
+    multi-token prediction depths (`last`). `rows` is the padded vocab written (embedding rows cut or zero-padded to it)."""
     layers = range(m.num_layers) if layers is None else layers
     if first:
         yield "embedding.word_embeddings.weight", _rows(_np(params["embed"]), rows)
@@ -156,6 +174,8 @@ def global_tensors(params: dict, m: ModelConfig, rows: int, layers: range | None
             yield "output_layer.weight", _rows(np.ascontiguousarray(_np(params["lm_head"]).T), rows)
         elif not first:  # pipeline > 1, tied: the last stage holds its copy of the embedding
             yield "output_layer.weight", _rows(_np(params["embed"]), rows)
+        for k in range(m.mtp_num_layers or 0):  # where Megatron places them: the last stage
+            yield from _mtp(params, m, k)
 
 
 def shard(name: str, x: np.ndarray, rank: int, tp: int, swiglu: bool) -> np.ndarray:

@@ -35,12 +35,13 @@ from mlm_jax.checkpoint.megatron.errors import MegatronCheckpointError
 FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.*)$")  # a multi-token prediction depth's layer
 # Per-expert names in a rank's state dict: SequentialMLP's local_experts.<j>.<fc>.<param>,
 # TEGroupedMLP's <fc>.weight<j> / bias<j>.
 _SEQ_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
-COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "eh_proj.weight",
           "word_embeddings.weight", "output_layer.weight", "output_layer.bias",
           "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight",  # MLA's, by heads
           # MLA's down projections: column parallel in the local spec (what mlm_jax writes), whole on
@@ -150,24 +151,32 @@ class LegacyShards:
             for key, shards in names.items():
                 where = self.path((0, p, 0))
                 m = _LAYER.match(key)
-                if m is None:
+                if m is not None:
+                    self._put_layer(out, f"decoder.layers.{first + int(m.group(1))}", m.group(2), where, shards,
+                                    swiglu, num_experts)
+                elif (mtp := _MTP_LAYER.match(key)) is not None:
+                    self._put_layer(out, mtp.group(1), mtp.group(2), where, shards, swiglu, num_experts)
+                else:
                     self._put(out, key, where, shards, swiglu)
-                    continue
-                i, rest = first + int(m.group(1)), m.group(2)
-                ex = _SEQ_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
-                if ex is None:
-                    self._put(out, f"decoder.layers.{i}.{rest}", where, shards, swiglu)
-                    continue
-                j, fc, param = ((int(ex.group(1)), ex.group(2), ex.group(3)) if ex.re is _SEQ_EXPERT
-                                else (int(ex.group(3)), ex.group(1), ex.group(2)))
-                local = (num_experts or 0) // self.ep
-                by_ep: dict[int, dict] = {}
-                for (t, e), v in shards.items():
-                    by_ep.setdefault(e, {})[(t, 0)] = v
-                for e, sh in by_ep.items():
-                    self._put(out, f"decoder.layers.{i}.mlp.experts.{e * local + j}.{fc}.{param}", where, sh, swiglu)
             first += len(layers)
         return out
+
+    def _put_layer(self, out: dict, layer: str, rest: str, where: str, shards: dict, swiglu: bool,
+                   num_experts) -> None:
+        """A layer's tensor `rest` under global name `layer`; an expert's under its global expert
+        index (`<layer>.mlp.experts.<i>.<fc>.<param>`), from whichever expert rank holds it."""
+        ex = _SEQ_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
+        if ex is None:
+            self._put(out, f"{layer}.{rest}", where, shards, swiglu)
+            return
+        j, fc, param = ((int(ex.group(1)), ex.group(2), ex.group(3)) if ex.re is _SEQ_EXPERT
+                        else (int(ex.group(3)), ex.group(1), ex.group(2)))
+        local = (num_experts or 0) // self.ep
+        by_ep: dict[int, dict] = {}
+        for (t, e), v in shards.items():
+            by_ep.setdefault(e, {})[(t, 0)] = v
+        for e, sh in by_ep.items():
+            self._put(out, f"{layer}.mlp.experts.{e * local + j}.{fc}.{param}", where, sh, swiglu)
 
     def _put(self, out: dict, name: str, where: str, shards: dict, swiglu: bool) -> None:
         tps = sorted({t for t, _ in shards})
