@@ -301,7 +301,10 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
     # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
     # manual computation an operand sharded over a free axis ahead of the manual ones.
     pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
-    return fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
+    out, dropped = fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
+    if cfg.moe_receive_buffer_factor is None:  # nothing drops: the count left unused (XLA drops it)
+        dropped = jnp.zeros((), jnp.float32)
+    return out, dropped
 
 
 @jax.custom_vjp
