@@ -242,6 +242,11 @@ def _plan(cfg, train_argv, own, target) -> int:
     if cfg.parallel.tensor_model_parallel_size > per_node:
         print(f"> note: --tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} spans nodes "
               f"({per_node} GPUs per node): its collectives leave NVLink", flush=True)
+    from mlm_jax.parallel.fsdp import recompute_modules_note
+
+    note = recompute_modules_note(cfg)
+    if note:  # what the step compiled below recomputes, as training logs it
+        print(f"> --recompute-modules: {note}", flush=True)
     print(f"> compiling the train step for {gpus} x {target.description} ...", flush=True)
     try:
         c = compile_step(cfg, devices(target, gpus, per_node), log=lambda m: print(m, flush=True))
