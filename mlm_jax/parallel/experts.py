@@ -294,7 +294,9 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         else:
             out, dropped = _alltoall(*args, ep)
         out = (_sum_over_tensor(out) if outer else psum(out, TENSOR)).reshape(bl, s, d)
-        return out, (psum(dropped, split_here) if split_here else dropped)
+        if split_here and cfg.moe_receive_buffer_factor is not None:
+            dropped = psum(dropped, split_here)
+        return out, dropped
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
     fn = _saving_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
