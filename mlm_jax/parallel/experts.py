@@ -294,19 +294,16 @@ def dispatch_and_combine(cfg: ModelConfig, y_bsd, experts_bsk, weights_bsk, w1, 
         else:
             out, dropped = _alltoall(*args, ep)
         out = (_sum_over_tensor(out) if outer else psum(out, TENSOR)).reshape(bl, s, d)
-        if split_here and cfg.moe_receive_buffer_factor is not None:
-            dropped = psum(dropped, split_here)
-        return out, dropped
+        if cfg.moe_receive_buffer_factor is None:  # nothing drops (and nothing to sum over the ranks)
+            return out, jnp.zeros((), jnp.float32)
+        return out, (psum(dropped, split_here) if split_here else dropped)
 
     specs = (tok_spec, tok_spec, tok_spec, w_specs[0], w_specs[1], None if b1 is None else w_specs[2])
     fn = _saving_shard_map(body, specs, tok_spec, manual, check_vma=not outer)
     # Pinned first: inside the pipeline's shard_map, propagation otherwise may hand the nested
     # manual computation an operand sharded over a free axis ahead of the manual ones.
     pin = lambda a: jax.lax.with_sharding_constraint(a, tok_spec)  # noqa: E731
-    out, dropped = fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
-    if cfg.moe_receive_buffer_factor is None:  # nothing drops: the count left unused (XLA drops it)
-        dropped = jnp.zeros((), jnp.float32)
-    return out, dropped
+    return fn(pin(y_bsd), pin(experts_bsk), pin(weights_bsk), w1, w2, b1)
 
 
 @jax.custom_vjp
