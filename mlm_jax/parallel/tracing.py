@@ -34,9 +34,9 @@ def tracing(mesh: Mesh, rules: tuple, cp_comm_type: str | None = None):
         cp = functools.partial(context_attention, comm_type=cp_comm_type)
         order = functools.partial(seq_order, context_size=dict(mesh.shape)[CONTEXT])
     groups = row_blocks(mesh, rules)
-    with jax.set_mesh(mesh), compiling_for(mesh), trace.using(rules=rules, platform=mesh_platform(mesh), context_attention=cp, seq_order=order,
-                                         expert_dispatch=dispatch_and_combine,
-                                         route_groups=groups if groups > 1 else trace.current().route_groups):
+    with jax.set_mesh(mesh), compiling_for(mesh), trace.using(
+            rules=rules, platform=mesh_platform(mesh), context_attention=cp, seq_order=order,
+            expert_dispatch=dispatch_and_combine, route_groups=groups if groups > 1 else trace.current().route_groups):
         yield
 
 

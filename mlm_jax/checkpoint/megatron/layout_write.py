@@ -160,7 +160,8 @@ def global_tensors(params: dict, m: ModelConfig, rows: int, layers: range | None
                    last: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(Megatron name, global fp32 array) of the tensors one pipeline stage holds: the embedding
     (`first`), `layers` (numbered from 0 within the stage), the final norm, output layer and
-    multi-token prediction depths (`last`). `rows` is the padded vocab written (embedding rows cut or zero-padded to it)."""
+    multi-token prediction depths (`last`). `rows` is the padded vocab written (embedding rows
+    cut or zero-padded to it)."""
     layers = range(m.num_layers) if layers is None else layers
     if first:
         yield "embedding.word_embeddings.weight", _rows(_np(params["embed"]), rows)
